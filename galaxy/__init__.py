@@ -1,0 +1,1 @@
+"""Galaxy: hybrid tensor/sequence/data/pipeline parallel training of transformer models."""

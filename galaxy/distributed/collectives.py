@@ -1,0 +1,73 @@
+"""Raw collectives along the sequence dimension with uneven shares.
+
+Activations are [batch, seq, hidden]; sequence shards are contiguous token ranges whose sizes
+come from `sizes` (one entry per rank). gloo's all-gather needs equal sizes, so shards are padded
+to the largest share and trimmed afterwards; the tensor forms (all_gather_into_tensor,
+reduce_scatter_tensor) are used because both gloo and NCCL implement them.
+Every helper returns its input unchanged for a group of one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEQ_DIM = 1
+
+
+def all_reduce(x: torch.Tensor, pg) -> torch.Tensor:
+    if pg is None:
+        return x
+    x = x.contiguous()
+    dist.all_reduce(x, group=pg)
+    return x
+
+
+def split_sequence(x: torch.Tensor, sizes, rank: int) -> torch.Tensor:
+    """Keep this rank's token range of a replicated [b, s, h] tensor."""
+    if len(sizes) == 1:
+        return x
+    start = sum(sizes[:rank])
+    return x.narrow(SEQ_DIM, start, sizes[rank]).contiguous()
+
+
+def all_gather_sequence(x: torch.Tensor, sizes, pg) -> torch.Tensor:
+    """[b, s_rank, ...] shards -> [b, sum(sizes), ...] on every rank."""
+    if pg is None:
+        return x
+    n, longest = len(sizes), max(sizes)
+    pad = longest - x.shape[SEQ_DIM]
+    x = x.movedim(SEQ_DIM, 0)                         # [s_rank, b, ...]: gathers stack on dim 0
+    if pad:
+        x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, pad))
+    out = x.new_empty((n * longest, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+    if any(s != longest for s in sizes):
+        out = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
+    return out.movedim(0, SEQ_DIM).contiguous()
+
+
+def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tensor:
+    """Sum full-shape [b, S, ...] tensors over ranks and keep this rank's token range."""
+    if pg is None:
+        return x
+    longest = max(sizes)
+    x = x.movedim(SEQ_DIM, 0)                         # [S, b, ...]
+    if any(s != longest for s in sizes):
+        chunks = torch.split(x, list(sizes))
+        x = torch.cat([F.pad(c, (0,) * (2 * (x.dim() - 1)) + (0, longest - c.shape[0])) for c in chunks])
+    out = x.new_empty((longest, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    return out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous()
+
+
+def all_gather_dim(x: torch.Tensor, sizes, dim: int, pg) -> torch.Tensor:
+    """Concatenate per-rank shards of any tensor along `dim` (uneven sizes allowed).
+
+    Used off the hot path: gathering sharded parameters and gradients for export and tests.
+    """
+    if pg is None:
+        return x
+    moved = x.movedim(dim, SEQ_DIM) if x.dim() > 1 else x.unsqueeze(0)
+    gathered = all_gather_sequence(moved, sizes, pg)
+    return gathered.movedim(SEQ_DIM, dim) if x.dim() > 1 else gathered.squeeze(0)

@@ -1,0 +1,171 @@
+"""Layout transitions between sub-blocks, as autograd functions.
+
+Layouts of a [batch, seq, hidden] activation inside a Galaxy group:
+  R  replicated: every rank holds the full tensor, same values
+  S  sequence-sharded: rank i holds tokens [offset_i, offset_i + seq[i])
+  P  partial: full shape on every rank, the true value is the sum over ranks
+
+Each transition is a forward collective paired with the backward collective that makes the
+gradient right for the consumer (see DESIGN.md section 2):
+
+  P -> R                      all-reduce      | identity
+  P -> S                      reduce-scatter  | all-gather
+  S -> R, replicated consumer all-gather      | keep own shard
+  S -> R, TP consumer         all-gather      | reduce-scatter
+  R -> R, TP consumer         identity        | all-reduce
+  R -> S                      split           | all-gather
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
+                                            reduce_scatter_sequence, split_sequence)
+from galaxy.distributed.group import GalaxyGroup
+
+
+class Layout(str, Enum):
+    R = "R"
+    S = "S"
+    P = "P"
+
+
+class _ReduceToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.clone(), group.pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceScatterToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group.seq, group.rank, group.pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.group
+        return all_gather_sequence(grad, g.seq, g.pg), None
+
+
+class _GatherForReplicatedConsumer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group.seq, group.pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The consumer did the same work on every rank, so every rank holds the full gradient.
+        g = ctx.group
+        return split_sequence(grad, g.seq, g.rank), None
+
+
+class _GatherForShardedConsumer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group.seq, group.pg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Each rank's consumer saw only its share of the work: its gradient is partial.
+        g = ctx.group
+        return reduce_scatter_sequence(grad, g.seq, g.rank, g.pg), None
+
+
+class _CopyForShardedConsumer(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.clone(), ctx.group.pg), None
+
+
+class _SplitToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_sequence(x, group.seq, group.rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.group
+        return all_gather_sequence(grad.contiguous(), g.seq, g.pg), None
+
+
+def reduce_to_replicated(x, group):           # P -> R
+    return x if group.size == 1 else _ReduceToReplicated.apply(x, group)
+
+
+def reduce_scatter_to_shards(x, group):       # P -> S
+    return x if group.size == 1 else _ReduceScatterToShards.apply(x, group)
+
+
+def gather_for_replicated_consumer(x, group):  # S -> R, consumer repeats the work
+    return x if group.size == 1 else _GatherForReplicatedConsumer.apply(x, group)
+
+
+def gather_for_sharded_consumer(x, group):    # S -> R, consumer is TP (or gathers K/V)
+    return x if group.size == 1 else _GatherForShardedConsumer.apply(x, group)
+
+
+def copy_for_sharded_consumer(x, group):      # R -> R, consumer is TP
+    return x if group.size == 1 else _CopyForShardedConsumer.apply(x, group)
+
+
+def split_to_shards(x, group):                # R -> S
+    return x if group.size == 1 else _SplitToShards.apply(x, group)
+
+
+def pick_transition(src: Layout, dst: Layout, sharded_consumer: bool):
+    """The function that moves a `src` activation to a consumer that wants `dst`."""
+    if src == Layout.P:
+        if dst == Layout.R:
+            return reduce_to_replicated
+        if dst == Layout.S:
+            return reduce_scatter_to_shards
+    elif src == Layout.S:
+        if dst == Layout.S:
+            return None
+        if dst == Layout.R:
+            return gather_for_sharded_consumer if sharded_consumer else gather_for_replicated_consumer
+    elif src == Layout.R:
+        if dst == Layout.S:
+            return split_to_shards
+        if dst == Layout.R:
+            return copy_for_sharded_consumer if sharded_consumer else None
+    raise ValueError(f"no transition from layout {src.value} to {dst.value}")
+
+
+class Transition(nn.Module):
+    """A sub-block boundary. Identity until a plan gives it a layout change."""
+
+    def __init__(self):
+        super().__init__()
+        self.fn = None
+        self.group: GalaxyGroup | None = None
+        self.label = "identity"
+
+    def set(self, src: Layout, dst: Layout, sharded_consumer: bool, group: GalaxyGroup) -> None:
+        self.fn = pick_transition(src, dst, sharded_consumer) if group.size > 1 else None
+        self.group = group
+        self.label = f"{src.value}->{dst.value}" + (" (TP consumer)" if sharded_consumer else "")
+        if self.fn is None:
+            self.label += ", identity"
+
+    def forward(self, x):
+        return x if self.fn is None else self.fn(x, self.group)
+
+    def extra_repr(self) -> str:
+        return self.label

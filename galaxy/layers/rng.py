@@ -1,0 +1,40 @@
+"""Two random streams, so dropout masks follow the activation layout (DESIGN.md section 3).
+
+Replicated (R) activations: every rank of a Galaxy group must draw the same mask. They use the
+default generator, seeded identically on every rank and advanced identically because no
+rank-specific draw ever touches it.
+Sharded activations (S tokens, TP heads): each rank draws for its own part. They use a second
+stream seeded with `seed + 1 + rank`, swapped in around the draw.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class ShardedRNG:
+    def __init__(self, seed: int, rank: int, device: torch.device):
+        self.device = device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed + 1 + rank)
+            self.state = self._get()
+
+    def _get(self):
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    @contextmanager
+    def fork(self):
+        default = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(default)

@@ -1,0 +1,173 @@
+"""BERT for sequence classification: the one definition every plan is applied to.
+
+A layer is ATT -> CON1 -> MLP -> CON2 (post-norm), CON = LayerNorm(dropout(x + bias) + residual).
+Plain PyTorch: the model knows where the sub-block boundaries are (Transitions, identities in
+serial training) and how each sub-block splits itself (`shard_tp`, `gather_kv`); a plan
+(galaxy.parallel.plan) decides which splits happen.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from galaxy.distributed.transitions import Transition
+from galaxy.layers.block import TransformerBlock
+from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+
+    def forward(self, input_ids, token_type_ids):
+        # input_ids, token_type_ids: [b, s] -> [b, s, h], replicated on every rank
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(positions)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertAttention(nn.Module):
+    """ATT: Q/K/V projections, scaled dot-product attention, output projection (bias deferred)."""
+
+    deferred_bias = "out.bias"     # added by CON, after the output's layout transition
+
+    def __init__(self, cfg):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = h // cfg.num_attention_heads
+        self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+        self.out = nn.Linear(h, h)
+        self.dropout_p = cfg.attention_probs_dropout_prob
+        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
+
+    def shard_tp(self, start: int, count: int) -> dict:
+        """Keep heads [start, start+count). Returns {param: (dim, unit)} for gathering."""
+        d = self.head_dim
+        for proj in (self.query, self.key, self.value):
+            shard_column_parallel(proj, start * d, count * d)
+        shard_row_parallel(self.out, start * d, count * d)
+        self.num_heads = count
+        column = {f"{p}.{w}": (0, d) for p in ("query", "key", "value") for w in ("weight", "bias")}
+        return {**column, "out.weight": (1, d)}
+
+    def forward(self, x, mask):
+        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
+        b, s, _ = x.shape
+        q = self.query(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k, v = self.key(x), self.value(x)                               # [b, s, heads*d]
+        if self.kv_gather is not None:                                  # one collective for both
+            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)   # [b, S, heads*d]
+        k = k.view(b, k.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, v.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+        p = self.dropout_p if self.training else 0.0
+        with self.rng_scope() if p > 0 else nullcontext():
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return F.linear(ctx, self.out.weight), self.out.bias
+
+
+class BertMLP(nn.Module):
+    """MLP: up projection, activation, down projection (bias deferred)."""
+
+    deferred_bias = "down.bias"
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def shard_tp(self, start: int, count: int) -> dict:
+        shard_column_parallel(self.up, start, count)
+        shard_row_parallel(self.down, start, count)
+        return {"up.weight": (0, 1), "up.bias": (0, 1), "down.weight": (1, 1)}
+
+    def forward(self, x):
+        return F.linear(self.act(self.up(x)), self.down.weight), self.down.bias
+
+
+class BertConnector(nn.Module):
+    """CON: LayerNorm(dropout(x + bias) + residual). Post-norm: stream and next input coincide."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout_p = cfg.hidden_dropout_prob
+        self.rng_scope = nullcontext   # SP: each rank draws for its own tokens
+
+    def forward(self, x, bias, residual):
+        if bias is not None:
+            x = x + bias
+        if self.training and self.dropout_p > 0:
+            with self.rng_scope():
+                x = F.dropout(x, self.dropout_p, True)
+        y = self.norm(x + residual)
+        return y, y
+
+
+class BertForClassification(nn.Module):
+    family = "bert"
+
+    def __init__(self, cfg, num_labels: int):
+        super().__init__()
+        self.config = cfg
+        self.num_labels = num_labels
+        self.embeddings = BertEmbeddings(cfg)
+        self.layers = nn.ModuleList(
+            TransformerBlock(BertAttention(cfg), BertConnector(cfg), BertMLP(cfg), BertConnector(cfg))
+            for _ in range(cfg.num_hidden_layers))
+        self.enter = Transition()       # embeddings (R) -> CON layout
+        self.exit = Transition()        # CON layout -> R, for the [CLS] token only
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        p = cfg.classifier_dropout if getattr(cfg, "classifier_dropout", None) is not None else cfg.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(cfg.hidden_size, num_labels)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        # input_ids, attention_mask, token_type_ids: [b, S] (full sequence on every rank); labels [b]
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.bool()[:, None, None, :]             # [b, 1, 1, S]
+        h = self.enter(self.embeddings(input_ids, token_type_ids))
+        x = h
+        for layer in self.layers:
+            h, x = layer(h, x, mask=mask)
+        # Under SP each rank's first local token is gathered; rank 0's is the global [CLS].
+        cls = self.exit(h[:, :1])[:, 0]                                 # [b, h]
+        pooled = torch.tanh(self.pooler(cls))
+        logits = self.classifier(self.dropout(pooled))                  # [b, num_labels]
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return logits, loss
+
+
+# galaxy name pattern -> Hugging Face BertForSequenceClassification name ({i} = layer index)
+HF_NAMES = {
+    "embeddings.{rest}": "bert.embeddings.{rest}",
+    "layers.{i}.att.query.{w}": "bert.encoder.layer.{i}.attention.self.query.{w}",
+    "layers.{i}.att.key.{w}": "bert.encoder.layer.{i}.attention.self.key.{w}",
+    "layers.{i}.att.value.{w}": "bert.encoder.layer.{i}.attention.self.value.{w}",
+    "layers.{i}.att.out.{w}": "bert.encoder.layer.{i}.attention.output.dense.{w}",
+    "layers.{i}.con1.norm.{w}": "bert.encoder.layer.{i}.attention.output.LayerNorm.{w}",
+    "layers.{i}.mlp.up.{w}": "bert.encoder.layer.{i}.intermediate.dense.{w}",
+    "layers.{i}.mlp.down.{w}": "bert.encoder.layer.{i}.output.dense.{w}",
+    "layers.{i}.con2.norm.{w}": "bert.encoder.layer.{i}.output.LayerNorm.{w}",
+    "pooler.{w}": "bert.pooler.dense.{w}",
+    "classifier.{w}": "classifier.{w}",
+}
+# Checkpoints of a bare BertModel (e.g. all-MiniLM-L6-v2) have no "bert." prefix.
+HF_BASE_PREFIX = "bert."
+HF_HEAD_PARAMS = ("classifier.weight", "classifier.bias")

@@ -1,0 +1,22 @@
+"""Gather sharded parameters (or their gradients) back to full shape on every rank.
+
+Used for export, checkpoints and fidelity tests; not on the training hot path.
+"""
+from __future__ import annotations
+
+import torch
+
+from galaxy.distributed.collectives import all_gather_dim
+
+
+@torch.no_grad()
+def gather_full(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    pg = model.group.pg
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.grad if grads else p
+        if t is None:
+            continue
+        rule = model.param_rules[name]
+        out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()
+    return out

@@ -1,0 +1,28 @@
+"""Gradient synchronisation after backward: one flat all-reduce per step over the group.
+
+Parameters tagged "sum" (replicated weights that only saw this rank's tokens) are summed over
+the Galaxy group; sharded and replicated ones are already complete (galaxy.parallel.plan).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class GradientSync:
+    def __init__(self, model: torch.nn.Module, galaxy_pg=None):
+        rules = model.param_rules
+        self.galaxy_pg = galaxy_pg
+        self.summed = [p for n, p in model.named_parameters()
+                       if rules[n].kind == "sum" and p.requires_grad]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        if self.galaxy_pg is None or not self.summed:
+            return
+        grads = [p.grad for p in self.summed if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.galaxy_pg)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)

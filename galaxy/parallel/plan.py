@@ -1,0 +1,107 @@
+"""apply_plan: make one model definition run under a per-sub-block TP/SP plan.
+
+For every block it (1) sets the four Transitions from the layouts of the sub-blocks,
+(2) shards TP sub-blocks to this rank's heads / MLP columns, (3) turns on the K/V gather of SP
+attention, (4) routes sharded dropout to the rank's own random stream, and (5) tags every
+parameter with its gradient rule (DESIGN.md section 3):
+
+  sharded     TP projections: the local gradient is complete for the local shard
+  sum         replicated parameters applied to S activations: all-reduce over the group
+  replicated  parameters applied to R activations: every rank already has the full gradient
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+from torch import nn
+
+from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
+from galaxy.layers.rng import ShardedRNG
+
+METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
+PRESETS = {
+    "tp": ("TP", "TP", "None"),
+    "sp": ("SP", "SP", "SP"),
+    "galaxy": ("TP", "TP", "SP"),     # Megatron TP+SP, with uneven shares
+    "galaxy2": ("TP", "SP", "SP"),
+}
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    att: str = "TP"     # TP | SP
+    mlp: str = "TP"     # TP | SP
+    con: str = "SP"     # SP | None
+
+    @staticmethod
+    def preset(name: str) -> "ParallelPlan":
+        att, mlp, con = PRESETS[name]
+        return ParallelPlan(att=att, mlp=mlp, con=con)
+
+    def __post_init__(self):
+        for key, allowed in METHODS.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key} method must be one of {allowed}, got {getattr(self, key)!r}")
+
+    @property
+    def con_layout(self) -> Layout:
+        return Layout.S if self.con == "SP" else Layout.R
+
+
+@dataclass(frozen=True)
+class ParamRule:
+    kind: str                         # "sharded" | "sum" | "replicated"
+    dim: int = 0                      # sharded: the split dimension
+    sizes: tuple[int, ...] = ()       # sharded: elements per rank along dim
+
+
+REPLICATED = ParamRule("replicated")
+SUM = ParamRule("sum")
+
+
+def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
+               rng: ShardedRNG | None = None) -> dict[str, ParamRule]:
+    """Modify `model` in place; returns and stores (model.param_rules) the gradient rules."""
+    con = plan.con_layout
+    con_rule = SUM if con == Layout.S and group.size > 1 else REPLICATED
+    rules: dict[str, ParamRule] = {}
+    model.enter.set(Layout.R, con, sharded_consumer=False, group=group)
+    # Only the first token of the sequence leaves the encoder: one token per rank is gathered.
+    model.exit.set(con, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
+
+    for i, layer in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        for name, shares, to, frm in (("att", group.heads, layer.to_att, layer.from_att),
+                                      ("mlp", group.intermediate, layer.to_mlp, layer.from_mlp)):
+            block = getattr(layer, name)
+            tp = getattr(plan, name) == "TP"
+            to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
+            frm.set(Layout.P if tp else Layout.S, con, sharded_consumer=False, group=group)
+            if tp and group.size > 1:
+                specs = block.shard_tp(sum(shares[: group.rank]), shares[group.rank])
+                for pname, (dim, unit) in specs.items():
+                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(s * unit for s in shares))
+            for pname, _ in block.named_parameters():
+                rules.setdefault(f"{prefix}.{name}.{pname}", REPLICATED if tp or group.size == 1 else SUM)
+            # The output bias is added after the transition, on the CON layout.
+            rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
+            if name == "att" and not tp and group.size > 1:
+                block.kv_gather = partial(gather_for_sharded_consumer, group=group)
+            if group.size > 1 and rng is not None:
+                if name == "att":
+                    block.rng_scope = rng.fork
+        for name in ("con1", "con2"):
+            sub = getattr(layer, name)
+            for pname, _ in sub.named_parameters():
+                rules[f"{prefix}.{name}.{pname}"] = con_rule
+            if con == Layout.S and group.size > 1 and rng is not None:
+                sub.rng_scope = rng.fork
+
+    for pname, _ in model.named_parameters():
+        rules.setdefault(pname, REPLICATED)     # embeddings, pooler, classifier
+    rules = {n: r for n, r in rules.items() if n in dict(model.named_parameters())}
+    model.param_rules = rules
+    model.group = group
+    return rules

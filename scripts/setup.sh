@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Creates .venv and installs galaxy into it. torch goes first, pinned, so that no later
+# step resolves a newer torch (with gigabytes of CUDA packages) from the registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,demo]"

@@ -1,0 +1,29 @@
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_pool import DistPool  # noqa: E402
+from tiny_models import make_tiny_bert  # noqa: E402
+
+_pools: dict[int, DistPool] = {}
+
+
+@pytest.fixture(scope="session")
+def dist_pool():
+    """dist_pool(world) -> a DistPool of that size, started once per test session."""
+    def get(world: int) -> DistPool:
+        if world not in _pools:
+            _pools[world] = DistPool(world)
+        return _pools[world]
+    yield get
+    for pool in _pools.values():
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory):
+    return make_tiny_bert(str(tmp_path_factory.mktemp("tiny_bert")))

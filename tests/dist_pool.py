@@ -1,0 +1,90 @@
+"""One long-lived group of spawned processes (gloo over loopback) that runs many test cases.
+
+Spawning and rendezvous cost seconds; a case costs milliseconds. A test calls
+`pool.run(fn, *args)`: every rank runs `fn(*args)` (fn must be a module-level function of an
+importable module) and the per-rank return values come back as a list. An exception on any
+rank fails the test with that rank's traceback; a case that hangs is killed after `timeout` and
+the pool is started again for the next case.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, tasks, results, path):
+    sys.path[:] = path
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # report everything, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world: int):
+        self.world = world
+        self.procs = []
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, daemon=True,
+                                  args=(r, self.world, port, self.tasks[r], self.results, list(sys.path)))
+                      for r in range(self.world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 300):
+        for q in self.tasks:
+            q.put((fn, args))
+        out, errors = [None] * self.world, []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                self._start()
+                raise AssertionError(f"{fn.__name__} did not finish on all ranks within {timeout}s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return out
+
+    def close(self, force: bool = False):
+        for p, q in zip(self.procs, self.tasks):
+            if force:
+                p.kill()
+            else:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
