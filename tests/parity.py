@@ -34,11 +34,14 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool) -> tuple[float, 
 
     Some gradients are exactly zero in exact arithmetic (the key bias: softmax ignores a shift
     shared by all keys), so the reference holds only rounding noise there. Each tensor's error is
-    therefore taken relative to max(its own scale, 1e-6 x the largest reference value in the model).
+    therefore taken relative to max(its own scale, 1e-3 x the largest reference value in the
+    model): with the 1e-5 tolerance, a tensor whose true value is zero must match to within
+    1e-8 of the model's largest value (on all-MiniLM-L6-v2 the key-bias gradient is ~1e-10
+    against a largest gradient of ~0.16).
     """
     to_hf = NameMap(HF_NAMES)
     ref = {n: (p.grad if grads else p.detach()) for n, p in hf_model.named_parameters()}
-    floor = 1e-6 * max(t.abs().max().item() for t in ref.values())
+    floor = 1e-3 * max(t.abs().max().item() for t in ref.values())
     worst, where = 0.0, ""
     for name, t in galaxy_full.items():
         r = ref[to_hf(name)]

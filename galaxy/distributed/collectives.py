@@ -2,8 +2,8 @@
 
 Activations are [batch, seq, hidden]; sequence shards are contiguous token ranges whose sizes
 come from `sizes` (one entry per rank). gloo's all-gather needs equal sizes, so shards are padded
-to the largest share and trimmed afterwards; the tensor forms (all_gather_into_tensor,
-reduce_scatter_tensor) are used because both gloo and NCCL implement them.
+to the largest share and trimmed afterwards; the tensor forms (all-gather and
+reduce-scatter into one tensor) are used because both gloo and NCCL implement them.
 Every helper returns its input unchanged for a group of one.
 """
 from __future__ import annotations
@@ -13,6 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 SEQ_DIM = 1
+
+# torch 2.13 renamed the tensor forms; older releases only have the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_reduce(x: torch.Tensor, pg) -> torch.Tensor:
@@ -41,7 +45,7 @@ def all_gather_sequence(x: torch.Tensor, sizes, pg) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, pad))
     out = x.new_empty((n * longest, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+    _all_gather_tensor(out, x.contiguous(), group=pg)
     if any(s != longest for s in sizes):
         out = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
     return out.movedim(0, SEQ_DIM).contiguous()
@@ -57,7 +61,7 @@ def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tens
         chunks = torch.split(x, list(sizes))
         x = torch.cat([F.pad(c, (0,) * (2 * (x.dim() - 1)) + (0, longest - c.shape[0])) for c in chunks])
     out = x.new_empty((longest, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    _reduce_scatter_tensor(out, x.contiguous(), group=pg)
     return out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous()
 
 

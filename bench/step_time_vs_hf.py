@@ -1,0 +1,138 @@
+"""Time one training step of galaxy's serial BERT against Hugging Face, side by side.
+
+One training step = zero_grad, forward (with loss), backward, AdamW step. Both models are
+all-MiniLM-L6-v2 (models/all-MiniLM-L6-v2) with identical weights (galaxy's freshly initialised
+classifier is copied into HF's BertForSequenceClassification, default attention = sdpa), run
+on the same batch of real sentences (pydoc topics paragraphs, padded to --pad_size), in the same
+process with the same torch thread count, both in train() mode with the same dropout.
+After --warmup steps each, measurements are interleaved (galaxy, HF, galaxy, HF, ...) so machine
+noise hits both alike. Prints median / min step time per model, the galaxy/HF ratios and a
+PASS/FAIL line against the target (galaxy / HF of medians <= 1.05).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/step_time_vs_hf.py [--threads 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer, BertForSequenceClassification  # noqa: E402
+
+from galaxy.distributed.group import GalaxyGroup  # noqa: E402
+from galaxy.models.build import build_model, load_hf_config  # noqa: E402
+from galaxy.parallel.plan import ParallelPlan  # noqa: E402
+
+TARGET = 1.05
+NUM_LABELS = 4
+
+
+def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
+    """Real sentences: the first paragraphs of Python's pydoc topics, of varied length."""
+    from pydoc_data.topics import topics
+    paras = [" ".join(p.split()) for text in topics.values() for p in text.split("\n\n")]
+    paras = [p for p in paras if len(p) > 40]
+    texts = [paras[i * 7][: 60 + 90 * i] for i in range(batch_size)]    # short and long ones
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = tok(texts, padding="max_length", truncation=True, max_length=pad_size, return_tensors="pt")
+    labels = torch.arange(batch_size) % NUM_LABELS
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "token_type_ids": enc["token_type_ids"], "labels": labels}
+
+
+def build_pair(model_dir: str, pad_size: int, dropout: float | None):
+    cfg = load_hf_config(model_dir, dropout)
+    group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, pad_size)
+    galaxy = build_model(model_dir, ParallelPlan(), group, num_labels=NUM_LABELS, seed=0, dropout=dropout)
+    cfg.num_labels = NUM_LABELS
+    hf = BertForSequenceClassification.from_pretrained(model_dir, config=cfg)
+    with torch.no_grad():
+        hf.classifier.weight.copy_(galaxy.classifier.weight)
+        hf.classifier.bias.copy_(galaxy.classifier.bias)
+    return galaxy, hf
+
+
+def galaxy_loss(model, batch):
+    return model(**batch)[1]
+
+
+def hf_loss(model, batch):
+    return model(**batch).loss
+
+
+def step(model, loss_fn, opt, batch) -> float:
+    t0 = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model_dir", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
+    ap.add_argument("--batch_size", type=int, default=8)
+    ap.add_argument("--pad_size", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--dropout", type=float, default=None, help="default: the checkpoint's")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    galaxy, hf = build_pair(args.model_dir, args.pad_size, args.dropout)
+    batch = make_batch(args.model_dir, args.batch_size, args.pad_size)
+    pad_frac = 1 - batch["attention_mask"].float().mean().item()
+
+    # Honesty check: same weights, same batch -> same loss (dropout off for the check).
+    galaxy.eval(), hf.eval()
+    with torch.no_grad():
+        lg, lh = galaxy_loss(galaxy, batch).item(), hf_loss(hf, batch).item()
+    galaxy.train(), hf.train()
+
+    runs = {"galaxy": (galaxy, galaxy_loss), "hf": (hf, hf_loss)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, (m, _) in runs.items()}
+    for _ in range(args.warmup):
+        for k, (m, fn) in runs.items():
+            step(m, fn, opts[k], batch)
+    times = {k: [] for k in runs}
+    for i in range(args.steps):   # interleaved, and alternate who goes first
+        for k in (("galaxy", "hf") if i % 2 == 0 else ("hf", "galaxy")):
+            m, fn = runs[k]
+            times[k].append(step(m, fn, opts[k], batch))
+
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    low = {k: min(v) * 1e3 for k, v in times.items()}
+    ratio_med, ratio_min = med["galaxy"] / med["hf"], low["galaxy"] / low["hf"]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch_size} x "
+          f"{args.pad_size} ({pad_frac:.0%} padding), dropout "
+          f"{galaxy.config.hidden_dropout_prob}, {args.steps} steps after {args.warmup} warm-up")
+    print(f"loss check (eval): galaxy {lg:.6f}  hf {lh:.6f}  |diff| {abs(lg - lh):.2e}")
+    for k in runs:
+        print(f"{k:>7}: median {med[k]:8.2f} ms   min {low[k]:8.2f} ms")
+    print(f"galaxy / HF: median {ratio_med:.3f}   min {ratio_min:.3f}")
+    ok = ratio_med <= TARGET
+    print(f"{'PASS' if ok else 'FAIL'}: galaxy / HF (median) {ratio_med:.3f} {'<=' if ok else '>'} {TARGET}")
+    if args.json:
+        out = {"threads": torch.get_num_threads(), "batch_size": args.batch_size,
+               "pad_size": args.pad_size, "steps": args.steps, "warmup": args.warmup,
+               "dropout": galaxy.config.hidden_dropout_prob, "padding_fraction": pad_frac,
+               "loss_galaxy": lg, "loss_hf": lh, "median_ms": med, "min_ms": low,
+               "ratio_median": ratio_med, "ratio_min": ratio_min, "target": TARGET, "pass": ok,
+               "times_ms": {k: [t * 1e3 for t in v] for k, v in times.items()}}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

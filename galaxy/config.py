@@ -1,0 +1,397 @@
+"""Typed run configuration for the Galaxy scripts, loaded from JSON and checked up front.
+
+Every problem is raised as a ConfigError whose message is one line naming the offending
+key (or command-line argument) and what would be valid, so an entry script can print it
+and exit before any process group starts: a mistake should cost one failed launch, not a
+hung rendezvous or a crash ten minutes into training.
+
+Relative paths in the JSON (model_path, train_path, dev_path, test_path, class_list,
+metrics_file) are resolved against the current working directory, like paths given on a
+command line, NOT against the config file's folder. They are stored absolute.
+
+Keys starting with "_" (e.g. "_comment") are ignored, since JSON has no comments.
+
+This module reads the model's config.json with `json` only, so importing it is cheap
+and needs no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A bad config value or argument; the message is a single line naming the key."""
+
+    def __init__(self, message: str):
+        # Entry scripts print exactly one line per error, so never let a newline through.
+        super().__init__(" ".join(str(message).splitlines()))
+
+
+@dataclass
+class GalaxyConfig:
+    model_path: str
+    train_path: str | None = None  # None: the embedded default dataset
+    dev_path: str | None = None
+    test_path: str | None = None
+    class_list: list[str] | None = None  # a file name in the JSON is read into a list
+    pad_size: int = 128
+    batch_size: int = 8
+    learning_rate: float = 5e-5
+    num_epochs: int = 1
+    max_steps: int | None = None
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    shuffle: bool = True
+    seed: int = 42
+    metrics_file: str | None = None
+    att_parallel_method: str = "TP"
+    mlp_parallel_method: str = "TP"
+    con_parallel_method: str = "SP"  # JSON null is stored as the string "None"
+    tp_num_attention_heads_list: list[int] | None = None
+    tp_intermediate_size_list: list[int] | None = None
+    seq_scatter_list: list[int] | None = None
+    distributed_backend: str | None = None  # None: nccl when CUDA is available, else gloo
+    timeout_s: float = 120.0
+    pp_deg: int = 1
+    dp_deg: int = 1
+    dropout: float | None = None  # None: keep the model config's dropout probabilities
+    # Set by apply_preset, not read from JSON: which entry script runs this config.
+    preset: str = "galaxy"
+    # Keys the JSON set explicitly, so a preset can tell "left at default" from "asked for".
+    _given: frozenset = field(default=frozenset(), repr=False, compare=False)
+    _script: str | None = field(default=None, repr=False, compare=False)
+
+
+# Key -> (expected kind, null allowed). A tuple kind is an enum of valid strings.
+_SPEC: dict[str, tuple[object, bool]] = {
+    "model_path": (str, False),
+    "train_path": (str, True),
+    "dev_path": (str, True),
+    "test_path": (str, True),
+    "class_list": ("classes", True),
+    "pad_size": (int, False),
+    "batch_size": (int, False),
+    "learning_rate": (float, False),
+    "num_epochs": (int, False),
+    "max_steps": (int, True),
+    "optimizer": (("sgd", "adamw"), False),
+    "weight_decay": (float, False),
+    "shuffle": (bool, False),
+    "seed": (int, False),
+    "metrics_file": (str, True),
+    "att_parallel_method": (("TP", "SP"), False),
+    "mlp_parallel_method": (("TP", "SP"), False),
+    "con_parallel_method": (("SP", "None"), True),
+    "tp_num_attention_heads_list": ("int_list", True),
+    "tp_intermediate_size_list": ("int_list", True),
+    "seq_scatter_list": ("int_list", True),
+    "distributed_backend": (("gloo", "nccl"), True),
+    "timeout_s": (float, False),
+    "pp_deg": (int, False),
+    "dp_deg": (int, False),
+    "dropout": (float, True),
+}
+_POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg")
+_SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
+_KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+               "int_list": "a list of integers",
+               "classes": "a list of strings or the path of a text file"}
+
+
+def _show(value) -> str:
+    """A JSON value as the user wrote it, with its JSON type, kept short for one line."""
+    text = json.dumps(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{text} ({kind})"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # true/false are not counts
+
+
+def _check_type(key: str, value):
+    """Return the value converted to its field type, or raise ConfigError."""
+    kind, nullable = _SPEC[key]
+    if value is None:
+        if key == "con_parallel_method":
+            return "None"
+        if nullable:
+            return None
+    elif isinstance(kind, tuple):
+        if value in kind:
+            return value
+        valid = ", ".join(f"'{k}'" for k in kind) + (" or null" if nullable else "")
+        raise ConfigError(f"{key} must be one of {valid}, got {_show(value)}")
+    elif kind is int and _is_int(value):
+        return value
+    elif kind is float and (_is_int(value) or isinstance(value, float)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
+        return float(value)
+    elif kind is str and isinstance(value, str):
+        return value
+    elif kind is bool and isinstance(value, bool):
+        return value
+    elif kind == "int_list" and isinstance(value, list):
+        for i, item in enumerate(value):
+            if not _is_int(item):
+                raise ConfigError(f"{key}[{i}] must be an integer, got {_show(item)}")
+        return list(value)
+    elif kind == "classes" and (isinstance(value, str) or isinstance(value, list)):
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            if not isinstance(item, str):
+                raise ConfigError(f"{key}[{i}] must be a string, got {_show(item)}")
+        return value
+    expected = _KIND_NAMES[kind] + (" or null" if nullable else "")
+    raise ConfigError(f"{key} must be {expected}, got {_show(value)}")
+
+
+def _check_ranges(cfg: GalaxyConfig) -> None:
+    for key in _POSITIVE_INTS:
+        value = getattr(cfg, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if cfg.seed < 0:
+        raise ConfigError(f"seed must be 0 or more, got {cfg.seed}")
+    if cfg.learning_rate <= 0:
+        raise ConfigError(f"learning_rate must be greater than 0, got {cfg.learning_rate}")
+    if cfg.weight_decay < 0:
+        raise ConfigError(f"weight_decay must be 0 or more, got {cfg.weight_decay}")
+    if cfg.timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
+    if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"dropout must be in [0, 1) or null, got {cfg.dropout}")
+    for key in _SPLIT_KEYS:
+        values = getattr(cfg, key)
+        if values is not None and not values:
+            raise ConfigError(f"{key} must not be empty; give one entry per rank or remove the key")
+        for i, v in enumerate(values or []):
+            if v < 1:
+                raise ConfigError(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+
+
+def _resolve_paths(cfg: GalaxyConfig) -> None:
+    where = f"(relative paths are resolved from the current directory {os.getcwd()!r})"
+    model = os.path.abspath(cfg.model_path)
+    if not os.path.isdir(model):
+        raise ConfigError(f"model_path {model!r} is not a directory; give a model folder "
+                          f"holding config.json {where}")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ConfigError(f"model_path {model!r} has no config.json; give a Hugging Face model folder")
+    cfg.model_path = model
+    for key in ("train_path", "dev_path", "test_path"):
+        value = getattr(cfg, key)
+        if value is not None:
+            path = os.path.abspath(value)
+            if not os.path.exists(path):
+                raise ConfigError(f"{key} {path!r} does not exist; fix the path or remove the key "
+                                  f"{where}")
+            setattr(cfg, key, path)
+    if cfg.metrics_file is not None:
+        cfg.metrics_file = os.path.abspath(cfg.metrics_file)  # written later, need not exist
+    if isinstance(cfg.class_list, str):
+        path = os.path.abspath(cfg.class_list)
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg.class_list = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"class_list file {path!r} cannot be read ({e.strerror}); give a "
+                              f"text file with one label per line or a JSON list {where}") from None
+    if cfg.class_list is not None:
+        if not cfg.class_list:
+            raise ConfigError("class_list is empty; give at least one label name")
+        dupes = sorted({c for c in cfg.class_list if cfg.class_list.count(c) > 1})
+        if dupes:
+            raise ConfigError(f"class_list names {dupes[0]!r} more than once; label names must be unique")
+
+
+def load_config(path) -> GalaxyConfig:
+    """Read and check a JSON config file (see the module docstring for path rules)."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
+                          f"column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a JSON object {{...}}, got {_show(raw)}")
+
+    values = {}
+    for key, value in raw.items():
+        if key.startswith("_"):
+            continue  # comments
+        if key not in _SPEC:
+            close = difflib.get_close_matches(key, list(_SPEC), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "valid keys: " + ", ".join(_SPEC)
+            raise ConfigError(f"unknown key '{key}'; {hint}")
+        values[key] = _check_type(key, value)
+    if "model_path" not in values:
+        raise ConfigError("model_path is required: the folder of the pretrained model (with config.json)")
+
+    cfg = GalaxyConfig(**values, _given=frozenset(values))
+    _check_ranges(cfg)
+    _resolve_paths(cfg)
+    return cfg
+
+
+def read_model_shape(model_path) -> dict:
+    """The sizes in a model folder's config.json that the parallel splits depend on."""
+    path = os.path.join(os.fspath(model_path), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
+    shape = {}
+    for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
+                "max_position_embeddings"):
+        if not _is_int(raw.get(key)) or raw[key] < 1:
+            raise ConfigError(f"model_path config {path!r} needs a positive integer '{key}', "
+                              f"got {_show(raw.get(key))}")
+        shape[key] = raw[key]
+    heads = shape["num_attention_heads"]
+    kv = raw.get("num_key_value_heads") or heads  # absent or null: plain multi-head attention
+    if not _is_int(kv) or kv < 1 or heads % kv:
+        raise ConfigError(f"model_path config {path!r} has num_key_value_heads {kv}, which must "
+                          f"divide num_attention_heads {heads}")
+    shape["num_key_value_heads"] = kv
+    shape["model_type"] = raw.get("model_type")
+    return shape
+
+
+def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Split total into parts multiples of unit that differ by at most one unit, larger first.
+
+    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
+    Raises ValueError when some part would be 0 or total is not a multiple of unit.
+    """
+    if parts < 1 or unit < 1:
+        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
+    if total % unit:
+        raise ValueError(f"{total} is not a multiple of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * unit for i in range(parts)]
+
+
+def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict | None = None) -> dict:
+    """Concrete per-rank split lists, keyed like the config keys.
+
+    A list given in the config is checked (length == group_size, right sum, whole KV groups
+    for attention TP) and returned as is; an omitted one becomes even_split(...). A split
+    the chosen methods do not use (heads when attention is SP, intermediate when MLP is SP,
+    sequence when nothing is SP) is None if it cannot be made, instead of an error.
+    """
+    shape = shape or read_model_shape(cfg.model_path)
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    kv_group = heads // kv
+    att_tp = cfg.att_parallel_method == "TP"
+    uses_sp = "SP" in (cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
+    cells = f"world {group_size * cfg.pp_deg * cfg.dp_deg} / (pp_deg {cfg.pp_deg} x dp_deg {cfg.dp_deg})"
+    plans = {  # key -> (total, what the total is, unit for the default split, needed?, fix)
+        "tp_num_attention_heads_list": (heads, "num_attention_heads in the model config",
+                                        kv_group if att_tp else 1, att_tp,
+                                        "or set att_parallel_method to 'SP'"),
+        "tp_intermediate_size_list": (shape["intermediate_size"], "intermediate_size in the "
+                                      "model config", 1, cfg.mlp_parallel_method == "TP",
+                                      "or set mlp_parallel_method to 'SP'"),
+        "seq_scatter_list": (cfg.pad_size, "pad_size", 1, uses_sp, "or raise pad_size"),
+    }
+    out = {}
+    for key, (total, what, unit, needed, fix) in plans.items():
+        given = getattr(cfg, key)
+        if given is not None:
+            if len(given) != group_size:
+                raise ConfigError(f"{key} has {len(given)} entries but the Galaxy group has "
+                                  f"{group_size} ranks ({cells})")
+            if sum(given) != total:
+                raise ConfigError(f"{key} sums to {sum(given)} but {what} is {total}; make the "
+                                  f"entries add up to {total}")
+            if key == "tp_num_attention_heads_list" and att_tp and kv_group > 1:
+                for i, v in enumerate(given):
+                    if v % kv_group:
+                        raise ConfigError(
+                            f"{key}[{i}] is {v}, not a multiple of {kv_group}: the model's "
+                            f"{heads} query heads share {kv} KV heads, so each TP rank needs "
+                            f"whole groups of {kv_group} heads")
+            out[key] = list(given)
+            continue
+        try:
+            out[key] = even_split(total, group_size, unit)
+        except ValueError:
+            if needed:
+                units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
+                raise ConfigError(
+                    f"{key} is omitted and {what} ({units}) cannot be split over the "
+                    f"{group_size} ranks of the Galaxy group ({cells}) without a rank getting "
+                    f"none; use at most {total // unit} ranks per group {fix}") from None
+            out[key] = None
+    return out
+
+
+def validate_for_world(cfg: GalaxyConfig, world: int, rank: int) -> None:
+    """Check that cfg can run as `rank` of `world` processes; raises ConfigError."""
+    if world < 1:
+        raise ConfigError(f"--world must be at least 1, got {world}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is out of range for --world {world}; use 0..{world - 1}")
+    if cfg.preset == "serial" and world != 1:
+        who = cfg._script or "the serial preset"
+        raise ConfigError(f"--world is {world} but {who} runs on one process; use --world 1 "
+                          f"or a distributed script")
+    cells = cfg.pp_deg * cfg.dp_deg
+    if world % cells:
+        raise ConfigError(f"--world {world} is not divisible by pp_deg {cfg.pp_deg} x dp_deg "
+                          f"{cfg.dp_deg} = {cells}; use a multiple of {cells} ranks or change "
+                          f"pp_deg/dp_deg")
+    if cfg.batch_size % cfg.dp_deg:
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp_deg {cfg.dp_deg}; "
+                          f"use a multiple of {cfg.dp_deg}")
+    shape = read_model_shape(cfg.model_path)
+    if cfg.pad_size > shape["max_position_embeddings"]:
+        raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
+                          f"{shape['max_position_embeddings']}; lower pad_size")
+    resolve_splits(cfg, world // cells, shape)
+
+
+# Preset -> methods the entry script fixes. "serial" and "galaxy" fix none: serial runs one
+# process (checked in validate_for_world), galaxy runs whatever the config says.
+_PRESETS = {
+    "serial": {},
+    "tp": {"att_parallel_method": "TP", "con_parallel_method": "None", "mlp_parallel_method": "TP"},
+    "sp": {"att_parallel_method": "SP", "con_parallel_method": "SP", "mlp_parallel_method": "SP"},
+    "galaxy": {},
+}
+
+
+def apply_preset(cfg: GalaxyConfig, preset: str, script: str | None = None) -> GalaxyConfig:
+    """A copy of cfg with the parallel methods that the entry script `script` runs.
+
+    A method key the JSON set explicitly to something else is an error rather than being
+    silently overridden: the user asked for a method this script does not run.
+    """
+    if preset not in _PRESETS:
+        raise ConfigError(f"preset '{preset}' is unknown; valid presets: {', '.join(_PRESETS)}")
+    who = script or f"the '{preset}' preset"
+    for key, value in _PRESETS[preset].items():
+        if key in cfg._given and getattr(cfg, key) != value:
+            raise ConfigError(f"{key} is '{getattr(cfg, key)}' but {who} runs {key[:3].upper()} "
+                              f"{value}; remove the key or use pretrain_galaxy.py")
+    return dataclasses.replace(cfg, **_PRESETS[preset], preset=preset, _script=script)

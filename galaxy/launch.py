@@ -1,0 +1,196 @@
+"""Shared entry-point logic for every training script.
+
+An entry script is three lines:
+
+    from galaxy.launch import main
+    from galaxy.train.trainer import train_classifier
+    main(preset="tp", train_fn=train_classifier, script="pretrain_tp_bert.py")
+
+and is started either once per rank by hand,
+
+    python pretrain_tp_bert.py --config_file c.json --world 2 --rank 0 --init_method tcp://HOST:PORT
+
+or by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment: env://).
+By hand, --init_method defaults to tcp://127.0.0.1:29500, i.e. all ranks on this machine;
+give the address of rank 0's host to span machines. A single process (--world 1, the
+default) rendezvouses through an in-memory store, so two serial runs never share a port.
+
+Exit status: 0 success; 2 a config or argument error, reported as one line before any
+process group starts; 1 a failed rendezvous, a failed or timed-out collective (e.g. a peer
+died), or an error in training; 130 Ctrl-C. Waiting for peers, at rendezvous or in a
+collective, is bounded by the config's timeout_s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
+from galaxy.data.errors import DataError
+from galaxy.models.build import CheckpointError
+
+DEFAULT_INIT_METHOD = "tcp://127.0.0.1:29500"
+
+# How a communication failure reads when gloo raises a plain RuntimeError instead of a
+# DistError; anything else from train_fn is treated as a bug and gets its traceback.
+_COMM_FAILURE = re.compile(r"gloo|nccl|connection|peer|timed out|timeout|socket|broken pipe",
+                           re.IGNORECASE)
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world: int
+    backend: str
+    device: torch.device  # cuda:{local_rank} under nccl, else cpu
+    timeout_s: float
+    local_rank: int
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # argparse prints the usage block first; with several ranks writing to one terminal
+        # a single line is easier to find.
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def parse_args(argv, script: str) -> argparse.Namespace:
+    """Parse the command line; the result always has world, rank, init_method, local_rank.
+
+    init_method is None only for a single process started by hand (in-memory store).
+    """
+    p = _Parser(prog=script, description="Train with the settings in a Galaxy JSON config.")
+    p.add_argument("--config_file", required=True, metavar="PATH", help="JSON config file")
+    p.add_argument("--world", type=int, metavar="N", help="number of processes (default 1)")
+    p.add_argument("--rank", type=int, metavar="R", help="this process's rank (default 0)")
+    p.add_argument("--init_method", metavar="URL",
+                   help=f"rendezvous address (default {DEFAULT_INIT_METHOD} when --world > 1)")
+    args = p.parse_args(argv)
+
+    env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    args.local_rank = None
+    if env_rank is not None and env_world is not None:  # started by torchrun
+        try:
+            rank, world = int(env_rank), int(env_world)
+            local = os.environ.get("LOCAL_RANK")
+            args.local_rank = int(local) if local else None
+        except ValueError:
+            p.error(f"RANK={env_rank!r}, WORLD_SIZE={env_world!r} and LOCAL_RANK in the "
+                    f"environment must be integers")
+        for flag, given, name, value in (("--world", args.world, "WORLD_SIZE", world),
+                                         ("--rank", args.rank, "RANK", rank)):
+            if given is not None and given != value:
+                p.error(f"{flag} {given} disagrees with {name}={value} from torchrun; drop {flag}")
+        if args.init_method not in (None, "env://"):
+            p.error(f"--init_method {args.init_method} conflicts with torchrun's env:// "
+                    f"rendezvous; drop --init_method")
+        args.world, args.rank, args.init_method = world, rank, "env://"
+    else:
+        args.world = 1 if args.world is None else args.world
+        args.rank = 0 if args.rank is None else args.rank
+        if args.init_method is None and args.world > 1:
+            args.init_method = DEFAULT_INIT_METHOD
+    if args.init_method is not None and not args.init_method.startswith(("tcp://", "file://", "env://")):
+        p.error(f"--init_method {args.init_method} must start with tcp://, file:// or env://")
+    return args
+
+
+def init_distributed(cfg, args) -> DistEnv:
+    """Start the default process group (even for one process, so code paths stay the same)."""
+    backend = cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("distributed_backend is 'nccl' but no CUDA device is visible; "
+                              "use 'gloo' or remove the key")
+        local_rank = args.local_rank
+        if local_rank is None:  # started by hand: ranks on one host share its GPUs in turn
+            local_rank = args.rank % torch.cuda.device_count()
+        torch.cuda.set_device(local_rank)  # before init, so NCCL binds the right GPU
+        device = torch.device("cuda", local_rank)
+    else:
+        local_rank = args.rank if args.local_rank is None else args.local_rank
+        device = torch.device("cpu")
+    # The timeout bounds both the rendezvous (waiting for peers to show up) and every
+    # collective afterwards, so a dead peer turns into an error instead of a hang.
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if args.init_method is None:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
+                                world_size=args.world, timeout=timeout)
+    return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
+                   timeout_s=cfg.timeout_s, local_rank=local_rank)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    # gloo prefixes its messages with "[/path/to/pair.cc:537] ", which says nothing to users.
+    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0])
+
+
+def _hard_exit(status: int, message: str | None = None) -> None:
+    """Exit without Python teardown: with a live process group, destroy_process_group or
+    interpreter shutdown can block on a peer that is gone."""
+    if message:
+        sys.stderr.write(message + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None) -> None:
+    """parse args -> load, preset and check the config -> prepare_fn -> init the process group
+    -> train_fn.
+
+    prepare_fn(cfg) (optional) reads what the job needs from disk (data, tokenizer) before any
+    process group starts, so a user's mistake there is also a one-line exit 2; its result is
+    what train_fn receives in place of cfg: train_fn(prepare_fn(cfg), env).
+
+    Returns normally (exit status 0) on success; every failure exits, see the module docstring.
+    """
+    args = parse_args(argv, script)
+    try:
+        cfg = load_config(args.config_file)
+        cfg = apply_preset(cfg, preset, script)
+        validate_for_world(cfg, args.world, args.rank)
+        job = prepare_fn(cfg) if prepare_fn is not None else cfg
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
+        sys.stderr.write(f"{script}: error: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+    try:
+        env = init_distributed(cfg, args)
+    except ConfigError as e:  # raised before init_process_group
+        sys.stderr.write(f"{script}: error: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        _hard_exit(130)
+    except Exception as e:
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method or 'local store'} "
+                      f"failed (waited up to timeout_s={cfg.timeout_s:g}; did all {args.world} ranks "
+                      f"start with the same --world and --init_method?): {_first_line(e)}")
+
+    try:
+        train_fn(job, env)
+    except KeyboardInterrupt:
+        _hard_exit(130)
+    except Exception as e:
+        if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _COMM_FAILURE.search(str(e))):
+            _hard_exit(1, f"{script}: rank {env.rank}: a collective failed or timed out "
+                          f"(a peer may have died): {_first_line(e)}")
+        traceback.print_exc()
+        _hard_exit(1, f"{script}: rank {env.rank}: training failed: {_first_line(e)}")
+    dist.destroy_process_group()

@@ -1,0 +1,6 @@
+"""BERT sequence classification, sp plan. See README.md; run with --help for the arguments."""
+from galaxy.launch import main
+from galaxy.train.trainer import prepare_classifier, train_classifier
+
+if __name__ == "__main__":
+    main(preset="sp", prepare_fn=prepare_classifier, train_fn=train_classifier, script="pretrain_sp_bert.py")
