@@ -1,0 +1,99 @@
+"""The entry scripts, run as users run them, report HF's serial losses.
+
+A tiny BERT (with the real MiniLM tokenizer) trains 3 SGD steps on a TSV file under
+pretrain_bert.py (serial), pretrain_galaxy.py (world 2, uneven shares), pretrain_tp_bert.py
+(world 2) and pretrain_sp_bert.py (world 3), one process per rank started by hand. The losses
+in metrics_file must equal HF BertForSequenceClassification trained on the same batches.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_pool import free_port
+from tiny_models import make_tiny_bert
+
+from galaxy.data import pydoc_topics_dataset
+from galaxy.models.packaged_minilm import packaged_minilm_dir
+from galaxy.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, BATCH, PAD, LR = 3, 8, 16, 0.2
+CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("entry")
+    model_dir = str(tmp / "model")
+    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
+    tokenizer_dir = packaged_minilm_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        os.symlink(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
+    examples, names = pydoc_topics_dataset("train")
+    train = tmp / "train.tsv"
+    train.write_text("".join(f"{text}\t{names[label]}\n" for text, label in examples[: BATCH * STEPS + 5]))
+    return dict(tmp=tmp, model_dir=model_dir, train=str(train))
+
+
+def write_config(job, name, **extra):
+    cfg = dict(model_path=job["model_dir"], train_path=job["train"], class_list=CLASSES, pad_size=PAD,
+               batch_size=BATCH, learning_rate=LR, optimizer="sgd", max_steps=STEPS, shuffle=False,
+               dropout=0.0, timeout_s=60, metrics_file=str(job["tmp"] / f"{name}.jsonl"), **extra)
+    path = job["tmp"] / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path), cfg["metrics_file"]
+
+
+def run_script(script, config, world):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, script, "--config_file", config, "--world", str(world),
+                               "--rank", str(r), "--init_method", f"tcp://127.0.0.1:{port}"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+
+
+def hf_losses(job):
+    from transformers import AutoTokenizer, BertForSequenceClassification
+    model = BertForSequenceClassification.from_pretrained(job["model_dir"])
+    tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    rows = [line.rsplit("\t", 1) for line in open(job["train"]).read().splitlines()]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        chunk = rows[step * BATCH:(step + 1) * BATCH]
+        enc = tok([t for t, _ in chunk], padding="max_length", truncation=True, max_length=PAD, return_tensors="pt")
+        loss = model(**enc, labels=torch.tensor([CLASSES.index(y) for _, y in chunk])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("script,world,extra", [
+    ("pretrain_bert.py", 1, {}),
+    ("pretrain_galaxy.py", 2, dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
+                                   tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[60, 36],
+                                   seq_scatter_list=[9, 7])),
+    ("pretrain_tp_bert.py", 2, {}),
+    ("pretrain_sp_bert.py", 3, dict(seq_scatter_list=[7, 5, 4])),
+], ids=["serial", "galaxy-w2", "tp-w2", "sp-w3"])
+def test_script_reports_hf_losses(job, script, world, extra):
+    config, metrics_file = write_config(job, script.removesuffix(".py"), **extra)
+    run_script(script, config, world)
+    records = read_metrics(metrics_file)
+    steps = [r for r in records if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert all(set(r) == {"step", "loss", "lr", "tokens", "time_s"} for r in steps)
+    assert records[-1]["event"] == "done"
+    want = hf_losses(job)
+    for r, ref in zip(steps, want):
+        assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
