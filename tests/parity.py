@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from galaxy.distributed.collectives import all_gather_sequence
+
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.bert import HF_NAMES
 from galaxy.models.build import build_model
@@ -29,7 +31,7 @@ def hf_bert(model_dir):
     return BertForSequenceClassification.from_pretrained(model_dir, attn_implementation="eager").train()
 
 
-def worst_param_error(galaxy_full: dict, hf_model, grads: bool) -> tuple[float, str]:
+def worst_param_error(galaxy_full: dict, hf_model, grads: bool, to_hf=None) -> tuple[float, str]:
     """Largest relative error over all parameters (or gradients), and where it is.
 
     Some gradients are exactly zero in exact arithmetic (the key bias: softmax ignores a shift
@@ -39,7 +41,7 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool) -> tuple[float, 
     1e-8 of the model's largest value (on all-MiniLM-L6-v2 the key-bias gradient is ~1e-10
     against a largest gradient of ~0.16).
     """
-    to_hf = NameMap(HF_NAMES)
+    to_hf = to_hf or NameMap(HF_NAMES)
     ref = {n: (p.grad if grads else p.detach()) for n, p in hf_model.named_parameters()}
     floor = 1e-3 * max(t.abs().max().item() for t in ref.values())
     worst, where = 0.0, ""
@@ -49,3 +51,56 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool) -> tuple[float, 
         if err > worst:
             worst, where = err, name
     return worst, where
+
+
+def full_logits(model, logits):
+    """Causal LMs under a sequence-sharded CON layout return their own tokens' logits: gather them."""
+    g = getattr(model, "head_group", None)
+    return logits if g is None else all_gather_sequence(logits.detach(), g.seq, g.pg)
+
+
+def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5):
+    """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
+
+    Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
+    """
+    from galaxy.models.registry import family_of
+    torch.manual_seed(0)
+    group = world_group(*shares)
+    model = build_model(model_dir, plan, group, num_labels=3)
+    ref = HF_LOADERS[family](model_dir)
+    to_hf = family_of(family).hf_name_fn(model.config)
+    sync = GradientSync(model, group.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    report = {"loss": []}
+    for step in range(steps):
+        batch = batch_fn(seed=step)
+        logits, loss = model(**batch)
+        out = ref(**batch)
+        loss.backward()
+        out.loss.backward()
+        sync()
+        if step == 0:
+            report["logits"] = rel_err(full_logits(model, logits), out.logits)
+            report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, to_hf)
+        report["loss"].append(rel_err(loss, out.loss))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    report["weights"] = worst_param_error(gather_full(model), ref, False, to_hf)
+    return report
+
+
+def hf_llama(model_dir):
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(model_dir).train()
+
+
+HF_LOADERS = {"bert": hf_bert, "llama": hf_llama}
+
+
+def check_report(report, rank, tol=1e-5):
+    assert report["logits"] < tol, f"rank {rank}: logits off by {report['logits']}"
+    assert max(report["loss"]) < tol, f"rank {rank}: losses off by {report['loss']}"
+    assert report["grad"][0] < tol, f"rank {rank}: gradient of {report['grad'][1]} off by {report['grad'][0]}"
+    assert report["weights"][0] < tol, f"rank {rank}: weight {report['weights'][1]} off by {report['weights'][0]}"

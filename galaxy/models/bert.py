@@ -8,13 +8,14 @@ serial training) and how each sub-block splits itself (`shard_tp`, `gather_kv`);
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from galaxy.distributed.transitions import Transition
+from galaxy.distributed.transitions import Layout, Transition
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 
@@ -50,17 +51,19 @@ class BertAttention(nn.Module):
         self.out = nn.Linear(h, h)
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.local_rows = None         # SP: own query rows (unused: BERT's mask broadcasts over rows)
         self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
 
-    def shard_tp(self, start: int, count: int) -> dict:
-        """Keep heads [start, start+count). Returns {param: (dim, unit)} for gathering."""
-        d = self.head_dim
+    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
+        """Keep this rank's heads. Returns {param: (dim, per-rank sizes)} for gathering."""
+        d, start, count = self.head_dim, sum(shares[:rank]), shares[rank]
         for proj in (self.query, self.key, self.value):
             shard_column_parallel(proj, start * d, count * d)
         shard_row_parallel(self.out, start * d, count * d)
         self.num_heads = count
-        column = {f"{p}.{w}": (0, d) for p in ("query", "key", "value") for w in ("weight", "bias")}
-        return {**column, "out.weight": (1, d)}
+        sizes = tuple(n * d for n in shares)
+        column = {f"{p}.{w}": (0, sizes) for p in ("query", "key", "value") for w in ("weight", "bias")}
+        return {**column, "out.weight": (1, sizes)}
 
     def forward(self, x, mask):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
@@ -89,10 +92,11 @@ class BertMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = ACT2FN[cfg.hidden_act]
 
-    def shard_tp(self, start: int, count: int) -> dict:
+    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
+        start, count = sum(shares[:rank]), shares[rank]
         shard_column_parallel(self.up, start, count)
         shard_row_parallel(self.down, start, count)
-        return {"up.weight": (0, 1), "up.bias": (0, 1), "down.weight": (1, 1)}
+        return {"up.weight": (0, shares), "up.bias": (0, shares), "down.weight": (1, shares)}
 
     def forward(self, x):
         return F.linear(self.act(self.up(x)), self.down.weight), self.down.bias
@@ -119,6 +123,7 @@ class BertConnector(nn.Module):
 
 class BertForClassification(nn.Module):
     family = "bert"
+    con_params = ()          # parameters outside the blocks that act on the CON layout
 
     def __init__(self, cfg, num_labels: int):
         super().__init__()
@@ -134,6 +139,11 @@ class BertForClassification(nn.Module):
         p = cfg.classifier_dropout if getattr(cfg, "classifier_dropout", None) is not None else cfg.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(cfg.hidden_size, num_labels)
+
+    def plan_head(self, con_layout, group) -> dict:
+        """Only the first token leaves the encoder: gather one token per rank (S -> R)."""
+        self.exit.set(con_layout, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
+        return {}     # pooler and classifier run replicated: their gradients are complete
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         # input_ids, attention_mask, token_type_ids: [b, S] (full sequence on every rank); labels [b]

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
 from galaxy.models.registry import Family, family_of
-from galaxy.models.weights import NameMap, read_hf_state_dict
+from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import ParallelPlan, apply_plan
 
 
@@ -27,14 +27,19 @@ def load_hf_config(model_path: str, dropout: float | None = None):
     return cfg
 
 
-def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int,
+def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int | None = None,
                 seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None) -> nn.Module:
-    """Every rank builds the full model on the meta device, loads the checkpoint, keeps its shard."""
+    """Every rank builds the full model on the meta device, loads the checkpoint, keeps its shard.
+
+    num_labels: classifier outputs (classification families); ignored by causal LMs.
+    """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
     with torch.device("meta"):
         model = family.build(cfg, num_labels=num_labels)
     model.to_empty(device="cpu")
+    if hasattr(model, "materialize"):     # non-checkpoint state: rotary tables, tied weights
+        model.materialize()
     load_hf_weights(model, read_hf_state_dict(model_path), family, seed)
     device = torch.device(device)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
@@ -43,12 +48,12 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, state: dict[str, torch.Tensor], family: Family, seed: int) -> None:
-    to_hf = NameMap(family.hf_names)
+    to_hf = family.hf_name_fn(model.config)
     missing_head = []
     for name, param in model.named_parameters():
         hf = to_hf(name)
         tensor = state.get(hf)
-        if tensor is None and hf.startswith(family.hf_base_prefix):
+        if tensor is None and family.hf_base_prefix and hf.startswith(family.hf_base_prefix):
             tensor = state.get(hf[len(family.hf_base_prefix):])
         if tensor is None:
             if name in family.hf_head_params:

@@ -1,4 +1,7 @@
-"""Model families: how to build each from a Hugging Face config and map its weight names."""
+"""Model families: how to build each from a Hugging Face config and map its weight names.
+
+Adding a family means writing its sub-blocks (ATT, CON, MLP), its head, and a name map.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,20 +9,23 @@ from typing import Callable
 
 from torch import nn
 
-from galaxy.models import bert
+from galaxy.models import bert, llama
+from galaxy.models.weights import NameMap
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    build: Callable[..., nn.Module]          # (hf_config, **task args) -> model
-    hf_names: dict[str, str]                 # galaxy pattern -> HF pattern
-    hf_base_prefix: str                      # prefix a bare base-model checkpoint lacks
-    hf_head_params: tuple[str, ...]          # galaxy names that may be absent (new task head)
+    build: Callable[..., nn.Module]            # (hf_config, **task args) -> model
+    hf_name_fn: Callable[[object], Callable]   # hf_config -> (galaxy name -> HF name)
+    hf_base_prefix: str                        # prefix a bare base-model checkpoint lacks
+    hf_head_params: tuple[str, ...]            # galaxy names that may be absent (new task head)
 
 
 FAMILIES = {
-    "bert": Family("bert", bert.BertForClassification, bert.HF_NAMES, bert.HF_BASE_PREFIX, bert.HF_HEAD_PARAMS),
+    "bert": Family("bert", bert.BertForClassification, lambda cfg: NameMap(bert.HF_NAMES),
+                   bert.HF_BASE_PREFIX, bert.HF_HEAD_PARAMS),
+    "llama": Family("llama", llama.LlamaForCausalLM, llama.hf_name_fn, "", ()),
 }
 
 

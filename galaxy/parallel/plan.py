@@ -11,7 +11,7 @@ parameter with its gradient rule (DESIGN.md section 3):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from torch import nn
@@ -68,8 +68,10 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
     con_rule = SUM if con == Layout.S and group.size > 1 else REPLICATED
     rules: dict[str, ParamRule] = {}
     model.enter.set(Layout.R, con, sharded_consumer=False, group=group)
-    # Only the first token of the sequence leaves the encoder: one token per rank is gathered.
-    model.exit.set(con, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
+    rules.update(model.plan_head(con, group))
+    for name in model.con_params:          # e.g. Llama's first RMSNorm, on the CON layout
+        for pname, _ in getattr(model, name).named_parameters():
+            rules[f"{name}.{pname}"] = con_rule
 
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}"
@@ -80,15 +82,15 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
             to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
             frm.set(Layout.P if tp else Layout.S, con, sharded_consumer=False, group=group)
             if tp and group.size > 1:
-                specs = block.shard_tp(sum(shares[: group.rank]), shares[group.rank])
-                for pname, (dim, unit) in specs.items():
-                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(s * unit for s in shares))
+                for pname, (dim, sizes) in block.shard_tp(shares, group.rank).items():
+                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(sizes))
             for pname, _ in block.named_parameters():
                 rules.setdefault(f"{prefix}.{name}.{pname}", REPLICATED if tp or group.size == 1 else SUM)
             # The output bias is added after the transition, on the CON layout.
             rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
             if name == "att" and not tp and group.size > 1:
                 block.kv_gather = partial(gather_for_sharded_consumer, group=group)
+                block.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
             if group.size > 1 and rng is not None:
                 if name == "att":
                     block.rng_scope = rng.fork
