@@ -145,23 +145,39 @@ class BertForClassification(nn.Module):
         self.exit.set(con_layout, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
         return {}     # pooler and classifier run replicated: their gradients are complete
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
-        # input_ids, attention_mask, token_type_ids: [b, S] (full sequence on every rank); labels [b]
+    # The forward pass in three stage-friendly pieces: a pipeline stage runs `embed` (first
+    # stage), `run_layers` over its own layers, `head` (last stage). `carry` is what flows
+    # between layers and stages: (hidden,) for post-norm BERT.
+
+    def embed(self, input_ids, token_type_ids=None) -> tuple:
+        # input_ids, token_type_ids: [b, S] (full sequence on every rank) -> ([b, s_con, h],)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        mask = None
-        if attention_mask is not None:
-            mask = attention_mask.bool()[:, None, None, :]             # [b, 1, 1, S]
-        h = self.enter(self.embeddings(input_ids, token_type_ids))
-        x = h
-        for layer in self.layers:
-            h, x = layer(h, x, mask=mask)
+        return (self.enter(self.embeddings(input_ids, token_type_ids)),)
+
+    def layer_context(self, attention_mask) -> dict:
+        """Keyword arguments every layer needs, from the [b, S] padding mask (or None)."""
+        return {"mask": None if attention_mask is None else attention_mask.bool()[:, None, None, :]}
+
+    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
+        (h,) = carry
+        for layer in layers:
+            h, _ = layer(h, h, **context)
+        return (h,)
+
+    def head(self, carry: tuple, labels=None):
+        (h,) = carry
         # Under SP each rank's first local token is gathered; rank 0's is the global [CLS].
         cls = self.exit(h[:, :1])[:, 0]                                 # [b, h]
         pooled = torch.tanh(self.pooler(cls))
         logits = self.classifier(self.dropout(pooled))                  # [b, num_labels]
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         return logits, loss
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        carry = self.embed(input_ids, token_type_ids)
+        carry = self.run_layers(carry, self.layer_context(attention_mask), self.layers)
+        return self.head(carry, labels)
 
 
 # galaxy name pattern -> Hugging Face BertForSequenceClassification name ({i} = layer index)

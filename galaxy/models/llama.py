@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg, **_):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.first_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(
             TransformerBlock(LlamaAttention(cfg), LlamaConnector(cfg), LlamaMLP(cfg), LlamaConnector(cfg))
@@ -171,31 +171,40 @@ class LlamaForCausalLM(nn.Module):
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
         self.rotary = LlamaRotaryEmbedding(self.config)   # handles every rope_type of the config
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed.weight
+            self.lm_head.weight = self.embed_tokens.weight
 
     def plan_head(self, con_layout, group) -> dict:
         """The LM head and loss run on the CON layout: under S each rank scores its own tokens."""
         self.head_group = group if con_layout == Layout.S and group.size > 1 else None
         return {}     # the head weight's gradient is all-reduced in backward (see forward)
 
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
-        b, S = input_ids.shape
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        positions = torch.arange(S, device=input_ids.device)
-        mask = causal_padding_mask(attention_mask.bool())                # [b, 1, S, S]
-        h = self.enter(self.embed(input_ids))
-        cos, sin = self.rotary(h, positions.expand(b, S))               # [b, S, d]
-        x = self.first_norm(h)
-        for layer in self.layers:
-            h, x = layer(h, x, mask=mask, cos=cos, sin=sin)
-        weight = self.lm_head.weight
-        rows = slice(None)
+    # The forward pass in three stage-friendly pieces (see BertForClassification); `carry` is
+    # (residual stream, normalised input of the next block), both [b, s_con, h].
+
+    def embed(self, input_ids, token_type_ids=None) -> tuple:
+        h = self.enter(self.embed_tokens(input_ids))
+        return h, self.first_norm(h)
+
+    def layer_context(self, attention_mask) -> dict:
+        """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask."""
+        b, S = attention_mask.shape
+        positions = torch.arange(S, device=attention_mask.device).expand(b, S)
+        cos, sin = self.rotary(self.embed_tokens.weight, positions)     # [b, S, d]
+        return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
+
+    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
+        stream, x = carry
+        for layer in layers:
+            stream, x = layer(stream, x, **context)
+        return stream, x
+
+    def head(self, carry: tuple, labels=None):
+        _, x = carry
+        weight, rows = self.lm_head.weight, slice(None)
         if self.head_group is not None:
             # Each rank scores its own tokens: the replicated head weight gets partial gradients.
-            weight = copy_for_sharded_consumer(weight, self.head_group)
             g = self.head_group
+            weight = copy_for_sharded_consumer(weight, g)
             rows = slice(g.seq_offset, g.seq_offset + g.seq[g.rank])
         logits = F.linear(x, weight)                                     # [b, s_con, vocab]
         if labels is None:
@@ -207,6 +216,13 @@ class LlamaForCausalLM(nn.Module):
                                 ignore_index=IGNORE_INDEX, reduction="sum") / count
         loss = reduce_to_replicated(local, self.head_group) if self.head_group is not None else local
         return logits, loss
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        carry = self.run_layers(self.embed(input_ids), self.layer_context(attention_mask), self.layers)
+        return self.head(carry, labels)
 
 
 def causal_padding_mask(keep):
@@ -225,7 +241,7 @@ def causal_padding_mask(keep):
 def hf_name_fn(cfg):
     """galaxy name -> LlamaForCausalLM name. CON2 of layer i holds layer i+1's input norm."""
     table = NameMap({
-        "embed.weight": "model.embed_tokens.weight",
+        "embed_tokens.weight": "model.embed_tokens.weight",
         "first_norm.weight": "model.layers.0.input_layernorm.weight",
         "layers.{i}.att.{rest}": "model.layers.{i}.self_attn.{rest}",
         "layers.{i}.con1.norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
