@@ -18,11 +18,17 @@ SEQ_DIM = 1
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# Communication accounting (galaxy.profiler.comm.CommRecorder): when set, called as
+# comm_recorder(kind, tensor moved per rank, group size) by every collective; None costs nothing.
+comm_recorder = None
+
 
 def all_reduce(x: torch.Tensor, pg) -> torch.Tensor:
     if pg is None:
         return x
     x = x.contiguous()
+    if comm_recorder is not None:
+        comm_recorder("all_reduce", x, dist.get_world_size(pg))
     dist.all_reduce(x, group=pg)
     return x
 
@@ -45,6 +51,8 @@ def all_gather_sequence(x: torch.Tensor, sizes, pg) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, pad))
     out = x.new_empty((n * longest, *x.shape[1:]))
+    if comm_recorder is not None:
+        comm_recorder("all_gather", x, n)
     _all_gather_tensor(out, x.contiguous(), group=pg)
     if any(s != longest for s in sizes):
         out = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
@@ -61,6 +69,8 @@ def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tens
         chunks = torch.split(x, list(sizes))
         x = torch.cat([F.pad(c, (0,) * (2 * (x.dim() - 1)) + (0, longest - c.shape[0])) for c in chunks])
     out = x.new_empty((longest, *x.shape[1:]))
+    if comm_recorder is not None:
+        comm_recorder("reduce_scatter", out, len(sizes))
     _reduce_scatter_tensor(out, x.contiguous(), group=pg)
     return out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous()
 

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from galaxy.distributed import collectives
+
 
 class GradientSync:
     def __init__(self, model: torch.nn.Module, galaxy_pg=None):
@@ -23,6 +25,8 @@ class GradientSync:
             return
         grads = [p.grad for p in self.summed if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
+        if collectives.comm_recorder is not None:
+            collectives.comm_recorder("all_reduce", flat, dist.get_world_size(self.galaxy_pg))
         dist.all_reduce(flat, group=self.galaxy_pg)
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
