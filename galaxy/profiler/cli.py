@@ -1,0 +1,182 @@
+"""profile_flops.py: profile one training step of the model a config describes, under its plan.
+
+    python profile_flops.py --model bert --config_file train_config/bert/profile.json [--json OUT]
+    python profile_flops.py --model bert --config_file C --world 2 --rank 0   (one per rank, or torchrun)
+
+Arguments of its own are parsed here; --config_file, --world, --rank and --init_method go to
+galaxy.launch.main (validation, exit codes, process group) like every entry script's. The batch is
+synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend on token values.
+Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
+and communication; --json writes the report (schema: README.md, section Profiling).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from galaxy.config import ConfigError, read_model_shape
+from galaxy.launch import main as launch_main
+from galaxy.profiler.closed_form import bert_matmul_flops, bert_plan_comm_bytes, human_check, llama_matmul_flops
+from galaxy.profiler.profile import profile_model
+from galaxy.profiler.table import comm_table, human, module_table, sub_block_table, summary
+
+SCRIPT = "profile_flops.py"
+
+
+@dataclass
+class ProfileJob:
+    cfg: object
+    opts: argparse.Namespace
+    shape: dict
+    hf: dict               # the model folder's config.json
+    num_labels: int | None
+
+
+def parse_own_args(argv):
+    p = argparse.ArgumentParser(
+        prog=SCRIPT, description="FLOPs, parameters, latency, activation bytes and communication of one "
+        "training step of the model in a Galaxy config, under the config's plan.",
+        epilog="Also takes the arguments of every entry script: --config_file PATH (required), "
+        "--world N, --rank R, --init_method URL (see README.md, Running).")
+    p.add_argument("--model", required=True, choices=("bert", "llama"),
+                   help="model family the config's model_path must hold")
+    p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT (rank 0)")
+    p.add_argument("--depth", type=int, default=3, help="module tree depth to print (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps; the median is reported (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing (default 1)")
+    p.add_argument("--compare-deepspeed", action="store_true",
+                   help="also count the forward with deepspeed's flops profiler and print both totals")
+    return p.parse_known_args(argv)
+
+
+def prepare(cfg, opts) -> ProfileJob:
+    """Checks before any process group starts (a mistake is one line and exit status 2)."""
+    if cfg.pp_deg > 1 or cfg.dp_deg > 1:
+        raise ConfigError("pp_deg and dp_deg > 1 are not supported by the profiler yet; set them to 1")
+    shape = read_model_shape(cfg.model_path)
+    if shape["model_type"] != opts.model:
+        raise ConfigError(f"--model {opts.model} but model_path holds a {shape['model_type']!r} model; "
+                          f"use --model {shape['model_type']} or another config")
+    from galaxy.models.registry import family_of
+    try:
+        family_of(opts.model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if opts.compare_deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("--compare-deepspeed needs deepspeed, which is not installed; "
+                          "pip install deepspeed or drop the flag")
+    if opts.repeats < 1 or opts.warmup < 0 or opts.depth < 0:
+        raise ConfigError("--repeats must be at least 1, --warmup and --depth at least 0")
+    with open(f"{cfg.model_path}/config.json", encoding="utf-8") as f:
+        hf = json.load(f)
+    num_labels = None
+    if opts.model == "bert":     # the classifier the trainer would build: one output per class
+        names = cfg.class_list
+        if names is None:
+            from galaxy.data import load_examples
+            names = load_examples(cfg.train_path, "train")[1]
+        num_labels = len(names)
+    return ProfileJob(cfg, opts, shape, hf, num_labels)
+
+
+def synthetic_batch(family: str, batch: int, seq: int, vocab: int, num_labels: int | None, seed: int,
+                    device) -> dict:
+    """The same batch on every rank: random ids (no padding), full attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    out = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    if family == "bert":
+        out["token_type_ids"] = torch.zeros_like(ids)
+        out["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
+    else:
+        out["labels"] = ids.clone()
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def closed_form_flops(job: ProfileJob) -> int:
+    cfg, hf = job.cfg, job.hf
+    common = dict(batch=cfg.batch_size, seq=cfg.pad_size, hidden=hf["hidden_size"],
+                  layers=hf["num_hidden_layers"], intermediate=hf["intermediate_size"])
+    if job.opts.model == "bert":
+        return bert_matmul_flops(**common, num_labels=job.num_labels)["total"]
+    return llama_matmul_flops(**common, heads=hf["num_attention_heads"], vocab=hf["vocab_size"],
+                              kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                              head_dim=hf.get("head_dim"))["total"]
+
+
+def run(job: ProfileJob, env) -> None:
+    from galaxy.distributed.mesh import build_mesh
+    from galaxy.models.build import build_model
+    from galaxy.parallel.grad_sync import GradientSync
+    from galaxy.parallel.plan import ParallelPlan
+    cfg, opts = job.cfg, job.opts
+    torch.manual_seed(cfg.seed)
+    mesh = build_mesh(cfg, env.rank, env.world, job.shape)
+    plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
+    model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
+                        device=env.device, dropout=cfg.dropout)
+    batch = synthetic_batch(opts.model, cfg.batch_size, cfg.pad_size, job.hf["vocab_size"], job.num_labels,
+                            cfg.seed, env.device)
+    plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if env.world > 1 else None
+    report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),
+                           repeats=opts.repeats, warmup=opts.warmup, plan=plan_dict)
+    deepspeed_flops = None
+    if opts.compare_deepspeed:
+        from galaxy.profiler.deepspeed_compare import deepspeed_forward_flops
+        deepspeed_flops = deepspeed_forward_flops(model, batch)
+    reports = [report]
+    if env.world > 1:
+        reports = [None] * env.world
+        dist.all_gather_object(reports, report)
+    if env.rank != 0:
+        return
+    expected_comm = None
+    if env.world > 1 and opts.model == "bert":
+        g = mesh.galaxy
+        expected_comm = bert_plan_comm_bytes(plan, seq_shares=g.seq, batch=cfg.batch_size,
+                                             hidden=job.hf["hidden_size"], layers=job.hf["num_hidden_layers"],
+                                             intermediate=job.hf["intermediate_size"])
+    print(render(reports, job, opts.depth, expected_comm, deepspeed_flops), flush=True)
+    if opts.json:
+        write_json(opts.json, reports, closed_form_flops(job), expected_comm)
+
+
+def render(reports, job, depth, expected_comm=None, deepspeed_flops=None) -> str:
+    report = reports[0]
+    expected = closed_form_flops(job)
+    out = [summary(report), "", module_table(report, depth), "", "Per sub-block (CON1 and CON2 are the two "
+           "connectives of a layer; a CON method applies to both)", sub_block_table(report), ""]
+    if len(reports) == 1:
+        out.append(f"closed form ({job.opts.model}) forward matrix FLOPs {human(expected, 'FLOPs')}: "
+                   f"measured {human(report.totals.fwd_flops, 'FLOPs')} ({human_check(report.totals.fwd_flops, expected)})")
+    else:
+        out.append(f"Per rank, one training step (forward, backward, gradient sync); serial closed form "
+                   f"forward {human(expected, 'FLOPs')}")
+        out.append(comm_table(reports, expected_comm))
+    if deepspeed_flops is not None:
+        t = report.totals
+        out.append(f"forward FLOPs, rank {report.rank}: galaxy matrix products {human(t.fwd_flops, 'FLOPs')}, "
+                   f"galaxy with element-wise {human(t.fwd_flops + t.elementwise_flops, 'FLOPs')}, "
+                   f"deepspeed {human(deepspeed_flops, 'FLOPs')}")
+    return "\n".join(out)
+
+
+def write_json(path: str, reports, closed_form_fwd: int, expected_comm) -> None:
+    doc = reports[0].to_dict()
+    doc["closed_form"] = {"fwd_flops": closed_form_fwd, "comm_by_kind": expected_comm}
+    doc["ranks"] = [{"rank": r.rank, "totals": r.to_dict()["totals"], "comm": r.comm,
+                     "sub_blocks": r.to_dict()["sub_blocks"]} for r in reports]
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+
+
+def main(argv=None) -> None:
+    opts, rest = parse_own_args(sys.argv[1:] if argv is None else argv)
+    launch_main(preset="galaxy", train_fn=run, script=SCRIPT, argv=rest, prepare_fn=partial(prepare, opts=opts))
