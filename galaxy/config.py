@@ -6,7 +6,7 @@ and exit before any process group starts: a mistake should cost one failed launc
 hung rendezvous or a crash ten minutes into training.
 
 Relative paths in the JSON (model_path, train_path, dev_path, test_path, class_list,
-metrics_file) are resolved against the current working directory, like paths given on a
+metrics_file, save_dir, export_dir, resume) are resolved against the current working directory, like paths given on a
 command line, NOT against the config file's folder. They are stored absolute.
 
 Keys starting with "_" (e.g. "_comment") are ignored, since JSON has no comments.
@@ -61,6 +61,18 @@ class GalaxyConfig:
     pp_deg: int = 1
     dp_deg: int = 1
     dropout: float | None = None  # None: keep the model config's dropout probabilities
+    # Training loop (galaxy/train): schedule, clipping, accumulation, precision, eval, checkpoints.
+    lr_schedule: str = "constant"  # constant | linear | cosine, after warmup_steps of linear warm-up
+    warmup_steps: int = 0
+    clip_grad: float | None = None  # max global gradient norm; None: no clipping
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; batch_size stays the global batch
+    mixed_precision: str = "none"  # "bf16": autocast the forward pass; JSON null is stored as "none"
+    eval_interval: int | None = None  # None: evaluate the dev set at the end only
+    save_dir: str | None = None  # None: no checkpoints
+    save_interval: int | None = None  # None: save at the end of training only
+    keep_checkpoints: int | None = None  # None: keep all; else the newest N
+    resume: str | None = None  # "latest" (in save_dir) or a checkpoint folder
+    export_dir: str | None = None  # Hugging Face folder written at the end of training
     # Set by apply_preset, not read from JSON: which entry script runs this config.
     preset: str = "galaxy"
     # Keys the JSON set explicitly, so a preset can tell "left at default" from "asked for".
@@ -96,8 +108,20 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "pp_deg": (int, False),
     "dp_deg": (int, False),
     "dropout": (float, True),
+    "lr_schedule": (("constant", "linear", "cosine"), False),
+    "warmup_steps": (int, False),
+    "clip_grad": (float, True),
+    "grad_accum_steps": (int, False),
+    "mixed_precision": (("bf16", "none"), True),
+    "eval_interval": (int, True),
+    "save_dir": (str, True),
+    "save_interval": (int, True),
+    "keep_checkpoints": (int, True),
+    "resume": (str, True),
+    "export_dir": (str, True),
 }
-_POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg")
+_POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg",
+                  "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints")
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                "int_list": "a list of integers",
@@ -123,6 +147,8 @@ def _check_type(key: str, value):
     if value is None:
         if key == "con_parallel_method":
             return "None"
+        if key == "mixed_precision":
+            return "none"
         if nullable:
             return None
     elif isinstance(kind, tuple):
@@ -169,6 +195,7 @@ def _check_ranges(cfg: GalaxyConfig) -> None:
         raise ConfigError(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         raise ConfigError(f"dropout must be in [0, 1) or null, got {cfg.dropout}")
+    _check_training_keys(cfg)
     for key in _SPLIT_KEYS:
         values = getattr(cfg, key)
         if values is not None and not values:
@@ -176,6 +203,23 @@ def _check_ranges(cfg: GalaxyConfig) -> None:
         for i, v in enumerate(values or []):
             if v < 1:
                 raise ConfigError(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+
+
+def _check_training_keys(cfg: GalaxyConfig) -> None:
+    if cfg.warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+    if cfg.clip_grad is not None and cfg.clip_grad <= 0:
+        raise ConfigError(f"clip_grad must be greater than 0 or null (no clipping), got {cfg.clip_grad}")
+    if cfg.batch_size % cfg.grad_accum_steps:
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by grad_accum_steps "
+                          f"{cfg.grad_accum_steps}; batch_size is the global batch of one optimizer "
+                          f"step, split into grad_accum_steps equal micro-batches")
+    for key in ("save_interval", "keep_checkpoints"):
+        if getattr(cfg, key) is not None and cfg.save_dir is None:
+            raise ConfigError(f"{key} is set but save_dir is not; add save_dir or remove {key}")
+    if cfg.resume == "latest" and cfg.save_dir is None:
+        raise ConfigError('resume is "latest" but save_dir is not set; add save_dir (the folder '
+                          'the checkpoints are in) or give resume a checkpoint folder')
 
 
 def _resolve_paths(cfg: GalaxyConfig) -> None:
@@ -195,8 +239,15 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
                 raise ConfigError(f"{key} {path!r} does not exist; fix the path or remove the key "
                                   f"{where}")
             setattr(cfg, key, path)
-    if cfg.metrics_file is not None:
-        cfg.metrics_file = os.path.abspath(cfg.metrics_file)  # written later, need not exist
+    for key in ("metrics_file", "save_dir", "export_dir"):
+        if getattr(cfg, key) is not None:  # written later, need not exist
+            setattr(cfg, key, os.path.abspath(getattr(cfg, key)))
+    if cfg.resume not in (None, "latest"):
+        path = os.path.abspath(cfg.resume)
+        if not os.path.isdir(path):
+            raise ConfigError(f"resume {path!r} is not a folder; give a checkpoint folder (save_dir/"
+                              f"step-N), a save_dir, or \"latest\" {where}")
+        cfg.resume = path
     if isinstance(cfg.class_list, str):
         path = os.path.abspath(cfg.class_list)
         try:

@@ -1,0 +1,49 @@
+"""Gradient clipping by the global norm of the whole (unsharded) model.
+
+After GradientSync every rank of the Galaxy group holds:
+  sharded params            a disjoint slice of the full gradient   -> sum the squares over the group
+  sum / replicated params   the full gradient, the same on each rank -> count it once, locally
+so ||g||^2 = all_reduce_sum(sq(sharded)) + sq(others): one scalar all-reduce per step, and every
+rank gets the same norm and therefore scales by the same factor (the replicas stay identical).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
+    # fp32 accumulation whatever the gradient dtype: a norm of bf16 values loses bits otherwise.
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return norms.square().sum()
+
+
+@torch.no_grad()
+def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    """The L2 norm of the full model's gradient (0-d fp32 tensor, equal on every rank)."""
+    rules, group = model.param_rules, model.group
+    sharded, whole = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (sharded if rules[name].kind == "sharded" else whole).append(p.grad)
+    device = next(model.parameters()).device
+    sq_sharded = _sum_of_squares(sharded, device)
+    if group.pg is not None and sharded:
+        dist.all_reduce(sq_sharded, group=group.pg)
+    return (sq_sharded + _sum_of_squares(whole, device)).sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_ does.
+
+    Returns the norm before clipping. The factor stays a tensor: no host sync on accelerators.
+    """
+    norm = global_grad_norm(model)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(scale.to(p.grad.dtype))
+    return norm
