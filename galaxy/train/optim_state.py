@@ -1,0 +1,94 @@
+"""Optimizer state in full (unsharded) shape, keyed by parameter name: plan- and world-free.
+
+A sharded parameter's per-element state (AdamW's exp_avg / exp_avg_sq, SGD's momentum_buffer) is
+sharded exactly like the parameter, so it is gathered with the parameter's rule (ParamRule.dim,
+.sizes) and, on load, sliced back with the rule of the loading rank, which may belong to another
+plan or world size. Scalar state (AdamW's step) and state of unsharded parameters is the same on
+every rank of the group and is saved as is.
+
+Saved form: tensors {"<param name>/<state key>": full tensor} and the parameter groups'
+hyperparameters (everything but "params") as JSON-able dicts.
+"""
+from __future__ import annotations
+
+import torch
+
+from galaxy.distributed.collectives import all_gather_dim
+
+
+def _rule_of(model, name):
+    return model.param_rules[name]
+
+
+def _full_shape(p: torch.Tensor, rule) -> tuple[int, ...]:
+    shape = list(p.shape)
+    if rule.kind == "sharded":
+        shape[rule.dim] = sum(rule.sizes)
+    return tuple(shape)
+
+
+def _named_groups(model, optimizer):
+    """[(group, [(name, param)])] in the optimizer's order."""
+    names = {p: n for n, p in model.named_parameters()}
+    return [(g, [(names[p], p) for p in g["params"]]) for g in optimizer.param_groups]
+
+
+@torch.no_grad()
+def gather_optimizer_state(model, optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Collective over the Galaxy group: every rank must call it. Tensors come back on the CPU."""
+    pg = model.group.pg
+    tensors, groups = {}, []
+    for group, named in _named_groups(model, optimizer):
+        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
+        for name, p in named:
+            rule = _rule_of(model, name)
+            for key, value in optimizer.state.get(p, {}).items():
+                if not torch.is_tensor(value):
+                    continue            # e.g. SGD's momentum_buffer=None before momentum is used
+                if rule.kind == "sharded" and value.shape == p.shape:
+                    value = all_gather_dim(value, rule.sizes, rule.dim, pg)
+                tensors[f"{name}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
+    return tensors, groups
+
+
+def _local_slice(full: torch.Tensor, rule, rank: int) -> torch.Tensor:
+    if rule.kind != "sharded":
+        return full
+    start = sum(rule.sizes[:rank])
+    return full.narrow(rule.dim, start, rule.sizes[rank])
+
+
+@torch.no_grad()
+def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
+    """Slice full-shape state for this rank (under the current plan) and load it (no collective)."""
+    rank = model.group.rank
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, full in tensors.items():
+        name, state_key = key.rsplit("/", 1)
+        by_param.setdefault(name, {})[state_key] = full
+    named_groups = _named_groups(model, optimizer)
+    if len(groups) != len(named_groups):
+        raise ValueError(f"checkpoint has {len(groups)} optimizer parameter groups, "
+                         f"the optimizer has {len(named_groups)}")
+    state, param_groups = {}, []
+    for saved, (current, named) in zip(groups, named_groups):
+        # JSON turned tuples (AdamW's betas) into lists; give them back their type.
+        saved = {k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items()}
+        ids = []
+        for name, p in named:
+            rule, entry = _rule_of(model, name), {}
+            for state_key, full in by_param.pop(name, {}).items():
+                if full.dim() == p.dim():       # per-element state: the parameter's full shape
+                    if tuple(full.shape) != _full_shape(p, rule):
+                        raise ValueError(f"optimizer state {name}/{state_key} has shape "
+                                         f"{tuple(full.shape)}, the parameter's is {_full_shape(p, rule)}")
+                    full = _local_slice(full, rule, rank)
+                entry[state_key] = full.clone()
+            ids.append(len(state))
+            state[len(state)] = entry
+        param_groups.append({**saved, "params": ids})
+    if by_param:
+        raise ValueError(f"checkpoint has optimizer state for parameters the model lacks: "
+                         f"{sorted(by_param)[:3]}")
+    # load_state_dict casts per-element state to each parameter's device and dtype.
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
