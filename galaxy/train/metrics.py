@@ -21,9 +21,10 @@ def _plain(value):
 class MetricsWriter:
     """Append JSON lines to `path` (parent folders created), flushed per line.
 
-    log_step -> {"step", "loss", "lr", "tokens", "time_s"};
-    log_event -> {"event": name, **fields}, e.g. {"event": "eval", "step": k,
-    "loss": L, "accuracy": a} or {"event": "done", ...}.
+    log_step -> {"step", "loss", "lr", "tokens", "time_s"} (+ "grad_norm" with clip_grad);
+    log_event -> {"event": name, **fields}, e.g. {"event": "start", "step": k0,
+    "resumed_from": path or None}, {"event": "eval", "step": k, "loss": L,
+    "accuracy": a}, {"event": "test", ...} or {"event": "done", ...}.
     Disabled (enabled=False, e.g. ranks other than 0) or path=None: every method
     is a no-op and no file is touched.
     """
@@ -44,11 +45,12 @@ class MetricsWriter:
         self._file.write(json.dumps(_plain(record), allow_nan=False) + "\n")
         self._file.flush()
 
-    def log_step(self, step, loss, lr, tokens, time_s):
+    def log_step(self, step, loss, lr, tokens, time_s, **extra):
+        """extra: optional fields, e.g. grad_norm when clipping is on."""
         if not self.enabled:  # return before float(loss): no device sync off rank 0
             return
         self._write({"step": int(step), "loss": float(loss), "lr": float(lr),
-                     "tokens": int(tokens), "time_s": float(time_s)})
+                     "tokens": int(tokens), "time_s": float(time_s), **extra})
 
     def log_event(self, event, **fields):
         if not self.enabled:
@@ -71,3 +73,23 @@ def read_metrics(path):
     """All records of a metrics file, in order, as a list of dicts (blank lines skipped)."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def current_run(records):
+    """The records that make up the latest run's history, resumes included.
+
+    A metrics file is appended to: runs that started afresh, and runs resumed from a checkpoint
+    at step k0 (which replay steps after k0 that an interrupted run had already logged). Each
+    run begins with {"event": "start", "step": k0, "resumed_from": ...}. Walking forward, a
+    fresh start drops everything before it and a resume drops what was logged after its k0, so
+    what remains is exactly one value per step.
+    """
+    kept = []
+    for r in records:
+        if r.get("event") == "start":
+            k0 = r.get("step", 0)
+            if not r.get("resumed_from"):
+                kept = []
+            kept = [x for x in kept if x.get("step", 0) <= k0 and x.get("event") != "done"]
+        kept.append(r)
+    return kept
