@@ -4,13 +4,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from galaxy.distributed.collectives import all_gather_sequence
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.bert import HF_NAMES
 from galaxy.models.build import build_model
 from galaxy.models.weights import NameMap
-from galaxy.parallel.full_state import gather_full
+from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
 
@@ -53,12 +52,6 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool, to_hf=None) -> t
     return worst, where
 
 
-def full_logits(model, logits):
-    """Causal LMs under a sequence-sharded CON layout return their own tokens' logits: gather them."""
-    g = getattr(model, "head_group", None)
-    return logits if g is None else all_gather_sequence(logits.detach(), g.seq, g.pg)
-
-
 def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
 
@@ -82,7 +75,7 @@ def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_
         out.loss.backward()
         sync()
         if step == 0:
-            report["logits"] = rel_err(full_logits(model, logits), out.logits)
+            report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
             report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, to_hf)
         report["loss"].append(rel_err(loss, out.loss))
         opt.step(), ref_opt.step()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from galaxy.distributed.collectives import all_gather_dim
+from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
 
 
 @torch.no_grad()
@@ -20,3 +20,11 @@ def gather_full(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.
         rule = model.param_rules[name]
         out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()
     return out
+
+
+@torch.no_grad()
+def full_sequence_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """A causal LM under a sequence-sharded CON layout returns its own tokens' logits
+    [b, s_rank, vocab]; gather them to [b, S, vocab]. Other layouts are returned as they are."""
+    g = getattr(model, "head_group", None)
+    return logits if g is None else all_gather_sequence(logits.contiguous(), g.seq, g.pg)
