@@ -64,10 +64,11 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv, script: str) -> argparse.Namespace:
+def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
     """Parse the command line; the result always has world, rank, init_method, local_rank.
 
     init_method is None only for a single process started by hand (in-memory store).
+    add_arguments(parser), when given, adds a script's own options (e.g. --generate).
     """
     p = _Parser(prog=script, description="Train with the settings in a Galaxy JSON config.")
     p.add_argument("--config_file", required=True, metavar="PATH", help="JSON config file")
@@ -75,6 +76,8 @@ def parse_args(argv, script: str) -> argparse.Namespace:
     p.add_argument("--rank", type=int, metavar="R", help="this process's rank (default 0)")
     p.add_argument("--init_method", metavar="URL",
                    help=f"rendezvous address (default {DEFAULT_INIT_METHOD} when --world > 1)")
+    if add_arguments is not None:
+        add_arguments(p)
     args = p.parse_args(argv)
 
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
@@ -149,22 +152,26 @@ def _hard_exit(status: int, message: str | None = None) -> None:
     os._exit(status)
 
 
-def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None) -> None:
+def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None) -> None:
     """parse args -> load, preset and check the config -> prepare_fn -> init the process group
     -> train_fn.
 
     prepare_fn(cfg) (optional) reads what the job needs from disk (data, tokenizer) before any
     process group starts, so a user's mistake there is also a one-line exit 2; its result is
-    what train_fn receives in place of cfg: train_fn(prepare_fn(cfg), env).
+    what train_fn receives in place of cfg: train_fn(prepare_fn(cfg), env). A script that adds
+    its own options with add_arguments(parser) gets them too: prepare_fn(cfg, args).
 
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
-    args = parse_args(argv, script)
+    args = parse_args(argv, script, add_arguments)
     try:
         cfg = load_config(args.config_file)
         cfg = apply_preset(cfg, preset, script)
         validate_for_world(cfg, args.world, args.rank)
-        job = prepare_fn(cfg) if prepare_fn is not None else cfg
+        if prepare_fn is None:
+            job = cfg
+        else:
+            job = prepare_fn(cfg, args) if add_arguments is not None else prepare_fn(cfg)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         sys.stderr.write(f"{script}: error: {e}\n")
         sys.exit(2)
