@@ -1,0 +1,54 @@
+"""profile_flops.py as users run it: serial tiny BERT with --json, and one-line errors."""
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+
+import pytest
+
+from tiny_models import TINY_BERT
+
+from galaxy.config import ConfigError, load_config
+from galaxy.profiler import bert_matmul_flops
+from galaxy.profiler.cli import parse_own_args, prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_config(tmp_path, model_dir, **extra):
+    cfg = dict(model_path=model_dir, pad_size=10, batch_size=3, dropout=0.0, class_list=["a", "b", "c"], **extra)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_serial_json(tmp_path, tiny_bert_dir):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "profile_flops.py", "--model", "bert", "--config_file",
+                           write_config(tmp_path, tiny_bert_dir), "--json", str(out), "--repeats", "1",
+                           "--depth", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = bert_matmul_flops(batch=3, seq=10, hidden=TINY_BERT["hidden_size"], intermediate=TINY_BERT[
+        "intermediate_size"], layers=TINY_BERT["num_hidden_layers"], num_labels=3)["total"]
+    doc = json.loads(out.read_text())
+    assert doc["totals"]["fwd_flops"] == expected == doc["closed_form"]["fwd_flops"]
+    assert doc["totals"]["bwd_flops"] == 2 * expected
+    assert len(doc["sub_blocks"]) == 4 * TINY_BERT["num_hidden_layers"] and len(doc["ranks"]) == 1
+    assert "(exact)" in proc.stdout and "CON (con1)" in proc.stdout and "element-wise" in proc.stdout
+
+
+def test_wrong_family_is_a_config_error(tmp_path, tiny_bert_dir):
+    opts, rest = parse_own_args(["--model", "llama", "--config_file", "c.json", "--world", "2"])
+    assert rest == ["--config_file", "c.json", "--world", "2"]
+    with pytest.raises(ConfigError, match="--model llama but model_path holds a 'bert' model"):
+        prepare(load_config(write_config(tmp_path, tiny_bert_dir)), opts)
+
+
+def test_compare_deepspeed_needs_deepspeed(tmp_path, tiny_bert_dir, monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    opts = Namespace(model="bert", compare_deepspeed=True, repeats=1, warmup=1, depth=3)
+    with pytest.raises(ConfigError, match="deepspeed"):
+        prepare(load_config(write_config(tmp_path, tiny_bert_dir)), opts)
