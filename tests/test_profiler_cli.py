@@ -11,7 +11,8 @@ from tiny_models import TINY_BERT
 
 from galaxy.config import ConfigError, load_config
 from galaxy.profiler import bert_matmul_flops
-from galaxy.profiler.cli import parse_own_args, prepare
+from galaxy.launch import parse_args
+from galaxy.profiler.cli import SCRIPT, add_arguments, prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,8 +41,8 @@ def test_serial_json(tmp_path, tiny_bert_dir):
 
 
 def test_wrong_family_is_a_config_error(tmp_path, tiny_bert_dir):
-    opts, rest = parse_own_args(["--model", "llama", "--config_file", "c.json", "--world", "2"])
-    assert rest == ["--config_file", "c.json", "--world", "2"]
+    opts = parse_args(["--model", "llama", "--config_file", "c.json", "--world", "2"], SCRIPT, add_arguments)
+    assert (opts.model, opts.world, opts.repeats, opts.compare_deepspeed) == ("llama", 2, 3, False)
     with pytest.raises(ConfigError, match="--model llama but model_path holds a 'bert' model"):
         prepare(load_config(write_config(tmp_path, tiny_bert_dir)), opts)
 

@@ -3,8 +3,8 @@
     python profile_flops.py --model bert --config_file train_config/bert/profile.json [--json OUT]
     python profile_flops.py --model bert --config_file C --world 2 --rank 0   (one per rank, or torchrun)
 
-Arguments of its own are parsed here; --config_file, --world, --rank and --init_method go to
-galaxy.launch.main (validation, exit codes, process group) like every entry script's. The batch is
+galaxy.launch.main parses the arguments (its own and this script's, see add_arguments), checks
+the config, starts the process group and owns the exit codes, as for every entry script. The batch is
 synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend on token values.
 Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
 and communication; --json writes the report (schema: README.md, section Profiling).
@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import sys
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,12 +37,10 @@ class ProfileJob:
     num_labels: int | None
 
 
-def parse_own_args(argv):
-    p = argparse.ArgumentParser(
-        prog=SCRIPT, description="FLOPs, parameters, latency, activation bytes and communication of one "
-        "training step of the model in a Galaxy config, under the config's plan.",
-        epilog="Also takes the arguments of every entry script: --config_file PATH (required), "
-        "--world N, --rank R, --init_method URL (see README.md, Running).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The profiler's own options, next to launch's --config_file, --world, --rank, --init_method."""
+    p.description = ("FLOPs, parameters, latency, activation bytes and communication of one training step "
+                     "of the model in a Galaxy config, under the config's plan.")
     p.add_argument("--model", required=True, choices=("bert", "llama"),
                    help="model family the config's model_path must hold")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT (rank 0)")
@@ -53,7 +49,6 @@ def parse_own_args(argv):
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing (default 1)")
     p.add_argument("--compare-deepspeed", action="store_true",
                    help="also count the forward with deepspeed's flops profiler and print both totals")
-    return p.parse_known_args(argv)
 
 
 def prepare(cfg, opts) -> ProfileJob:
@@ -178,5 +173,5 @@ def write_json(path: str, reports, closed_form_fwd: int, expected_comm) -> None:
 
 
 def main(argv=None) -> None:
-    opts, rest = parse_own_args(sys.argv[1:] if argv is None else argv)
-    launch_main(preset="galaxy", train_fn=run, script=SCRIPT, argv=rest, prepare_fn=partial(prepare, opts=opts))
+    launch_main(preset="galaxy", train_fn=run, script=SCRIPT, argv=argv, prepare_fn=prepare,
+                add_arguments=add_arguments)
