@@ -50,5 +50,9 @@ def write_safetensors_atomic(path: str, tensors: dict, metadata: dict | None = N
     """safetensors file with tensor names as given; tensors must be contiguous CPU tensors."""
     temp = _temp_name(path)
     save_file(tensors, temp, metadata={"format": "pt", **(metadata or {})})
+    # safetensors creates files private (0600); give them the permissions open() would.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(temp, 0o666 & ~umask)
     fsync_path(temp)
     replace_with(temp, path)

@@ -59,11 +59,12 @@ def plot_metrics(metrics_file: str, out_path: str | None = None, chance: float |
     if evals:
         acc_ax.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", color="tab:green",
                     label="dev accuracy")
-        last = evals[-1]
-        acc_ax.annotate(f"{last['accuracy']:.3f}", (last["step"], last["accuracy"]),
-                        textcoords="offset points", xytext=(-10, 8), ha="right")
-    for r in tests:
-        acc_ax.plot([r["step"]], [r["accuracy"]], "s", color="tab:purple", label=f"test accuracy {r['accuracy']:.3f}")
+        for r in evals:
+            acc_ax.annotate(f"{r['accuracy']:.3f}", (r["step"], r["accuracy"]), textcoords="offset points",
+                            xytext=(-6, 8), ha="right", color="tab:green")
+    for r in tests:   # hollow, so that the dev point of the same step stays visible
+        acc_ax.plot([r["step"]], [r["accuracy"]], "s", markersize=10, markerfacecolor="none",
+                    color="tab:purple", label=f"test accuracy {r['accuracy']:.3f}")
     if chance is not None:
         acc_ax.axhline(chance, color="gray", linestyle="--", linewidth=1, label=f"chance ({chance:.2f})")
     acc_ax.set_ylim(0, 1.05)

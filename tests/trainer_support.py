@@ -1,0 +1,80 @@
+"""Shared pieces of the trainer / checkpoint / export tests.
+
+A tiny BERT with the real MiniLM tokenizer (as in test_entry_scripts.py), pydoc-topics TSV files,
+config writing, and `train_on_rank`, which runs the trainer exactly as the entry scripts do but
+inside a DistPool worker (module-level, so the pool can pickle it).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch.distributed as dist
+
+from tiny_models import make_tiny_bert
+
+CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+GALAXY_W2 = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
+                 tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[60, 36],
+                 seq_scatter_list=[9, 7])
+
+
+def make_workspace(root, n_train: int = 64, n_held_out: int = 12) -> dict:
+    """model/ (tiny BERT, 6 labels, MiniLM tokenizer) and train/dev/test TSV files under root."""
+    from galaxy.data import pydoc_topics_dataset
+    from galaxy.models.packaged_minilm import packaged_minilm_dir
+    root = str(root)
+    model_dir = os.path.join(root, "model")
+    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
+    for name in TOKENIZER_FILES:
+        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
+    paths = {"root": root, "model_dir": model_dir}
+    for split, n in (("train", n_train), ("dev", n_held_out), ("test", n_held_out)):
+        examples, names = pydoc_topics_dataset(split)
+        path = os.path.join(root, f"{split}.tsv")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(f"{text}\t{names[label]}\n" for text, label in examples[:n])
+        paths[split] = path
+    return paths
+
+
+def write_config(ws: dict, name: str, **keys) -> str:
+    """A config for the workspace: exact (fp32, dropout 0, fixed order) unless keys say otherwise."""
+    cfg = dict(model_path=ws["model_dir"], train_path=ws["train"], dev_path=ws["dev"], test_path=ws["test"],
+               class_list=CLASSES, pad_size=16, batch_size=8, learning_rate=1e-3, optimizer="adamw",
+               shuffle=True, dropout=0.0, timeout_s=60,
+               metrics_file=os.path.join(ws["root"], name, "metrics.jsonl"))
+    cfg.update(keys)
+    path = os.path.join(ws["root"], f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=None):
+    """What an entry script does, on this pool rank.
+
+    before / after: optional module-level functions of the trainer, called before and after fit.
+    Returns (summary, before(trainer), after(trainer)), None for an absent function.
+    """
+    import torch
+    from galaxy.config import apply_preset, load_config, validate_for_world
+    from galaxy.launch import DistEnv
+    from galaxy.train.trainer import ClassifierTrainer, prepare_classifier
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = apply_preset(load_config(config_path), preset)
+    validate_for_world(cfg, world, rank)
+    job = prepare_classifier(cfg)
+    env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
+                  timeout_s=cfg.timeout_s, local_rank=rank)
+    trainer = ClassifierTrainer(job, env)
+    early = before(trainer) if before is not None else None
+    summary = trainer.fit()
+    return summary, early, (after(trainer) if after is not None else None)
+
+
+def step_losses(metrics_file: str) -> dict[int, float]:
+    """{step: loss} of the step records (later records win, as after a resume)."""
+    from galaxy.train.metrics import read_metrics
+    return {r["step"]: r["loss"] for r in read_metrics(metrics_file) if "event" not in r}
