@@ -1,0 +1,71 @@
+"""The trainer through an entry script, as users run it: evaluation events, summary, plot, errors.
+
+pretrain_galaxy.py on 2 processes with eval_interval, a test set, clipping and metrics_file; and a
+bad row in a held-out file, which must stop the script before any process group starts.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_pool import free_port
+from trainer_support import GALAXY_W2, make_workspace, write_config
+
+from galaxy.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def launch(config, world):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "pretrain_galaxy.py", "--config_file", config, "--world", str(world),
+                               "--rank", str(r), "--init_method", f"tcp://127.0.0.1:{port}"],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("scripts"), n_train=32)
+
+
+def test_galaxy_script_evaluates_summarises_and_plots(ws):
+    config = write_config(ws, "e2e", max_steps=4, eval_interval=2, clip_grad=1.0, **GALAXY_W2)
+    (code0, out0, err0), (code1, out1, err1) = launch(config, 2)
+    assert (code0, code1) == (0, 0), err0 + err1
+    metrics_file = os.path.join(ws["root"], "e2e", "metrics.jsonl")
+    records = read_metrics(metrics_file)
+
+    assert records[0]["event"] == "start" and records[0]["resumed_from"] is None
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(set(r) == {"step", "loss", "lr", "tokens", "time_s", "grad_norm"} for r in steps)
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(set(r) == {"event", "step", "loss", "accuracy"} and 0 <= r["accuracy"] <= 1 for r in evals)
+    (test,) = [r for r in records if r.get("event") == "test"]
+    assert test["step"] == 4
+    done = records[-1]
+    assert done["event"] == "done" and done["steps"] == 4 and len(done["peak_memory_mib"]) == 2
+    assert done["dev_accuracy"] == evals[-1]["accuracy"] and done["tokens_per_s"] > 0
+
+    # Rank 0 prints the summary and draws the plot; rank 1 stays quiet.
+    assert "dev: loss" in out0 and "test: loss" in out0 and "peak RSS (MiB): rank 0" in out0 and ", rank 1 " in out0
+    assert "train:" in err0                               # tqdm's bar
+    assert "done:" not in out1
+    with open(os.path.join(ws["root"], "e2e", "metrics.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_bad_row_in_the_test_file_stops_before_training(ws, tmp_path):
+    bad = tmp_path / "test.tsv"
+    bad.write_text("a fine passage\tlexical\nno label here\nanother\tlexical\n")
+    config = write_config(ws, "bad", test_path=str(bad), max_steps=1)
+    for code, out, err in launch(config, 1):
+        assert code == 2, out + err
+        assert f"{bad}:2: missing tab" in err
+        assert "Traceback" not in err
