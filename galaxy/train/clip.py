@@ -45,5 +45,5 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(scale.to(p.grad.dtype))
+            p.grad.mul_(scale)
     return norm

@@ -119,6 +119,7 @@ class ClassifierTrainer:
                                         self.schedule, grad_accum_steps=cfg.grad_accum_steps,
                                         clip_grad=cfg.clip_grad, autocast=self.autocast)
         self.step, self.tokens_seen = 0, 0
+        self.saved_step = self.evaluated_step = None    # the last step saved / evaluated in this run
         self.notes: list[str] = []
         if job.resume is not None:
             self._restore(job.resume)
