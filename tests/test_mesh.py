@@ -1,0 +1,53 @@
+"""The mesh: world = pp x dp x Galaxy group, Galaxy ranks consecutive, then dp, then pp.
+
+For every factorisation of world 4 each rank checks its coordinates and the members of its three
+process groups against rank = (pp_index * dp + dp_index) * group_size + galaxy_rank; axes of size
+1 have no process group. build_mesh derives the group size and shares from a run config.
+"""
+import pytest
+import torch.distributed as dist
+
+from galaxy.config import GalaxyConfig
+from galaxy.distributed.mesh import build_mesh, global_rank, make_mesh
+
+FACTORINGS = [(1, 1, 4), (1, 4, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+
+
+def _describe(pp, dp, size):
+    mesh = make_mesh(pp, dp, (4,) * size, (8,) * size, (3,) * size)
+    ranks = lambda pg: None if pg is None else dist.get_process_group_ranks(pg)  # noqa: E731
+    return {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.galaxy.rank), "galaxy": ranks(mesh.galaxy.pg),
+            "dp": ranks(mesh.dp_pg), "pp": ranks(mesh.pp_pg), "first": mesh.is_first_stage,
+            "last": mesh.is_last_stage}
+
+
+@pytest.mark.parametrize("pp,dp,size", FACTORINGS, ids=[f"pp{p}-dp{d}-mp{g}" for p, d, g in FACTORINGS])
+def test_rank_order(dist_pool, pp, dp, size):
+    for rank, got in enumerate(dist_pool(4).run(_describe, pp, dp, size)):
+        p, d, g = got["coords"]
+        assert global_rank(p, d, g, dp, size) == rank
+        assert got["galaxy"] == (None if size == 1 else [global_rank(p, d, i, dp, size) for i in range(size)])
+        assert got["dp"] == (None if dp == 1 else [global_rank(p, i, g, dp, size) for i in range(dp)])
+        assert got["pp"] == (None if pp == 1 else [global_rank(i, d, g, dp, size) for i in range(pp)])
+        assert (got["first"], got["last"]) == (p == 0, p == pp - 1)
+
+
+def test_documented_example():
+    """pp 2 x dp 2 x group 2: stage 1, replica 0, Galaxy rank 1 is rank 5."""
+    assert global_rank(1, 0, 1, dp=2, group_size=2) == 5
+
+
+def test_serial_mesh(dist_pool):
+    got = dist_pool(1).run(_describe, 1, 1, 1)[0]
+    assert got == {"coords": (0, 0, 0), "galaxy": None, "dp": None, "pp": None, "first": True, "last": True}
+
+
+def _from_config(model_dir):
+    cfg = GalaxyConfig(model_path=model_dir, pad_size=12, pp_deg=2, seq_scatter_list=[7, 5])
+    mesh = build_mesh(cfg, dist.get_rank(), dist.get_world_size())
+    return mesh.pp_rank, mesh.galaxy.size, mesh.galaxy.seq, mesh.galaxy.heads
+
+
+def test_build_mesh_from_config(dist_pool, tiny_bert_dir):
+    got = dist_pool(4).run(_from_config, tiny_bert_dir)
+    assert got == [(0, 2, (7, 5), (3, 3)), (0, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3))]
