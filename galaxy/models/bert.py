@@ -124,6 +124,10 @@ class BertConnector(nn.Module):
 class BertForClassification(nn.Module):
     family = "bert"
     con_params = ()          # parameters outside the blocks that act on the CON layout
+    # Pipeline stages: the first keeps the embeddings, the last the head (galaxy.pipeline).
+    first_stage_modules = ("embeddings",)
+    last_stage_modules = ("pooler", "classifier")
+    carry_size = 1           # tensors in `carry` (below)
 
     def __init__(self, cfg, num_labels: int):
         super().__init__()
@@ -173,6 +177,10 @@ class BertForClassification(nn.Module):
         logits = self.classifier(self.dropout(pooled))                  # [b, num_labels]
         loss = F.cross_entropy(logits, labels) if labels is not None else None
         return logits, loss
+
+    def loss_units(self, labels) -> torch.Tensor:
+        """How many terms `head`'s loss averages over: one per example."""
+        return torch.tensor(labels.shape[0], device=labels.device)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         carry = self.embed(input_ids, token_type_ids)

@@ -153,6 +153,10 @@ class LlamaConnector(nn.Module):
 class LlamaForCausalLM(nn.Module):
     family = "llama"
     con_params = ("first_norm",)
+    # Pipeline stages: the first keeps the embeddings, the last the head (galaxy.pipeline).
+    first_stage_modules = ("embed_tokens", "first_norm")
+    last_stage_modules = ("lm_head",)
+    carry_size = 2           # tensors in `carry`: (residual stream, normalised input)
 
     def __init__(self, cfg, **_):
         super().__init__()
@@ -189,7 +193,9 @@ class LlamaForCausalLM(nn.Module):
         """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask."""
         b, S = attention_mask.shape
         positions = torch.arange(S, device=attention_mask.device).expand(b, S)
-        cos, sin = self.rotary(self.embed_tokens.weight, positions)     # [b, S, d]
+        # Any parameter gives the rotary tables' dtype and device (a pipeline stage may lack
+        # the embeddings).
+        cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
@@ -216,6 +222,10 @@ class LlamaForCausalLM(nn.Module):
                                 ignore_index=IGNORE_INDEX, reduction="sum") / count
         loss = reduce_to_replicated(local, self.head_group) if self.head_group is not None else local
         return logits, loss
+
+    def loss_units(self, labels) -> torch.Tensor:
+        """How many terms `head`'s loss averages over: the label tokens after the shift."""
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
 
     def forward(self, input_ids, attention_mask=None, labels=None):
         # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
