@@ -1,0 +1,95 @@
+"""Data parallelism: replicas of a model (a Galaxy group, or a pipeline stage) average gradients.
+
+Gradient averaging is torch's DistributedDataParallel over the mesh's dp process group: it
+all-reduces gradient buckets while backward still runs, overlapping communication with compute.
+DDP only hooks parameter gradients, so it coexists with Galaxy's autograd collectives inside the
+model (those run on the Galaxy group, DDP's on the dp group). Galaxy's "sum" rule (GradientSync,
+after backward) and DDP's average are both linear, so their order does not matter: every rank ends
+with sum over its Galaxy group of the mean over replicas, as DESIGN.md section 3 asks.
+
+A comm hook reports every DDP bucket to galaxy's communication recorder
+(collectives.comm_recorder) before the usual averaging all-reduce, so byte counts of DDP and
+Galaxy runs come from the same place.
+"""
+from __future__ import annotations
+
+import inspect
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from galaxy.distributed import collectives
+from galaxy.parallel.grad_sync import GradientSync
+from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
+from galaxy.parallel.runner import Runner
+
+
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _recorded_allreduce(pg, bucket):
+    if collectives.comm_recorder is not None:
+        collectives.comm_recorder("all_reduce", bucket.buffer(), pg.size())
+    return default_hooks.allreduce_hook(pg, bucket)       # sum, then divide by the group size
+
+
+def wrap_data_parallel(module: nn.Module, dp_pg, device=None) -> nn.Module:
+    """DDP over dp_pg (or the module itself when there is one replica)."""
+    if dp_pg is None:
+        return module
+    device = torch.device(device or "cpu")
+    # Buffers (rotary tables) are constants: no need to re-broadcast them every forward.
+    quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
+             else {"broadcast_buffers": False})
+    ddp = DistributedDataParallel(module, process_group=dp_pg,
+                                  device_ids=[device] if device.type == "cuda" else None, **quiet)
+    ddp.register_comm_hook(dp_pg, _recorded_allreduce)
+    return ddp
+
+
+def split_rows(batch: dict, n: int) -> list[dict]:
+    """n equal micro-batches of a batch's rows, in order."""
+    rows = next(iter(batch.values())).shape[0]
+    if rows % n:
+        raise ValueError(f"{rows} rows per replica cannot be split into {n} equal micro-batches")
+    pieces = {k: v.chunk(n) for k, v in batch.items()}
+    return [{k: v[i] for k, v in pieces.items()} for i in range(n)]
+
+
+class DataParallelRunner(Runner):
+    """Forward and backward of one global batch on dp replicas of a Galaxy-group model.
+
+    Every replica gets its own batch_size / dp rows (it reads no other rows) and runs them in
+    grad_accum_steps micro-batches; DDP averages over replicas at the last micro-batch only.
+    With dp 1 this is plain Galaxy training (no DDP), so one runner serves every pp 1 mesh.
+    """
+
+    def __init__(self, model: nn.Module, mesh, *, grad_accum_steps: int = 1, device=None,
+                 autocast=nullcontext):
+        super().__init__(model, mesh, autocast)
+        self.accum = grad_accum_steps
+        self.module = wrap_data_parallel(model, mesh.dp_pg, device)
+        self.sync = GradientSync(model, mesh.galaxy.pg)
+
+    def step(self, batch: dict) -> torch.Tensor:
+        """batch: this replica's rows. Leaves synchronised gradients; returns the global-batch mean loss."""
+        mesh, micro = self.mesh, split_rows(batch, self.accum)
+        total = total_loss_units(self.model, batch["labels"], mesh.dp_pg)
+        local = torch.zeros((), device=batch["labels"].device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            with nullcontext() if last or self.module is self.model else self.module.no_sync():
+                with self.autocast():
+                    _, loss = self.module(**mb)
+                scaled = loss.float() * loss_scale(self.model, mb["labels"], total, mesh.dp_size)
+                scaled.backward()
+            local = local + scaled.detach()
+        self.sync()
+        return mean_over_replicas(local, mesh.dp_pg, mesh.dp_size)
+
+    def __call__(self, *args, **kwargs):
+        """The model's own forward (evaluation): every replica runs what it is given."""
+        return self.model(*args, **kwargs)

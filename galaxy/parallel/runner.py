@@ -1,0 +1,84 @@
+"""What every parallel runner offers the trainer, whatever the mesh.
+
+A runner owns this rank's part of the model (`model`: the whole Galaxy-sharded model, or one
+pipeline stage of it, with the full model's parameter names and gradient rules) and runs
+`step(batch)`: forward and backward of one global batch (this replica's rows), gradients fully
+synchronised (Galaxy "sum" rule, data-parallel average), returning the global-batch mean loss on
+every rank. The trainer then clips, sets the learning rate and steps its optimizer over
+`runner.parameters()`.
+
+    runner = build_runner(...)                  # galaxy.parallel.build_runner
+    loss = runner.step(batch)
+    norm = runner.clip_grad_norm_(max_norm)     # optional
+    optimizer.step(); optimizer.zero_grad()
+    state = runner.full_state()                 # full model, Galaxy names, on every rank
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from galaxy.parallel.full_state import gather_full
+
+
+class Runner:
+    def __init__(self, model: nn.Module, mesh, autocast=nullcontext):
+        self.model, self.mesh, self.autocast = model, mesh, autocast
+
+    def step(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- the local parameters -------------------------------------------------------------
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "Runner":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Runner":
+        return self.train(False)
+
+    # --- whole-model views (collective over every rank) ------------------------------------
+
+    @torch.no_grad()
+    def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter (or gradient) of the full model at full shape, by Galaxy name."""
+        state = gather_full(self.model, grads=grads)
+        pp_pg = self.mesh.pp_pg
+        if pp_pg is None:
+            return state
+        parts = [None] * self.mesh.pp_size
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_pg)
+        device = next(self.model.parameters()).device
+        return {k: v.to(device) for part in parts for k, v in part.items()}
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the full model's gradient (after step), the same on every rank."""
+        from galaxy.train.clip import global_grad_norm     # per Galaxy group, one stage
+        sq = global_grad_norm(self.model).square()
+        if self.mesh.pp_pg is not None:
+            dist.all_reduce(sq, group=self.mesh.pp_pg)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale all gradients by min(1, max_norm / (norm + 1e-6)); returns the norm before."""
+        norm = self.grad_norm()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+        return norm
