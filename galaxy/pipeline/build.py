@@ -1,0 +1,44 @@
+"""Build this rank's pipeline stage, and the runner that fits any mesh."""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from galaxy.models.build import build_model
+from galaxy.parallel.data_parallel import DataParallelRunner
+from galaxy.pipeline.runner import PipelineRunner
+from galaxy.pipeline.split import stage_layer_ranges
+from galaxy.pipeline.stage import keep_stage
+
+
+def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
+                   device="cpu", dropout: float | None = None,
+                   stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
+                   schedule: str = "1f1b", autocast=nullcontext) -> PipelineRunner:
+    """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
+
+    The full model is built and loaded, then everything the stage does not run is dropped.
+    """
+    model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed,
+                        device=device, dropout=dropout)
+    ranges = stage_layer_ranges(model.config.num_hidden_layers, mesh.pp_size, stage_num_hidden_layers_list)
+    keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
+    return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
+                          device=device, autocast=autocast)
+
+
+def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
+                 device="cpu", dropout: float | None = None,
+                 stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
+                 schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext):
+    """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
+
+    num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
+    to the rest (a pipeline's micro-batches are its accumulation).
+    """
+    if mesh.pp_size > 1:
+        return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
+                              dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
+                              num_microbatches=num_microbatches, schedule=schedule, autocast=autocast)
+    model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
+                        dropout=dropout)
+    return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)

@@ -1,0 +1,131 @@
+"""Pipeline-parallel training of one model: this rank runs one stage of a Galaxy group.
+
+Stage p of replica d is the Galaxy group at mesh coordinates (p, d); its rank r exchanges
+activations with rank r of stages p - 1 and p + 1 over the mesh's pp group (shards of
+corresponding ranks have identical shapes, so every send has a matching receive). Within a step:
+
+  1. this replica's rows are cut into num_microbatches micro-batches;
+  2. the schedule (gpipe | 1f1b) runs them: the first stage embeds, every stage runs its layers,
+     the last stage's loss function runs the head and scales each micro-batch's loss
+     (galaxy.parallel.loss_scale) so that the scaled losses add up to the global-batch mean;
+  3. data parallelism: the stage module is wrapped in DDP over the dp group; pipelining keeps
+     DDP quiet until the last micro-batch's backward, which all-reduces the accumulated gradients;
+  4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group;
+  5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
+
+Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
+hidden] per carry tensor), so no metadata exchange or trial forward runs; one schedule is kept
+per batch shape.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+from galaxy.parallel.data_parallel import wrap_data_parallel
+from galaxy.parallel.grad_sync import GradientSync
+from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
+from galaxy.parallel.runner import Runner
+from galaxy.pipeline.schedule import SCHEDULES, make_schedule
+from galaxy.pipeline.stage import StageModule, carry_shape, example_carry
+
+
+class PipelineRunner(Runner):
+    def __init__(self, model, plan, mesh, *, num_microbatches: int, schedule: str = "1f1b",
+                 device=None, autocast=nullcontext):
+        super().__init__(model, mesh, autocast)
+        self.plan, self.n, self.schedule_name = plan, num_microbatches, schedule
+        self.device = torch.device(device or "cpu")
+        self.module = wrap_data_parallel(StageModule(model), mesh.dp_pg, self.device)
+        self.sync = GradientSync(model, mesh.galaxy.pg)
+        self._schedules: dict[tuple[int, int], object] = {}
+        self._total_units = None
+        if schedule not in SCHEDULES:
+            raise ValueError(f"pipeline_schedule {schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
+
+    # --- training -----------------------------------------------------------------------------
+
+    def step(self, batch: dict) -> torch.Tensor:
+        """batch: this replica's rows, on every stage (each stage uses what it needs)."""
+        m, mesh = self.model, self.mesh
+        mask = batch["attention_mask"]                                   # [B, S]
+        rows, seq_len = mask.shape
+        if rows % self.n:
+            raise ValueError(f"{rows} rows per replica are not divisible by num_microbatches {self.n}")
+        schedule = self._schedule_for(rows // self.n, seq_len)
+        args = (batch["input_ids"],) if m.is_first_stage else ()
+        kwargs = {"attention_mask": mask}
+        if m.is_first_stage and batch.get("token_type_ids") is not None:
+            kwargs["token_type_ids"] = batch["token_type_ids"]
+        target, losses = None, None
+        if m.is_last_stage:
+            target, losses = batch["labels"], []
+            self._total_units = total_loss_units(m, target, mesh.dp_pg)
+        with self.autocast():
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        self.sync()
+        if m.is_last_stage:
+            loss = mean_over_replicas(torch.stack([x.detach() for x in losses]).sum(), mesh.dp_pg, mesh.dp_size)
+        else:
+            loss = torch.zeros((), device=self.device)
+        return self._from_last_stage(loss)
+
+    def _loss(self, carry: tuple, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's head on one micro-batch, scaled toward the global-batch mean."""
+        _, loss = self.model.head(carry, labels)
+        return loss.float() * loss_scale(self.model, labels, self._total_units, self.mesh.dp_size)
+
+    def _schedule_for(self, rows: int, seq_len: int):
+        key = (rows, seq_len)
+        if key not in self._schedules:
+            m, mesh = self.model, self.mesh
+            dtype = next(m.parameters()).dtype
+            carry = example_carry(m, carry_shape(m, self.plan.con_layout, rows, seq_len), dtype)
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.is_first_stage else carry
+            stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
+                                  input_args=inputs, output_args=carry, group=mesh.pp_pg)
+            self._schedules[key] = make_schedule(self.schedule_name, stage, self.n, self._loss)
+        return self._schedules[key]
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        dist.broadcast(t, src=dist.get_global_rank(self.mesh.pp_pg, self.mesh.pp_size - 1),
+                       group=self.mesh.pp_pg)
+        return t
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None):
+        """Forward only, the whole batch at once, stage after stage: (logits, loss) on every rank.
+
+        Same signature and result as the model's forward (logits as the last stage's Galaxy rank
+        holds them). Every stage needs attention_mask (or input_ids, for an all-ones mask).
+        """
+        m, mesh = self.model, self.mesh
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        rows, seq_len = attention_mask.shape
+        pg, prev, nxt = mesh.pp_pg, mesh.pp_rank - 1, mesh.pp_rank + 1
+        with self.autocast():
+            if m.is_first_stage:
+                carry = m.embed(input_ids, token_type_ids)
+            else:
+                shape = carry_shape(m, self.plan.con_layout, rows, seq_len)
+                carry = tuple(torch.empty(shape, dtype=next(m.parameters()).dtype, device=self.device)
+                              for _ in range(m.carry_size))
+                for t in carry:
+                    dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)
+            carry = m.run_layers(carry, m.layer_context(attention_mask), m.layers)
+            if not m.is_last_stage:
+                for t in carry:
+                    dist.send(t.contiguous(), dst=dist.get_global_rank(pg, nxt), group=pg)
+                out = [None]
+            else:
+                out = [m.head(carry, labels)]
+        dist.broadcast_object_list(out, src=dist.get_global_rank(pg, mesh.pp_size - 1), group=pg,
+                                   device=self.device if self.device.type == "cuda" else None)
+        logits, loss = out[0]
+        return logits.to(self.device), None if loss is None else loss.to(self.device)

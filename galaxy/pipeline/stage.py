@@ -1,0 +1,91 @@
+"""One pipeline stage of a model: its own layers, plus the embeddings (first) or head (last).
+
+`keep_stage` prunes a built model (full weights loaded, plan applied) in place. Parameter names
+stay those of the full model ("layers.{i}..." with the global layer index i), so the gradient
+rules, gather_full, checkpoints and the Hugging Face name map work on a stage unchanged.
+`StageModule` is what torch.distributed.pipelining runs: carry in, carry out.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from galaxy.distributed.transitions import Layout
+
+
+class LayerSlice(nn.Module):
+    """Some of a model's layers, registered under their global indices; iterates in order."""
+
+    def __init__(self, layers: dict[int, nn.Module]):
+        super().__init__()
+        for i, layer in sorted(layers.items()):
+            self.add_module(str(i), layer)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    @property
+    def indices(self) -> list[int]:
+        return [int(k) for k in self._modules]
+
+
+def _shared_across_ends(model: nn.Module) -> list[str]:
+    """Parameters that both the first and the last stage would hold (tied embeddings)."""
+    first = {id(p) for name in model.first_stage_modules for p in getattr(model, name).parameters()}
+    return [f"{name}.{n}" for name in model.last_stage_modules
+            for n, p in getattr(model, name).named_parameters() if id(p) in first]
+
+
+def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """Drop everything stage (layers, first, last) does not run; returns the same model."""
+    if not (first and last):
+        tied = _shared_across_ends(model)
+        if tied:
+            raise ValueError(f"{tied[0]} is tied to the input embeddings, which live on another "
+                             f"pipeline stage; untie the weights (tie_word_embeddings false) or use pp_deg 1")
+    model.layers = LayerSlice({i: model.layers[i] for i in layers})
+    for name in () if first else model.first_stage_modules:
+        delattr(model, name)
+    for name in () if last else model.last_stage_modules:
+        delattr(model, name)
+    kept = {n for n, _ in model.named_parameters()}
+    model.param_rules = {n: r for n, r in model.param_rules.items() if n in kept}
+    model.stage_layers, model.is_first_stage, model.is_last_stage = layers, first, last
+    return model
+
+
+def carry_shape(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) -> tuple[int, int, int]:
+    """Shape of every carry tensor between stages: [rows, s_con, hidden], s_con = own tokens under S."""
+    g = model.group
+    s_con = g.seq[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
+    return rows, s_con, model.config.hidden_size
+
+
+class StageModule(nn.Module):
+    """Runs one stage. First stage: (input_ids [b, S],) in; others: the carry, [b, s_con, h] each.
+
+    Every stage gets the micro-batch's attention_mask [b, S] as a keyword argument (pipelining
+    splits keyword tensors into micro-batches for every stage), so no mask travels between stages.
+    Returns the carry; the last stage's head and loss run in the schedule's loss function.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs, attention_mask, token_type_ids=None):
+        m = self.model
+        carry = m.embed(inputs[0], token_type_ids) if m.is_first_stage else inputs
+        return m.run_layers(tuple(carry), m.layer_context(attention_mask), m.layers)
+
+
+def example_carry(model: nn.Module, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple:
+    """Meta tensors describing a carry, for the stage's static send/receive buffers.
+
+    requires_grad marks them as differentiable: a stage receives its input's gradient only if so.
+    """
+    return tuple(torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
+                 for _ in range(model.carry_size))
