@@ -119,7 +119,7 @@ class ClassifierTrainer:
                                         self.schedule, grad_accum_steps=cfg.grad_accum_steps,
                                         clip_grad=cfg.clip_grad, autocast=self.autocast)
         self.step, self.tokens_seen = 0, 0
-        self.saved_step = self.evaluated_step = None    # the last step saved / evaluated in this run
+        self.saved_step = None          # the step of the newest checkpoint this run saved or resumed from
         self.notes: list[str] = []
         if job.resume is not None:
             self._restore(job.resume)
@@ -146,6 +146,7 @@ class ClassifierTrainer:
         load_optimizer_state(self.model, self.optimizer, ckpt.optimizer_tensors(), state["optimizer_groups"])
         self.batches.load_state_dict(state["data"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.saved_step = self.step
         restore_rng(self.model, self.env.device, ckpt.rng_tensors(), same_layout=state["layout"] == self.layout(),
                     seed=self.cfg.seed, step=self.step)
         if state["schedule"] != self.schedule.state_dict():
@@ -173,7 +174,6 @@ class ClassifierTrainer:
             return None
         result = self.evaluate(self.job.dev_set)
         metrics.log_event("eval", step=self.step, **result)
-        self.evaluated_step = self.step
         return result
 
     def _note(self, text: str) -> None:
@@ -189,50 +189,14 @@ class ClassifierTrainer:
                           world=env.world, plan=self.layout()["plan"])
         for note in self.notes:
             self._note(note)
-        first_step, run_tokens, train_time, loss_value = self.step, 0, 0.0, math.nan
-        self.saved_step = first_step if job.resume else None     # that checkpoint exists already
-        self.evaluated_step = None
-        bar = tqdm(total=self.total, initial=self.step, disable=not self.lead, desc="train", unit="step",
-                   dynamic_ncols=True)
-        start = time.perf_counter()
-        while self.step < self.total:
-            for batch in self.batches:
-                t0 = time.perf_counter()
-                batch = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
-                loss, norm = self.train_step(batch, self.step + 1)
-                loss_value = loss.item()           # the global-batch mean, the same on every rank
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss became {loss_value} at step {self.step + 1}")
-                self.step += 1
-                tokens = int(batch["attention_mask"].sum())
-                dt = time.perf_counter() - t0
-                run_tokens, train_time = run_tokens + tokens, train_time + dt
-                self.tokens_seen += tokens
-                extra = {} if norm is None else {"grad_norm": norm.item()}
-                metrics.log_step(self.step, loss_value, self.optimizer.param_groups[0]["lr"], tokens, dt, **extra)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{run_tokens / train_time:.0f}")
-                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < self.total:
-                    dev = self._eval_dev(metrics)
-                    bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{run_tokens / train_time:.0f}",
-                                    dev_acc=f"{dev['accuracy']:.3f}" if dev else "-")
-                if cfg.save_dir and cfg.save_interval and self.step % cfg.save_interval == 0:
-                    self.save()
-                if self.step >= self.total:
-                    break
-        bar.close()
-
-        summary = {"steps": self.step, "steps_this_run": self.step - first_step,
-                   "wall_s": 0.0, "tokens": run_tokens,
+        first_step, start = self.step, time.perf_counter()
+        loss_value, run_tokens, train_time = self._train(metrics)
+        summary = {"steps": self.step, "steps_this_run": self.step - first_step, "tokens": run_tokens,
                    "tokens_per_s": round(run_tokens / train_time, 1) if train_time else 0.0,
                    "final_loss": loss_value}
-        dev = self._eval_dev(metrics) if self.evaluated_step != self.step else None
-        if dev:
-            summary.update(dev_loss=dev["loss"], dev_accuracy=dev["accuracy"])
-        if job.test_set:
-            test = self.evaluate(job.test_set)
-            metrics.log_event("test", step=self.step, **test)
-            summary.update(test_loss=test["loss"], test_accuracy=test["accuracy"])
+        for split, result in (("dev", self._eval_dev(metrics)), ("test", self._eval_test(metrics))):
+            if result is not None:
+                summary.update({f"{split}_loss": result["loss"], f"{split}_accuracy": result["accuracy"]})
         if cfg.save_dir and self.saved_step != self.step:
             self.save()
         if cfg.export_dir:
@@ -248,6 +212,50 @@ class ClassifierTrainer:
             self._plot()
         dist.barrier()
         return summary
+
+    def _train(self, metrics) -> tuple[float, int, float]:
+        """Steps up to self.total, with the periodic evaluations and checkpoints.
+
+        Returns (last loss, non-padding tokens trained on, seconds spent in training steps).
+        """
+        cfg, device = self.cfg, self.env.device
+        loss_value, run_tokens, train_time, dev_acc = math.nan, 0, 0.0, "-"
+        bar = tqdm(total=self.total, initial=self.step, disable=not self.lead, desc="train", unit="step",
+                   dynamic_ncols=True)
+        while self.step < self.total:
+            for batch in self.batches:                 # resumes at the saved data position
+                t0 = time.perf_counter()
+                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+                loss, norm = self.train_step(batch, self.step + 1)
+                loss_value = loss.item()               # the global-batch mean, the same on every rank
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss became {loss_value} at step {self.step + 1}")
+                self.step += 1
+                tokens = int(batch["attention_mask"].sum())
+                dt = time.perf_counter() - t0
+                run_tokens, train_time = run_tokens + tokens, train_time + dt
+                self.tokens_seen += tokens
+                extra = {} if norm is None else {"grad_norm": norm.item()}
+                metrics.log_step(self.step, loss_value, self.optimizer.param_groups[0]["lr"], tokens, dt, **extra)
+                # The final evaluation and save happen after the loop, once.
+                if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < self.total:
+                    dev = self._eval_dev(metrics)
+                    dev_acc = f"{dev['accuracy']:.3f}" if dev else "-"
+                if cfg.save_dir and cfg.save_interval and self.step % cfg.save_interval == 0:
+                    self.save()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{run_tokens / train_time:.0f}", dev_acc=dev_acc)
+                if self.step >= self.total:
+                    break
+        bar.close()
+        return loss_value, run_tokens, train_time
+
+    def _eval_test(self, metrics) -> dict | None:
+        if not self.job.test_set:
+            return None
+        result = self.evaluate(self.job.test_set)
+        metrics.log_event("test", step=self.step, **result)
+        return result
 
     def _plot(self) -> None:
         if not self.cfg.metrics_file:
