@@ -93,18 +93,21 @@ def train_step(runner, batch) -> float:
     return elapsed.item()
 
 
-def bytes_per_step(runner, batch) -> int:
+def comm_per_step(runner, batch):
+    """(bytes this rank sends, collectives it takes part in) in one step."""
     from galaxy.profiler.comm import CommRecorder
     with CommRecorder() as rec:
         runner.step(batch)
     runner.optimizer.zero_grad(set_to_none=True)
-    return rec.stats.total().sent
+    total = rec.stats.total()
+    return total.sent, total.calls
 
 
 def measure(args, runners: dict, batch_size: int) -> dict:
     full = make_batch(args.model_path, batch_size, args.pad_size)
     modes = [m for m in MODES if not (m == "ddp" and batch_size % 2)]
-    out = {m: {"bytes": bytes_per_step(runners[m], local_rows(m, full)), "times": []} for m in modes}
+    out = {m: dict(zip(("bytes", "calls"), comm_per_step(runners[m], local_rows(m, full))), times=[])
+           for m in modes}
     for _ in range(args.warmup):
         for m in modes:
             train_step(runners[m], local_rows(m, full))
@@ -112,7 +115,7 @@ def measure(args, runners: dict, batch_size: int) -> dict:
         for m in modes if i % 2 == 0 else modes[::-1]:
             out[m]["times"].append(train_step(runners[m], local_rows(m, full)))
     return {m: {"step_ms": 1e3 * statistics.median(r["times"]), "min_ms": 1e3 * min(r["times"]),
-                "mb_per_step": r["bytes"] / 1e6} for m, r in out.items()}
+                "mb_per_step": r["bytes"] / 1e6, "collectives": r["calls"]} for m, r in out.items()}
 
 
 def worker(rank: int, args, port: int, results) -> None:
