@@ -169,11 +169,12 @@ class ClassifierTrainer:
         return evaluate(self.model, examples, self.job.tokenizer, self.cfg.pad_size, self.cfg.batch_size,
                         self.env.device, self.autocast)
 
-    def _eval_dev(self, metrics) -> dict | None:
-        if not self.job.dev_set:
+    def _log_evaluation(self, metrics, event: str, examples) -> dict | None:
+        """Evaluate a held-out set (None: no such set) and log it as {"event": event, "step", ...}."""
+        if not examples:
             return None
-        result = self.evaluate(self.job.dev_set)
-        metrics.log_event("eval", step=self.step, **result)
+        result = self.evaluate(examples)
+        metrics.log_event(event, step=self.step, **result)
         return result
 
     def _note(self, text: str) -> None:
@@ -194,7 +195,8 @@ class ClassifierTrainer:
         summary = {"steps": self.step, "steps_this_run": self.step - first_step, "tokens": run_tokens,
                    "tokens_per_s": round(run_tokens / train_time, 1) if train_time else 0.0,
                    "final_loss": loss_value}
-        for split, result in (("dev", self._eval_dev(metrics)), ("test", self._eval_test(metrics))):
+        for split, event, examples in (("dev", "eval", job.dev_set), ("test", "test", job.test_set)):
+            result = self._log_evaluation(metrics, event, examples)
             if result is not None:
                 summary.update({f"{split}_loss": result["loss"], f"{split}_accuracy": result["accuracy"]})
         if cfg.save_dir and self.saved_step != self.step:
@@ -239,7 +241,7 @@ class ClassifierTrainer:
                 metrics.log_step(self.step, loss_value, self.optimizer.param_groups[0]["lr"], tokens, dt, **extra)
                 # The final evaluation and save happen after the loop, once.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < self.total:
-                    dev = self._eval_dev(metrics)
+                    dev = self._log_evaluation(metrics, "eval", self.job.dev_set)
                     dev_acc = f"{dev['accuracy']:.3f}" if dev else "-"
                 if cfg.save_dir and cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
@@ -249,13 +251,6 @@ class ClassifierTrainer:
                     break
         bar.close()
         return loss_value, run_tokens, train_time
-
-    def _eval_test(self, metrics) -> dict | None:
-        if not self.job.test_set:
-            return None
-        result = self.evaluate(self.job.test_set)
-        metrics.log_event("test", step=self.step, **result)
-        return result
 
     def _plot(self) -> None:
         if not self.cfg.metrics_file:
