@@ -16,10 +16,6 @@ import torch
 from galaxy.distributed.collectives import all_gather_dim
 
 
-def _rule_of(model, name):
-    return model.param_rules[name]
-
-
 def _full_shape(p: torch.Tensor, rule) -> tuple[int, ...]:
     shape = list(p.shape)
     if rule.kind == "sharded":
@@ -41,7 +37,7 @@ def gather_optimizer_state(model, optimizer) -> tuple[dict[str, torch.Tensor], l
     for group, named in _named_groups(model, optimizer):
         groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
         for name, p in named:
-            rule = _rule_of(model, name)
+            rule = model.param_rules[name]
             for key, value in optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
                     continue            # e.g. SGD's momentum_buffer=None before momentum is used
@@ -76,7 +72,7 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
         saved = {k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items()}
         ids = []
         for name, p in named:
-            rule, entry = _rule_of(model, name), {}
+            rule, entry = model.param_rules[name], {}
             for state_key, full in by_param.pop(name, {}).items():
                 if full.dim() == p.dim():       # per-element state: the parameter's full shape
                     if tuple(full.shape) != _full_shape(p, rule):
