@@ -60,6 +60,10 @@ class GalaxyConfig:
     timeout_s: float = 120.0
     pp_deg: int = 1
     dp_deg: int = 1
+    # Pipeline (pp_deg > 1): layers per stage (None: even split), micro-batches per step, schedule.
+    stage_num_hidden_layers_list: list[int] | None = None
+    num_microbatches: int = 1
+    pipeline_schedule: str = "1f1b"
     dropout: float | None = None  # None: keep the model config's dropout probabilities
     # Training loop (galaxy/train): schedule, clipping, accumulation, precision, eval, checkpoints.
     lr_schedule: str = "constant"  # constant | linear | cosine, after warmup_steps of linear warm-up
@@ -107,6 +111,9 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "timeout_s": (float, False),
     "pp_deg": (int, False),
     "dp_deg": (int, False),
+    "stage_num_hidden_layers_list": ("int_list", True),
+    "num_microbatches": (int, False),
+    "pipeline_schedule": (("gpipe", "1f1b"), False),
     "dropout": (float, True),
     "lr_schedule": (("constant", "linear", "cosine"), False),
     "warmup_steps": (int, False),
@@ -120,7 +127,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "resume": (str, True),
     "export_dir": (str, True),
 }
-_POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg",
+_POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg", "num_microbatches",
                   "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints")
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -416,10 +423,34 @@ def validate_for_world(cfg: GalaxyConfig, world: int, rank: int) -> None:
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp_deg {cfg.dp_deg}; "
                           f"use a multiple of {cfg.dp_deg}")
     shape = read_model_shape(cfg.model_path)
+    _validate_pipeline(cfg, shape)
     if cfg.pad_size > shape["max_position_embeddings"]:
         raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
                           f"{shape['max_position_embeddings']}; lower pad_size")
     resolve_splits(cfg, world // cells, shape)
+
+
+def _validate_pipeline(cfg: GalaxyConfig, shape: dict) -> None:
+    layers, stages = shape["num_hidden_layers"], cfg.pp_deg
+    given = cfg.stage_num_hidden_layers_list
+    if given is not None:
+        if len(given) != stages:
+            raise ConfigError(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
+                              f"{stages}; give one layer count per stage")
+        if sum(given) != layers:
+            raise ConfigError(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
+                              f"{layers} layers; make the entries add up to {layers}")
+        if min(given) < 1:
+            raise ConfigError("stage_num_hidden_layers_list entries must be at least 1")
+    elif stages > layers:
+        raise ConfigError(f"pp_deg {stages} exceeds the model's {layers} layers; use at most {layers} stages")
+    if stages > 1 and cfg.pipeline_schedule == "1f1b" and cfg.num_microbatches < stages:
+        raise ConfigError(f"num_microbatches is {cfg.num_microbatches} but the 1f1b schedule needs at least "
+                          f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg)")
+    if stages > 1 and (cfg.batch_size // cfg.dp_deg) % cfg.num_microbatches:
+        raise ConfigError(f"num_microbatches {cfg.num_microbatches} does not divide the "
+                          f"{cfg.batch_size // cfg.dp_deg} rows per replica (batch_size / dp_deg); "
+                          "choose a divisor")
 
 
 # Preset -> methods the entry script fixes. "serial" and "galaxy" fix none: serial runs one
@@ -429,11 +460,20 @@ _PRESETS = {
     "tp": {"att_parallel_method": "TP", "con_parallel_method": "None", "mlp_parallel_method": "TP"},
     "sp": {"att_parallel_method": "SP", "con_parallel_method": "SP", "mlp_parallel_method": "SP"},
     "galaxy": {},
+    "dp": {},
+    "pp": {},
 }
+# pretrain_dp_bert.py / pretrain_pp_bert.py: every rank not claimed by the other axis is a data
+# replica / a pipeline stage, unless the config gives the degree (then the rest is Galaxy groups).
+_PRESET_FILLS = {"dp": ("dp_deg", "pp_deg"), "pp": ("pp_deg", "dp_deg")}
 
 
-def apply_preset(cfg: GalaxyConfig, preset: str, script: str | None = None) -> GalaxyConfig:
+def apply_preset(cfg: GalaxyConfig, preset: str, script: str | None = None,
+                 world: int | None = None) -> GalaxyConfig:
     """A copy of cfg with the parallel methods that the entry script `script` runs.
+
+    For the dp / pp presets with `world` known, an omitted dp_deg / pp_deg becomes
+    world // (the other degree).
 
     A method key the JSON set explicitly to something else is an error rather than being
     silently overridden: the user asked for a method this script does not run.
@@ -445,4 +485,9 @@ def apply_preset(cfg: GalaxyConfig, preset: str, script: str | None = None) -> G
         if key in cfg._given and getattr(cfg, key) != value:
             raise ConfigError(f"{key} is '{getattr(cfg, key)}' but {who} runs {key[:3].upper()} "
                               f"{value}; remove the key or use pretrain_galaxy.py")
-    return dataclasses.replace(cfg, **_PRESETS[preset], preset=preset, _script=script)
+    fill = {}
+    if preset in _PRESET_FILLS and world is not None:
+        key, other = _PRESET_FILLS[preset]
+        if key not in cfg._given:
+            fill[key] = max(1, world // getattr(cfg, other))
+    return dataclasses.replace(cfg, **_PRESETS[preset], **fill, preset=preset, _script=script)

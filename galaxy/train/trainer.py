@@ -1,14 +1,16 @@
-"""The shared training loop of every classification entry script.
+"""The shared training loop of every entry script: one trainer, any task, any mesh.
 
-prepare_classifier runs before any process group starts (so a bad data file or checkpoint is a
-one-line exit 2); train_classifier builds the mesh and the model under the config's plan, restores
-a checkpoint if asked, trains, evaluates, saves, exports and reports.
+prepare_classifier / prepare_causal_lm run before any process group starts (so a bad data file or
+checkpoint is a one-line exit 2); Trainer builds the mesh (pp x dp x Galaxy group), the runner
+(galaxy.pipeline.build_runner: a pipeline of Galaxy-group stages when pp_deg > 1, else Galaxy
+replicas under DDP) and trains; the task (galaxy/train/tasks.py) brings data and evaluation.
 
-Per optimizer step k (1-based): one global batch of batch_size examples, in grad_accum_steps
-micro-batches (galaxy/train/step.py) -> gradient sync -> optional clipping -> lr of step k ->
-update. After step k: the metrics line, the dev evaluation every eval_interval steps, a checkpoint
-every save_interval steps. At the end: dev and test evaluation, a last checkpoint, the Hugging Face
-export, the summary, the plot.
+Per optimizer step k (1-based): one global batch of batch_size rows (each data-parallel replica
+reads only its batch_size / dp_deg rows), forward and backward in grad_accum_steps micro-batches
+(or num_microbatches pipeline micro-batches), gradient sync (Galaxy "sum" rule, DP average) ->
+optional clipping -> lr of step k -> update. After step k: the metrics line, the dev evaluation
+every eval_interval steps, a checkpoint every save_interval steps. At the end: dev and test
+evaluation, a last checkpoint, the Hugging Face export, the summary, the plot.
 """
 from __future__ import annotations
 
@@ -21,103 +23,121 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from galaxy.config import ConfigError, read_model_shape
-from galaxy.data import ClassificationBatches, load_examples
 from galaxy.distributed.mesh import build_mesh
-from galaxy.models.build import CheckpointError, build_model
-from galaxy.parallel.grad_sync import GradientSync
+from galaxy.models.build import CheckpointError
 from galaxy.parallel.plan import ParallelPlan
+from galaxy.pipeline import build_runner
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
-from galaxy.train.evaluate import evaluate
 from galaxy.train.export import export_hf
 from galaxy.train.metrics import MetricsWriter
 from galaxy.train.optim import make_optimizer
 from galaxy.train.optim_state import load_optimizer_state
 from galaxy.train.rng_state import restore_rng
 from galaxy.train.schedule import LRSchedule
-from galaxy.train.step import OptimizerStep, autocast_for
+from galaxy.train.step import autocast_for
 from galaxy.train.summary import format_summary, gather_peak_memory
+from galaxy.train.tasks import CausalLMTask, ClassificationTask
+
+TASK_FAMILIES = {"classification": ("bert",), "causal_lm": ("llama",)}
 
 
 @dataclass
-class ClassifierJob:
+class Job:
     cfg: object
+    task: object              # ClassificationTask | CausalLMTask
     tokenizer: object
-    train_set: list
-    dev_set: list | None
-    test_set: list | None
-    class_names: list[str]
     shape: dict
     resume: Checkpoint | None = None
 
-
-def _held_out(cfg, path, split, class_names):
-    """A dev/test set: the given file, or the embedded dataset's split when training on it."""
-    if path is None and cfg.train_path is not None:
-        return None
-    return load_examples(path, split, class_names)[0]
+    # Kept for callers that predate tasks.
+    @property
+    def class_names(self):
+        return self.task.class_names
 
 
-def check_resumable(ckpt: Checkpoint, cfg, class_names: list[str], train_examples: int) -> None:
+ClassifierJob = Job
+
+
+def check_resumable(ckpt: Checkpoint, cfg, task) -> None:
     """What must not change across a resume for the data position and state to mean the same."""
-    state = ckpt.state
-    for what, saved, now, fix in (
-            ("class names", state["class_names"], class_names, "class_list / the data's labels"),
+    state, now = ckpt.state, task.identity()
+    for what, saved, given, fix in (
+            ("class names", state["class_names"], now["class_names"], "class_list / the data's labels"),
             ("batch_size", state["batch_size"], cfg.batch_size, "batch_size"),
-            ("number of training examples", state["train_examples"], train_examples, "train_path"),
+            ("number of training examples", state["train_examples"], now["train_examples"], "train_path"),
             ("optimizer", state["optimizer"], cfg.optimizer, "optimizer")):
-        if saved != now:
+        if saved != given:
             raise CheckpointError(f"checkpoint {ckpt.path} was trained with {what} {saved!r}, the "
-                                  f"config gives {now!r}; set {fix} as it was, or start afresh")
+                                  f"config gives {given!r}; set {fix} as it was, or start afresh")
 
 
-def prepare_classifier(cfg) -> ClassifierJob:
+def _check_mesh(cfg) -> None:
+    if cfg.batch_size % (cfg.dp_deg * cfg.num_microbatches if cfg.pp_deg > 1 else cfg.dp_deg):
+        what = "dp_deg x num_microbatches" if cfg.pp_deg > 1 else "dp_deg"
+        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by {what}; make it a multiple")
+    if cfg.pp_deg > 1 and (cfg.save_dir or cfg.export_dir or cfg.resume):
+        raise ConfigError("save_dir / resume / export_dir are not supported with pp_deg > 1 yet; "
+                          "remove them or set pp_deg to 1")
+    if cfg.pp_deg > 1 and cfg.grad_accum_steps > 1:
+        raise ConfigError("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
+                          "num_microbatches is its accumulation); remove it")
+
+
+def _prepare(cfg, kind: str) -> Job:
     from transformers import AutoTokenizer
-    if cfg.pp_deg > 1 or cfg.dp_deg > 1:
-        raise ConfigError("pp_deg and dp_deg > 1 are not supported by the classification trainer yet; "
-                          "set them to 1")
     shape = read_model_shape(cfg.model_path)
-    if shape["model_type"] != "bert":
-        raise ConfigError(f"model_path holds a {shape['model_type']!r} model; the classification "
-                          "scripts train BERT models")
-    train_set, class_names = load_examples(cfg.train_path, "train", cfg.class_list)
-    dev_set = _held_out(cfg, cfg.dev_path, "dev", class_names)
-    test_set = _held_out(cfg, cfg.test_path, "test", class_names)
-    if len(train_set) < cfg.batch_size:
-        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(train_set)} training "
+    if shape["model_type"] not in TASK_FAMILIES[kind]:
+        scripts = "the pretrain_*_bert.py scripts" if kind == "classification" else "finetune_llama.py"
+        raise ConfigError(f"model_path holds a {shape['model_type']!r} model; {scripts} train "
+                          f"{' / '.join(TASK_FAMILIES[kind])} models")
+    _check_mesh(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
+    if len(task.train_set) < cfg.batch_size:
+        raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(task.train_set)} training "
                           "examples; lower batch_size")
     resume = resolve_resume(cfg.resume, cfg.save_dir)
     if resume is not None:
-        check_resumable(resume, cfg, class_names, len(train_set))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-    return ClassifierJob(cfg, tokenizer, train_set, dev_set, test_set, class_names, shape, resume)
+        check_resumable(resume, cfg, task)
+    return Job(cfg, task, tokenizer, shape, resume)
+
+
+def prepare_classifier(cfg) -> Job:
+    return _prepare(cfg, "classification")
+
+
+def prepare_causal_lm(cfg) -> Job:
+    return _prepare(cfg, "causal_lm")
 
 
 def plan_of(cfg) -> ParallelPlan:
     return ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
 
 
-class ClassifierTrainer:
-    def __init__(self, job: ClassifierJob, env):
+class Trainer:
+    def __init__(self, job: Job, env):
         cfg = self.cfg = job.cfg
-        self.job, self.env, self.lead = job, env, env.rank == 0
+        self.job, self.task, self.env, self.lead = job, job.task, env, env.rank == 0
         torch.manual_seed(cfg.seed)     # identical on every rank: replicated draws stay in lockstep
-        mesh = build_mesh(cfg, env.rank, env.world, job.shape)
+        self.mesh = mesh = build_mesh(cfg, env.rank, env.world, job.shape)
         self.group = mesh.galaxy
+        self.autocast = autocast_for(cfg.mixed_precision, env.device)
         source = job.resume.model_dir if job.resume else cfg.model_path
-        self.model = build_model(source, plan_of(cfg), mesh.galaxy, num_labels=len(job.class_names),
-                                 seed=cfg.seed, device=env.device, dropout=cfg.dropout)
-        self.model.train()
-        self.optimizer = make_optimizer(cfg, self.model.parameters())
-        self.batches = ClassificationBatches(job.train_set, job.tokenizer, cfg.pad_size, cfg.batch_size,
-                                             cfg.shuffle, cfg.seed)
+        self.runner = build_runner(source, plan_of(cfg), mesh, num_labels=self.task.num_labels, seed=cfg.seed,
+                                   device=env.device, dropout=cfg.dropout, autocast=self.autocast,
+                                   grad_accum_steps=cfg.grad_accum_steps,
+                                   stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
+                                   num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule)
+        self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
+        self.runner.train()
+        self.optimizer = make_optimizer(cfg, self.runner.parameters())
+        # Every stage of a replica reads that replica's rows (the first stage needs the tokens,
+        # the last the labels, all of them the mask); no rank reads another replica's rows.
+        self.batches = self.task.batches(shard=(mesh.dp_rank, mesh.dp_size))
         self.total = len(self.batches) * cfg.num_epochs
         if cfg.max_steps is not None:
             self.total = min(self.total, cfg.max_steps)
         self.schedule = LRSchedule(cfg.lr_schedule, cfg.learning_rate, cfg.warmup_steps, self.total)
-        self.autocast = autocast_for(cfg.mixed_precision, env.device)
-        self.train_step = OptimizerStep(self.model, self.optimizer, GradientSync(self.model, self.group.pg),
-                                        self.schedule, grad_accum_steps=cfg.grad_accum_steps,
-                                        clip_grad=cfg.clip_grad, autocast=self.autocast)
         self.step, self.tokens_seen = 0, 0
         self.saved_step = None          # the step of the newest checkpoint this run saved or resumed from
         self.notes: list[str] = []
@@ -125,6 +145,22 @@ class ClassifierTrainer:
             self._restore(job.resume)
         elif cfg.resume == "latest":
             self.notes.append(f"resume: no checkpoint in {cfg.save_dir} yet, starting from step 0")
+
+    def train_step(self, batch: dict, k: int):
+        """One optimizer step k -> (global-batch mean loss, grad norm or None)."""
+        loss = self.runner.step(batch)
+        norm = self.runner.clip_grad_norm_(self.cfg.clip_grad) if self.cfg.clip_grad is not None else None
+        self.schedule.apply(self.optimizer, k)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def global_tokens(self, batch: dict) -> int:
+        """Non-padding tokens of the whole global batch (replicas hold different rows)."""
+        tokens = batch["attention_mask"].sum()
+        if self.mesh.dp_pg is not None:
+            dist.all_reduce(tokens, group=self.mesh.dp_pg)
+        return int(tokens)
 
     # --- checkpoint state -------------------------------------------------------------------
 
@@ -138,8 +174,7 @@ class ClassifierTrainer:
     def trainer_state(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
                 "schedule": self.schedule.state_dict(), "optimizer": self.cfg.optimizer,
-                "layout": self.layout(), "class_names": self.job.class_names,
-                "batch_size": self.cfg.batch_size, "train_examples": len(self.job.train_set)}
+                "layout": self.layout(), **self.task.identity(), "batch_size": self.cfg.batch_size}
 
     def _restore(self, ckpt: Checkpoint) -> None:
         state = ckpt.state
@@ -158,7 +193,7 @@ class ClassifierTrainer:
         cfg = self.cfg
         path = save_checkpoint(cfg.save_dir, self.step, model=self.model, optimizer=self.optimizer,
                                trainer_state=self.trainer_state(), base_model_path=cfg.model_path,
-                               class_names=self.job.class_names, tokenizer=self.job.tokenizer,
+                               class_names=self.task.class_names, tokenizer=self.job.tokenizer,
                                device=self.env.device, lead=self.lead, keep=cfg.keep_checkpoints)
         self.saved_step = self.step
         self._note(f"checkpoint: {path}")
@@ -166,8 +201,8 @@ class ClassifierTrainer:
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, examples) -> dict:
-        return evaluate(self.model, examples, self.job.tokenizer, self.cfg.pad_size, self.cfg.batch_size,
-                        self.env.device, self.autocast)
+        # Every rank evaluates every example: a Galaxy group needs all of them for each forward.
+        return self.task.evaluate(self.runner, examples, self.env.device, self.autocast)
 
     def _log_evaluation(self, metrics, event: str, examples) -> dict | None:
         """Evaluate a held-out set (None: no such set) and log it as {"event": event, "step", ...}."""
@@ -195,14 +230,14 @@ class ClassifierTrainer:
         summary = {"steps": self.step, "steps_this_run": self.step - first_step, "tokens": run_tokens,
                    "tokens_per_s": round(run_tokens / train_time, 1) if train_time else 0.0,
                    "final_loss": loss_value}
-        for split, event, examples in (("dev", "eval", job.dev_set), ("test", "test", job.test_set)):
+        for split, event, examples in (("dev", "eval", self.task.dev_set), ("test", "test", self.task.test_set)):
             result = self._log_evaluation(metrics, event, examples)
             if result is not None:
-                summary.update({f"{split}_loss": result["loss"], f"{split}_accuracy": result["accuracy"]})
+                summary.update({f"{split}_{key}": value for key, value in result.items()})
         if cfg.save_dir and self.saved_step != self.step:
             self.save()
         if cfg.export_dir:
-            export_hf(self.model, cfg.export_dir, base_model_path=cfg.model_path, class_names=job.class_names,
+            export_hf(self.model, cfg.export_dir, base_model_path=cfg.model_path, class_names=self.task.class_names,
                       tokenizer=job.tokenizer, lead=self.lead)
             self._note(f"export: {cfg.export_dir}")
         summary["wall_s"] = round(time.perf_counter() - start, 3)
@@ -233,7 +268,7 @@ class ClassifierTrainer:
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss became {loss_value} at step {self.step + 1}")
                 self.step += 1
-                tokens = int(batch["attention_mask"].sum())
+                tokens = self.global_tokens(batch)
                 dt = time.perf_counter() - t0
                 run_tokens, train_time = run_tokens + tokens, train_time + dt
                 self.tokens_seen += tokens
@@ -241,7 +276,7 @@ class ClassifierTrainer:
                 metrics.log_step(self.step, loss_value, self.optimizer.param_groups[0]["lr"], tokens, dt, **extra)
                 # The final evaluation and save happen after the loop, once.
                 if cfg.eval_interval and self.step % cfg.eval_interval == 0 and self.step < self.total:
-                    dev = self._log_evaluation(metrics, "eval", self.job.dev_set)
+                    dev = self._log_evaluation(metrics, "eval", self.task.dev_set)
                     dev_acc = f"{dev['accuracy']:.3f}" if dev else "-"
                 if cfg.save_dir and cfg.save_interval and self.step % cfg.save_interval == 0:
                     self.save()
@@ -257,10 +292,17 @@ class ClassifierTrainer:
             return
         try:
             from galaxy.train.plot import plot_metrics
-            print(f"plot: {plot_metrics(self.cfg.metrics_file, chance=1 / len(self.job.class_names))}")
+            names = self.task.class_names
+            print(f"plot: {plot_metrics(self.cfg.metrics_file, chance=1 / len(names) if names else None)}")
         except ImportError:
             print("plot: skipped (matplotlib is not installed; pip install -e '.[demo]')")
 
 
-def train_classifier(job: ClassifierJob, env) -> dict:
-    return ClassifierTrainer(job, env).fit()
+ClassifierTrainer = Trainer
+
+
+def train(job: Job, env) -> dict:
+    return Trainer(job, env).fit()
+
+
+train_classifier = train

@@ -1,0 +1,10 @@
+"""Llama causal-LM fine-tuning (serial, any Galaxy plan, dp_deg / pp_deg mesh), or --generate.
+
+See README.md; run with --help for the arguments.
+"""
+from galaxy.launch import main
+from galaxy.train.generation import add_generation_arguments, prepare_llama, run_llama
+
+if __name__ == "__main__":
+    main(preset="galaxy", prepare_fn=prepare_llama, train_fn=run_llama, add_arguments=add_generation_arguments,
+         script="finetune_llama.py")

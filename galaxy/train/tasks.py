@@ -1,0 +1,104 @@
+"""What a training task brings to the shared trainer: data, batches, evaluation, export metadata.
+
+Two tasks share one trainer (galaxy/train/trainer.py):
+  ClassificationTask  BERT sequence classification; mean cross-entropy over the batch's rows
+  CausalLMTask        Llama causal LM; mean cross-entropy over the batch's non-ignored label tokens
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from galaxy.data import ClassificationBatches, load_examples
+from galaxy.data.causal_lm import IGNORE_INDEX, CausalLMBatches, encode_lm_sample, load_lm_samples
+from galaxy.parallel.full_state import full_sequence_logits
+from galaxy.train.evaluate import evaluate
+
+
+def _target_count(labels: torch.Tensor) -> torch.Tensor:
+    """Label tokens a causal LM is scored on: all but the first position's, not ignored."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+class ClassificationTask:
+    kind = "classification"
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_set, self.class_names = load_examples(cfg.train_path, "train", cfg.class_list)
+        self.dev_set = self._held_out(cfg.dev_path, "dev")
+        self.test_set = self._held_out(cfg.test_path, "test")
+
+    def _held_out(self, path, split):
+        """A dev/test set: the given file, or the embedded dataset's split when training on it."""
+        if path is None and self.cfg.train_path is not None:
+            return None
+        return load_examples(path, split, self.class_names)[0]
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.class_names)
+
+    def batches(self, shard=None):
+        c = self.cfg
+        return ClassificationBatches(self.train_set, self.tokenizer, c.pad_size, c.batch_size, c.shuffle, c.seed, shard)
+
+    @staticmethod
+    def loss_weight(micro: dict) -> torch.Tensor:
+        """What a micro-batch's mean loss is a mean over (its rows)."""
+        return torch.tensor(float(micro["labels"].shape[0]))
+
+    def evaluate(self, model, examples, device, autocast=nullcontext) -> dict:
+        return evaluate(model, examples, self.tokenizer, self.cfg.pad_size, self.cfg.batch_size, device, autocast)
+
+    def identity(self) -> dict:
+        """What must match for a checkpoint's data position to mean the same thing."""
+        return {"class_names": self.class_names, "train_examples": len(self.train_set)}
+
+
+class CausalLMTask:
+    kind = "causal_lm"
+    num_labels = None
+    class_names = None
+
+    def __init__(self, cfg, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.train_set = load_lm_samples(cfg.train_path, "train")
+        embedded = cfg.train_path is None
+        self.dev_set = load_lm_samples(cfg.dev_path, "dev") if cfg.dev_path or embedded else None
+        self.test_set = load_lm_samples(cfg.test_path, "test") if cfg.test_path or embedded else None
+
+    def batches(self, shard=None):
+        c = self.cfg
+        return CausalLMBatches(self.train_set, self.tokenizer, c.pad_size, c.batch_size, c.shuffle, c.seed, shard)
+
+    @staticmethod
+    def loss_weight(micro: dict) -> torch.Tensor:
+        return _target_count(micro["labels"]).float()
+
+    @torch.no_grad()
+    def evaluate(self, model, samples, device, autocast=nullcontext) -> dict:
+        """Token-weighted mean loss, perplexity and next-token accuracy over every sample."""
+        was_training = model.training
+        model.eval()
+        loss_sum, tokens, correct = 0.0, 0, 0
+        local = getattr(model, "model", model)   # a runner's own model knows the head's layout
+        for start in range(0, len(samples), self.cfg.batch_size):
+            rows = [encode_lm_sample(self.tokenizer, *s, self.cfg.pad_size)
+                    for s in samples[start:start + self.cfg.batch_size]]
+            ids, mask, labels = (torch.stack(t).to(device) for t in zip(*rows))
+            with autocast():
+                logits, loss = model(ids, attention_mask=mask, labels=labels)
+            n = int(_target_count(labels))
+            loss_sum += loss.item() * n
+            tokens += n
+            targets = labels[:, 1:]
+            predicted = full_sequence_logits(local, logits)[:, :-1].argmax(-1)
+            correct += int(((predicted == targets) & (targets != IGNORE_INDEX)).sum())
+        model.train(was_training)
+        loss = loss_sum / max(tokens, 1)
+        return {"loss": loss, "perplexity": float(torch.tensor(loss).exp()), "accuracy": correct / max(tokens, 1)}
+
+    def identity(self) -> dict:
+        return {"class_names": None, "train_examples": len(self.train_set)}

@@ -1,0 +1,103 @@
+"""finetune_llama.py and finetune_pp_llama.py, run as users run them, report HF's losses and
+generate HF's tokens.
+
+A tiny Llama (grouped-query attention, a BPE tokenizer trained by galaxy.models.tiny_llama)
+trains 3 SGD steps on a .txt file: serial, the Galaxy plan at world 2 (uneven shares, whole K/V
+groups), and a 2-stage pipeline with 4 micro-batches. The losses in metrics_file must equal HF
+LlamaForCausalLM trained on the same batches (mean over the global batch's label tokens).
+--generate under the Galaxy plan must print HF generate's greedy tokens.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_pool import free_port
+
+from galaxy.data.causal_lm import encode_lm_sample
+from galaxy.models.tiny_llama import write_tiny_llama
+from galaxy.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, BATCH, PAD, LR = 3, 8, 24, 0.5
+GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
+              tp_num_attention_heads_list=[2, 2], tp_intermediate_size_list=[200, 144], seq_scatter_list=[13, 11])
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    import pydoc_data.topics
+    tmp = tmp_path_factory.mktemp("llama_entry")
+    model_dir = write_tiny_llama(str(tmp / "model"), vocab_size=512, seed=1)
+    lines = [" ".join(t.split()[:max(4, 28 - i)]) for i, t in enumerate(list(pydoc_data.topics.topics.values())[:BATCH * STEPS])]
+    train = tmp / "train.txt"
+    train.write_text("\n".join(lines) + "\n")
+    return dict(tmp=tmp, model_dir=model_dir, train=str(train), lines=lines)
+
+
+def write_config(job, name, **extra):
+    cfg = dict(model_path=job["model_dir"], train_path=job["train"], pad_size=PAD, batch_size=BATCH,
+               learning_rate=LR, optimizer="sgd", max_steps=STEPS, shuffle=False, timeout_s=60,
+               metrics_file=str(job["tmp"] / f"{name}.jsonl"), **extra)
+    path = job["tmp"] / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path), cfg["metrics_file"]
+
+
+def run_script(script, config, world, *extra):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, script, "--config_file", config, "--world", str(world), "--rank",
+                               str(r), "--init_method", f"tcp://127.0.0.1:{port}", *extra],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    return outs
+
+
+def hf_losses(job):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(job["model_dir"])
+    tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        rows = [encode_lm_sample(tok, line, None, PAD) for line in job["lines"][step * BATCH:(step + 1) * BATCH]]
+        ids, mask, labels = (torch.stack(t) for t in zip(*rows))
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("script,world,extra", [
+    ("finetune_llama.py", 1, {}),
+    ("finetune_llama.py", 2, GALAXY),
+    ("finetune_pp_llama.py", 2, dict(stage_num_hidden_layers_list=[3, 1], num_microbatches=4)),
+], ids=["serial", "galaxy-w2", "pp-w2"])
+def test_llama_script_reports_hf_losses(job, script, world, extra):
+    config, metrics_file = write_config(job, f"{script[:-3]}-{world}", **extra)
+    run_script(script, config, world)
+    steps = [r for r in read_metrics(metrics_file) if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    for r, ref in zip(steps, hf_losses(job)):
+        assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
+
+
+def test_generate_prints_hf_greedy_tokens(job):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    prompt = "The assert statement"
+    tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    enc = tok(prompt, return_tensors="pt")
+    want = LlamaForCausalLM.from_pretrained(job["model_dir"]).generate(**enc, max_new_tokens=6, do_sample=False)
+    want = want[0, enc["input_ids"].shape[1]:].tolist()
+    config, _ = write_config(job, "generate", **GALAXY)
+    out = run_script("finetune_llama.py", config, 2, "--generate", prompt, "--max_new_tokens", "6")[0]
+    assert f"generated token ids: {want}" in out, out
