@@ -9,20 +9,17 @@ BertForSequenceClassification trained on the same batches.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from dist_pool import free_port
+from script_runner import run_script
 from tiny_models import make_tiny_bert
 
 from galaxy.data import pydoc_topics_dataset
 from galaxy.models.packaged_minilm import packaged_minilm_dir
 from galaxy.train.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH, PAD, LR = 3, 8, 16, 0.2
 CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
 
@@ -48,18 +45,6 @@ def write_config(job, name, **extra):
     path = job["tmp"] / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return str(path), cfg["metrics_file"]
-
-
-def run_script(script, config, world):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, script, "--config_file", config, "--world", str(world),
-                               "--rank", str(r), "--init_method", f"tcp://127.0.0.1:{port}"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
 
 
 def hf_losses(job):

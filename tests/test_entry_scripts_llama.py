@@ -8,20 +8,16 @@ LlamaForCausalLM trained on the same batches (mean over the global batch's label
 --generate under the Galaxy plan must print HF generate's greedy tokens.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from dist_pool import free_port
+from script_runner import run_script
 
 from galaxy.data.causal_lm import encode_lm_sample
 from galaxy.models.tiny_llama import write_tiny_llama
 from galaxy.train.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH, PAD, LR = 3, 8, 24, 0.5
 GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
               tp_num_attention_heads_list=[2, 2], tp_intermediate_size_list=[200, 144], seq_scatter_list=[13, 11])
@@ -46,19 +42,6 @@ def write_config(job, name, **extra):
     path = job["tmp"] / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return str(path), cfg["metrics_file"]
-
-
-def run_script(script, config, world, *extra):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, script, "--config_file", config, "--world", str(world), "--rank",
-                               str(r), "--init_method", f"tcp://127.0.0.1:{port}", *extra],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
-    return outs
 
 
 def hf_losses(job):

@@ -4,28 +4,18 @@ pretrain_galaxy.py on 2 processes with eval_interval, a test set, clipping and m
 bad row in a held-out file, which must stop the script before any process group starts.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 
-from dist_pool import free_port
+from script_runner import launch as launch_script
 from trainer_support import GALAXY_W2, make_workspace, write_config
 
 from galaxy.train.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(config, world):
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "pretrain_galaxy.py", "--config_file", config, "--world", str(world),
-                               "--rank", str(r), "--init_method", f"tcp://127.0.0.1:{port}"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    return launch_script("pretrain_galaxy.py", config, world)
 
 
 @pytest.fixture(scope="module")

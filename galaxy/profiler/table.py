@@ -96,7 +96,7 @@ def comm_table(reports: list[ProfileReport], expected: dict | None = None) -> st
                               widths, 2))
     if expected is not None:
         ok = all(r.comm["by_kind"] == expected for r in reports)
-        lines.append(f"closed form of the plan's transitions: "
+        lines.append("closed form of the plan's transitions: "
                      + ", ".join(f"{k} {c['calls']} calls {human(c['sent'], 'B', 1024)}" for k, c in expected.items())
                      + (" -- matches every rank" if ok else " -- DIFFERS from the measured bytes"))
     lines.append("bytes per rank on the wire in a ring algorithm: all-gather and reduce-scatter (N-1) x padded "
