@@ -77,7 +77,7 @@ def hf_losses(job):
     ("pretrain_galaxy.py", 4, dict(dp_deg=2, tp_num_attention_heads_list=[4, 2], seq_scatter_list=[9, 7])),
 ], ids=["serial", "galaxy-w2", "tp-w2", "sp-w3", "dp-w2", "pp-w2", "dp2xgalaxy2-w4"])
 def test_script_reports_hf_losses(job, script, world, extra):
-    config, metrics_file = write_config(job, script.removesuffix(".py"), **extra)
+    config, metrics_file = write_config(job, f"{script.removesuffix('.py')}-w{world}", **extra)
     run_script(script, config, world)
     records = read_metrics(metrics_file)
     steps = [r for r in records if "step" in r and "event" not in r]
