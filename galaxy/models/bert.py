@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 
 from galaxy.distributed.transitions import Layout, Transition
 from galaxy.layers.block import TransformerBlock
+from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 
 
@@ -48,7 +49,7 @@ class BertAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.head_dim = h // cfg.num_attention_heads
         self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
-        self.out = nn.Linear(h, h)
+        self.out = OutputProjection(h, h)
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
         self.local_rows = None         # SP: own query rows (unused: BERT's mask broadcasts over rows)
@@ -78,7 +79,7 @@ class BertAttention(nn.Module):
         with self.rng_scope() if p > 0 else nullcontext():
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return F.linear(ctx, self.out.weight), self.out.bias
+        return self.out(ctx), self.out.bias
 
 
 class BertMLP(nn.Module):
@@ -89,7 +90,7 @@ class BertMLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.down = OutputProjection(cfg.intermediate_size, cfg.hidden_size)
         self.act = ACT2FN[cfg.hidden_act]
 
     def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
@@ -99,7 +100,7 @@ class BertMLP(nn.Module):
         return {"up.weight": (0, shares), "up.bias": (0, shares), "down.weight": (1, shares)}
 
     def forward(self, x):
-        return F.linear(self.act(self.up(x)), self.down.weight), self.down.bias
+        return self.down(self.act(self.up(x))), self.down.bias
 
 
 class BertConnector(nn.Module):
@@ -110,6 +111,7 @@ class BertConnector(nn.Module):
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout_p = cfg.hidden_dropout_prob
         self.rng_scope = nullcontext   # SP: each rank draws for its own tokens
+        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
 
     def forward(self, x, bias, residual):
         if bias is not None:
@@ -117,6 +119,8 @@ class BertConnector(nn.Module):
         if self.training and self.dropout_p > 0:
             with self.rng_scope():
                 x = F.dropout(x, self.dropout_p, True)
+        if self.adapter is not None:
+            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
         y = self.norm(x + residual)
         return y, y
 
@@ -143,6 +147,9 @@ class BertForClassification(nn.Module):
         p = cfg.classifier_dropout if getattr(cfg, "classifier_dropout", None) is not None else cfg.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(cfg.hidden_size, num_labels)
+        # Ladder side-tuning (galaxy.peft.side) sets these: the side network's input and output
+        # projections (its per-layer blocks are `layers[i].side`) and "side" | "side_only".
+        self.side_in, self.side_out, self.side_mode = None, None, None
 
     def plan_head(self, con_layout, group) -> dict:
         """Only the first token leaves the encoder: gather one token per rank (S -> R)."""
@@ -151,26 +158,39 @@ class BertForClassification(nn.Module):
 
     # The forward pass in three stage-friendly pieces: a pipeline stage runs `embed` (first
     # stage), `run_layers` over its own layers, `head` (last stage). `carry` is what flows
-    # between layers and stages: (hidden,) for post-norm BERT.
+    # between layers and stages: (hidden,) for post-norm BERT, (hidden, side state) under
+    # side-tuning.
+
+    def backbone_grad(self):
+        """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
+        return torch.no_grad() if self.side_mode else nullcontext()
 
     def embed(self, input_ids, token_type_ids=None) -> tuple:
         # input_ids, token_type_ids: [b, S] (full sequence on every rank) -> ([b, s_con, h],)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        return (self.enter(self.embeddings(input_ids, token_type_ids)),)
+        with self.backbone_grad():
+            h = self.enter(self.embeddings(input_ids, token_type_ids))
+        return (h,) if self.side_in is None else (h, self.side_in(h))
 
     def layer_context(self, attention_mask) -> dict:
         """Keyword arguments every layer needs, from the [b, S] padding mask (or None)."""
         return {"mask": None if attention_mask is None else attention_mask.bool()[:, None, None, :]}
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        (h,) = carry
+        h, *side = carry
         for layer in layers:
-            h, _ = layer(h, h, **context)
-        return (h,)
+            if self.side_mode != "side_only":       # side-only never runs the backbone's layers
+                with self.backbone_grad():
+                    h, _ = layer(h, h, **context)
+            if side:
+                side = [layer.side(side[0], h, context)]
+        return (h, *side)
 
     def head(self, carry: tuple, labels=None):
-        (h,) = carry
+        h, *side = carry
+        if side:
+            h = self.side_out(h, side[0])
         # Under SP each rank's first local token is gathered; rank 0's is the global [CLS].
         cls = self.exit(h[:, :1])[:, 0]                                 # [b, h]
         pooled = torch.tanh(self.pooler(cls))
@@ -201,6 +221,14 @@ HF_NAMES = {
     "layers.{i}.con2.norm.{w}": "bert.encoder.layer.{i}.output.LayerNorm.{w}",
     "pooler.{w}": "bert.pooler.dense.{w}",
     "classifier.{w}": "classifier.{w}",
+    # Parameter-efficient fine-tuning (galaxy.peft): LoRA's lora_A / lora_B sit inside the
+    # projections above; adapters and the side network have no Hugging Face module, so they get
+    # names of their own in the same style.
+    "layers.{i}.con1.adapter.{w}": "bert.encoder.layer.{i}.attention.output.adapter.{w}",
+    "layers.{i}.con2.adapter.{w}": "bert.encoder.layer.{i}.output.adapter.{w}",
+    "layers.{i}.side.{rest}": "side.layer.{i}.{rest}",
+    "side_in.{rest}": "side.input.{rest}",
+    "side_out.{rest}": "side.output.{rest}",
 }
 # Checkpoints of a bare BertModel (e.g. all-MiniLM-L6-v2) have no "bert." prefix.
 HF_BASE_PREFIX = "bert."

@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from galaxy.distributed.transitions import (Layout, Transition, copy_for_sharded_consumer,
                                             reduce_to_replicated)
 from galaxy.layers.block import TransformerBlock
+from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 from galaxy.models.weights import NameMap
 
@@ -61,7 +62,7 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.o_proj = OutputProjection(self.num_heads * self.head_dim, h, bias=bias)
         self.dropout_p = cfg.attention_dropout
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
         self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
@@ -107,7 +108,7 @@ class LlamaAttention(nn.Module):
             ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
                                                  enable_gqa=self.group > 1)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return F.linear(ctx, self.o_proj.weight), self.o_proj.bias
+        return self.o_proj(ctx), self.o_proj.bias
 
 
 class LlamaMLP(nn.Module):
@@ -120,7 +121,7 @@ class LlamaMLP(nn.Module):
         h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.down_proj = OutputProjection(i, h, bias=bias)
         self.act = ACT2FN[cfg.hidden_act]
 
     def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
@@ -134,7 +135,7 @@ class LlamaMLP(nn.Module):
         return specs
 
     def forward(self, x):
-        return F.linear(self.act(self.gate_proj(x)) * self.up_proj(x), self.down_proj.weight), self.down_proj.bias
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.down_proj.bias
 
 
 class LlamaConnector(nn.Module):
@@ -144,9 +145,14 @@ class LlamaConnector(nn.Module):
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rng_scope = nullcontext   # no dropout in Llama's residual path
+        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
 
     def forward(self, x, bias, residual):
-        stream = residual + (x if bias is None else x + bias)
+        if bias is not None:
+            x = x + bias
+        if self.adapter is not None:
+            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
+        stream = residual + x
         return stream, self.norm(stream)
 
 
@@ -169,6 +175,9 @@ class LlamaForCausalLM(nn.Module):
         self.enter = Transition()             # embeddings (R) -> CON layout
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_group = None                # set by a plan whose CON layout is S
+        # Ladder side-tuning (galaxy.peft.side) sets these: the side network's input and output
+        # projections (its per-layer blocks are `layers[i].side`) and "side" | "side_only".
+        self.side_in, self.side_out, self.side_mode = None, None, None
         self.materialize()
 
     def materialize(self) -> None:
@@ -183,11 +192,18 @@ class LlamaForCausalLM(nn.Module):
         return {}     # the head weight's gradient is all-reduced in backward (see forward)
 
     # The forward pass in three stage-friendly pieces (see BertForClassification); `carry` is
-    # (residual stream, normalised input of the next block), both [b, s_con, h].
+    # (residual stream, normalised input of the next block), both [b, s_con, h], plus the side
+    # state under side-tuning.
+
+    def backbone_grad(self):
+        """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
+        return torch.no_grad() if self.side_mode else nullcontext()
 
     def embed(self, input_ids, token_type_ids=None) -> tuple:
-        h = self.enter(self.embed_tokens(input_ids))
-        return h, self.first_norm(h)
+        with self.backbone_grad():
+            h = self.enter(self.embed_tokens(input_ids))
+            x = self.first_norm(h)
+        return (h, x) if self.side_in is None else (h, x, self.side_in(h))
 
     def layer_context(self, attention_mask) -> dict:
         """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask."""
@@ -199,13 +215,19 @@ class LlamaForCausalLM(nn.Module):
         return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        stream, x = carry
+        stream, x, *side = carry
         for layer in layers:
-            stream, x = layer(stream, x, **context)
-        return stream, x
+            if self.side_mode != "side_only":       # side-only never runs the backbone's layers
+                with self.backbone_grad():
+                    stream, x = layer(stream, x, **context)
+            if side:
+                side = [layer.side(side[0], stream, context)]
+        return (stream, x, *side)
 
     def head(self, carry: tuple, labels=None):
-        _, x = carry
+        _, x, *side = carry
+        if side:
+            x = self.side_out(x, side[0])
         weight, rows = self.lm_head.weight, slice(None)
         if self.head_group is not None:
             # Each rank scores its own tokens: the replicated head weight gets partial gradients.
@@ -257,12 +279,19 @@ def hf_name_fn(cfg):
         "layers.{i}.con1.norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
         "layers.{i}.mlp.{rest}": "model.layers.{i}.mlp.{rest}",
         "lm_head.weight": "lm_head.weight",
+        # Parameter-efficient fine-tuning (galaxy.peft): LoRA's lora_A / lora_B sit inside the
+        # projections above; adapters and the side network get names of their own.
+        "layers.{i}.con1.adapter.{w}": "model.layers.{i}.post_attention_adapter.{w}",
+        "layers.{i}.con2.adapter.{w}": "model.layers.{i}.mlp_adapter.{w}",
+        "layers.{i}.side.{rest}": "side.layer.{i}.{rest}",
+        "side_in.{rest}": "side.input.{rest}",
+        "side_out.{rest}": "side.output.{rest}",
     })
     last = cfg.num_hidden_layers - 1
 
     def to_hf(name: str) -> str:
         parts = name.split(".")
-        if parts[0] == "layers" and parts[2] == "con2":
+        if parts[0] == "layers" and parts[2] == "con2" and parts[3] == "norm":
             i = int(parts[1])
             return "model.norm.weight" if i == last else f"model.layers.{i + 1}.input_layernorm.weight"
         return table(name)
