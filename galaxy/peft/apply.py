@@ -1,0 +1,199 @@
+"""apply_peft: turn a built (and planned) model into a parameter-efficient fine-tuning one.
+
+    model = build_model(...)                       # full weights, plan applied
+    trainable = apply_peft(model, PeftOptions.from_config(cfg), seed=cfg.seed)
+    optimizer = make_optimizer(cfg, trainable.values())
+    sync = GradientSync(model, group.pg)           # after apply_peft: it sees the new rules
+
+Methods (exactly one): full (nothing changes), lora (galaxy.peft.lora), adapter
+(galaxy.peft.adapter), side and side_only (galaxy.peft.side). Every method except full freezes
+the backbone (requires_grad False: no gradient, no optimizer state) and trains its own new
+parameters plus the task head peft saves in full for the task (modules_to_save: BERT's
+classifier; nothing for a causal LM). New parameters are drawn identically on every rank from
+the seed and the parameter's name, then sliced to the rank's share, and get gradient rules
+(model.param_rules) from the layout they run in, so GradientSync, gather_full, clipping and
+checkpoints handle them like any other parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from galaxy.layers.sharding import slice_like
+from galaxy.models.registry import family_of
+from galaxy.parallel.plan import add_param_rules, replicated_rule
+from galaxy.peft.adapter import add_adapters
+from galaxy.peft.lora import DEFAULT_TARGETS, add_lora, find_targets
+from galaxy.peft.peft_format import MODULES_TO_SAVE, LoraSpec, peft_key, read_lora_dir
+from galaxy.peft.side import add_side, describe_side
+
+METHODS = ("full", "lora", "adapter", "side", "side_only")
+FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
+         "use_side_only": "side_only"}
+
+
+@dataclass(frozen=True)
+class PeftOptions:
+    method: str = "full"                  # one of METHODS
+    lora_dim: int = 8                     # r
+    lora_alpha: float = 16.0              # scaling = alpha / r
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] | str | None = None   # HF module names; None: query, value
+    lora_path: str | None = None          # a peft adapter directory to start from
+    adapter_reduction_dim: int = 64       # the adapters' bottleneck width
+    non_linearity: str = "relu"           # the adapters' activation (transformers' ACT2FN name)
+    side_reduction_factor: int = 8        # side network width = hidden / this
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"PEFT method {self.method!r} is unknown; use one of {METHODS}")
+        if isinstance(self.lora_target_modules, list):
+            object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
+
+    @staticmethod
+    def from_config(cfg) -> "PeftOptions":
+        """From an object with the config keys (full_model, use_lora, use_adapter, use_side,
+        use_side_only, lora_dim, ...; missing ones take the defaults). Exactly one flag must be
+        true; none at all means full fine-tuning."""
+        on = [flag for flag in FLAGS if getattr(cfg, flag, False)]
+        if len(on) > 1:
+            raise ValueError(f"{' and '.join(on)} are all true; set exactly one of "
+                             f"{', '.join(FLAGS)} to true")
+        method = FLAGS[on[0]] if on else "full"
+        names = [f.name for f in PeftOptions.__dataclass_fields__.values() if f.name != "method"]
+        return PeftOptions(method, **{n: getattr(cfg, n) for n in names
+                                      if getattr(cfg, n, None) is not None})
+
+
+@dataclass
+class PeftState:
+    """What apply_peft did (model.peft): the options it ran with (lora_path's r, alpha and
+    targets replacing the config's), the LoRA shape, the head trained in full."""
+    options: PeftOptions
+    lora: LoraSpec | None = None
+    head: tuple[str, ...] = ()
+    description: str = ""
+    trainable: list[str] = field(default_factory=list)
+
+
+def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
+               state: dict[str, torch.Tensor] | None = None) -> dict[str, nn.Parameter]:
+    """Modify the model in place; returns its trainable parameters by name.
+
+    Call it after build_model (and, for a pipeline stage, after keep_stage), before the
+    optimizer, GradientSync and any DDP wrapper are made. Every rank of the group must call it
+    with the same arguments. state: full tensors by Hugging Face name (a checkpoint's model/
+    folder, read_hf_state_dict) that the new parameters resume from.
+    """
+    family = family_of(model.config.model_type)
+    head = tuple(m for m in MODULES_TO_SAVE[family.name] if hasattr(model, m))
+    if options.method == "full":
+        model.peft = PeftState(options, description="full fine-tuning")
+        model.peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}
+    for p in model.parameters():
+        p.requires_grad_(False)
+    con_rule = replicated_rule(model.plan.con_layout, model.group)
+    to_hf = family.hf_name_fn(model.config)
+    peft = PeftState(options, head=head)
+    loaded: dict[str, torch.Tensor] = {}
+    if options.method == "lora":
+        spec = LoraSpec(options.lora_dim, options.lora_alpha,
+                        options.lora_target_modules or DEFAULT_TARGETS[family.name], options.lora_dropout)
+        if options.lora_path:
+            from_dir, tensors = read_lora_dir(options.lora_path)
+            spec = replace(from_dir, dropout=options.lora_dropout)   # its r, alpha, targets win
+            peft.options = replace(options, lora_dim=spec.r, lora_alpha=spec.alpha,
+                                   lora_target_modules=spec.target_modules)
+        targets = find_targets(model, spec.target_modules, to_hf, head)
+        rules = {}
+        for name in targets:
+            rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))
+        add_param_rules(model, rules)
+        if options.lora_path:
+            loaded = _from_peft_dir(model, tensors, options.lora_path, to_hf, list(rules), head)
+        peft.lora = spec
+        peft.description = (f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on "
+                            f"{len(targets)} projections ({', '.join(_short(targets.values()))})")
+    elif options.method == "adapter":
+        add_param_rules(model, add_adapters(model, options.adapter_reduction_dim, options.non_linearity,
+                                            seed, con_rule))
+        peft.description = (f"bottleneck adapters ({options.adapter_reduction_dim}, "
+                            f"{options.non_linearity}) after every attention and MLP output")
+    else:
+        add_param_rules(model, add_side(model, options.side_reduction_factor,
+                                        options.method == "side_only", seed, con_rule))
+        peft.description = describe_side(model)
+    new = [n for n in model.param_rules if _is_peft_param(n)]
+    for name, p in model.named_parameters():
+        if name in new or name.split(".")[0] in head:
+            p.requires_grad_(True)
+    if state is not None:
+        loaded.update({n: t for n, t in ((n, state.get(to_hf(n))) for n in new + _head_params(model, head))
+                       if t is not None})
+    load_full(model, loaded)
+    peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    model.peft = peft
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _is_peft_param(name: str) -> bool:
+    return (".lora_A." in name or ".lora_B." in name or ".adapter." in name or ".side." in name
+            or name.startswith(("side_in.", "side_out.")))
+
+
+def _head_params(model, head) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n.split(".")[0] in head]
+
+
+def _short(hf_names) -> list[str]:
+    return sorted({n.rsplit(".", 1)[-1] for n in hf_names})
+
+
+def _from_peft_dir(model, tensors: dict, path: str, to_hf, lora_names: list[str], head) -> dict:
+    """The directory's tensors by galaxy name; every LoRA tensor the model needs must be there.
+    (A pipeline stage takes its own layers' tensors and leaves the others.)"""
+    keys = {peft_key(to_hf(n)): n for n in lora_names + _head_params(model, head)}
+    unknown = [] if hasattr(model, "stage_layers") else sorted(set(tensors) - set(keys))
+    missing = sorted(peft_key(to_hf(n)) for n in lora_names if peft_key(to_hf(n)) not in tensors)
+    if unknown or missing:
+        what = f"has {unknown[0]!r}, which this model has no place for" if unknown else f"lacks {missing[0]!r}"
+        raise ValueError(f"lora_path {path!r} {what}; was it trained on another model?")
+    return {keys[k]: t for k, t in tensors.items() if k in keys}
+
+
+@torch.no_grad()
+def load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy full (unsharded) tensors, by galaxy name, into this rank's shares."""
+    params, rank = dict(model.named_parameters()), model.group.rank
+    for name, tensor in full.items():
+        p, rule = params[name], model.param_rules[name]
+        if rule.kind == "sharded":
+            tensor = slice_like(tensor, rule.dim, rule.sizes, rank)
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: the saved tensor has shape {tuple(tensor.shape)}, the model "
+                             f"needs {tuple(p.shape)}")
+        p.copy_(tensor)
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of the full model that this rank's part belongs to
+    (sharded parameters count at full size; a pipeline stage counts its own parameters)."""
+    trainable = total = 0
+    for name, p in model.named_parameters():
+        rule = model.param_rules[name]
+        n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def peft_summary(model: nn.Module) -> str:
+    """One line: the method and trainable / total parameters."""
+    trainable, total = parameter_counts(model)
+    peft = getattr(model, "peft", None)
+    what = peft.description if peft else "full fine-tuning"
+    head = f" + {', '.join(peft.head)}" if peft and peft.head and peft.options.method != "full" else ""
+    return f"{what}{head}: {trainable:,} of {total:,} parameters train ({100 * trainable / max(total, 1):.2f}%)"

@@ -1,0 +1,84 @@
+"""Write what a PEFT run trained, whatever plan and world size trained it.
+
+    lora                 a peft adapter directory (galaxy.peft.peft_format): full tensors, HF
+                         module names; PeftModel.from_pretrained(<HF model>, out_dir) reproduces
+                         galaxy's logits
+    lora, merge=True     a plain Hugging Face checkpoint with W + scaling * B A folded in
+                         (galaxy.train.export's folder: config, model.safetensors, tokenizer)
+    adapter, side(_only) galaxy_peft.json (method, options, base model) and
+                         peft_model.safetensors: the trained tensors (new parameters and the task
+                         head) in full, under the Hugging Face-style names of the family's map
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+import torch
+
+from galaxy.models.build import load_hf_config
+from galaxy.models.registry import family_of
+from galaxy.parallel.full_state import gather_full
+from galaxy.peft.lora import merge_into
+from galaxy.peft.peft_format import lora_config_json, peft_key, write_lora_dir
+
+GALAXY_CONFIG, GALAXY_WEIGHTS = "galaxy_peft.json", "peft_model.safetensors"
+
+
+def trained_state(model) -> dict[str, torch.Tensor]:
+    """Collective over the Galaxy group: the trained tensors in full, by Hugging Face name, on the CPU."""
+    to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
+    full = gather_full(model)
+    return {to_hf(n): full[n].to("cpu").contiguous() for n in model.peft.trainable}
+
+
+def lora_adapter_state(model) -> dict[str, torch.Tensor]:
+    """Collective: peft's adapter_model.safetensors tensors (peft keys)."""
+    return {peft_key(hf): t for hf, t in trained_state(model).items()}
+
+
+def merged_hf_state(model) -> dict[str, torch.Tensor]:
+    """Collective: every weight by Hugging Face name with the LoRA updates folded in."""
+    to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
+    merged = merge_into(gather_full(model), model)
+    return {to_hf(n): t.to("cpu").contiguous() for n, t in merged.items()}
+
+
+def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge: bool = False,
+                class_names: list[str] | None = None, tokenizer=None) -> None:
+    """Collective over the Galaxy group (all ranks gather); only the lead rank writes.
+
+    class_names / tokenizer: for merge=True (the HF config's labels, the tokenizer files;
+    default: the base model's tokenizer).
+    """
+    peft = model.peft
+    family = family_of(model.config.model_type).name
+    method = peft.options.method
+    if method == "full":
+        raise ValueError("export_peft exports PEFT runs; a full fine-tuning run uses galaxy.train.export.export_hf")
+    if merge and method != "lora":
+        raise ValueError(f"merge_lora merges LoRA updates; method {method!r} has none to merge")
+    if merge:
+        from galaxy.train.export import classifier_config, write_hf_dir
+        state = merged_hf_state(model)
+        if lead:
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+                tokenizer = AutoTokenizer.from_pretrained(base_model_path)
+            cfg = classifier_config(base_model_path, class_names) if class_names else load_hf_config(base_model_path)
+            write_hf_dir(out_dir, cfg, state, tokenizer)
+        return
+    if method == "lora":
+        state = lora_adapter_state(model)
+        if lead:
+            write_lora_dir(out_dir, lora_config_json(peft.lora, family, base_model_path), state)
+        return
+    state = trained_state(model)
+    if lead:
+        from galaxy.train.files import write_safetensors_atomic, write_text_atomic
+        os.makedirs(out_dir, exist_ok=True)
+        write_safetensors_atomic(os.path.join(out_dir, GALAXY_WEIGHTS), state)
+        doc = {"method": method, "options": asdict(peft.options), "base_model_name_or_path": base_model_path,
+               "model_type": model.config.model_type, "description": peft.description}
+        write_text_atomic(os.path.join(out_dir, GALAXY_CONFIG), json.dumps(doc, indent=2) + "\n")

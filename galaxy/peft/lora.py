@@ -1,0 +1,141 @@
+"""LoRA (Hu et al. 2021): a frozen projection plus a trainable low-rank update.
+
+    y = W x + b + scaling * B A dropout(x),   A: [r, in], B: [out, r], scaling = alpha / r
+
+as peft computes it. Under a plan the update is split like the projection it belongs to:
+
+  column-parallel W (rows sharded: query/key/value, up, gate)  B sharded by rows like W; A whole.
+      y_shard = W_shard x + scaling * B_shard (A x). A's gradient sums over the ranks' B_shards:
+      rule "sum".
+  row-parallel W (columns sharded: out, down, o_proj)           A sharded by columns like W; B whole.
+      y_partial = W_shard x_shard + scaling * B (A_shard x_shard): the LoRA term joins the partial
+      sum before the reduction. B's gradient sums over the ranks' partial A x: rule "sum".
+  whole W on S tokens (SP sub-blocks)                           A, B whole, rule "sum".
+  whole W on R activations (serial, the pooler)                 A, B whole, rule "replicated".
+
+Initial values as peft's: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming-uniform, a = sqrt(5)), B = 0.
+"""
+from __future__ import annotations
+
+import math
+import re
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from galaxy.layers.linear import OutputProjection
+from galaxy.layers.sharding import keep_slice
+from galaxy.parallel.plan import SUM, ParamRule
+from galaxy.peft.seeding import named_generator
+
+# peft's defaults for these architectures: the query and value projections.
+DEFAULT_TARGETS = {"bert": ("query", "value"), "llama": ("q_proj", "v_proj")}
+
+
+class LoraLinear(nn.Linear):
+    """Takes over a projection's weight and bias (the same Parameter objects, frozen) and adds
+    the low-rank update. An OutputProjection's bias stays deferred to CON."""
+
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float,
+                 full_in: int, full_out: int, gen: torch.Generator):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.defers_bias = isinstance(base, OutputProjection)
+        self.r, self.scaling = r, scaling
+        device = base.weight.device
+        self.lora_A = nn.Linear(full_in, r, bias=False, device=device)
+        self.lora_B = nn.Linear(r, full_out, bias=False, device=device)
+        with torch.no_grad():
+            bound = 1 / math.sqrt(full_in)
+            self.lora_A.weight.copy_(torch.rand(r, full_in, generator=gen) * 2 * bound - bound)
+            self.lora_B.weight.zero_()
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rng_scope = nullcontext   # sharded input: the rank's own dropout stream
+
+    def shard_like(self, rule: ParamRule, rank: int) -> tuple[ParamRule, ParamRule]:
+        """Slice A or B like the base weight's rule; returns the rules of (lora_A, lora_B)."""
+        if rule.kind != "sharded":
+            return rule, rule
+        start, length = sum(rule.sizes[:rank]), rule.sizes[rank]
+        if rule.dim == 0:                   # column-parallel: B's rows
+            keep_slice(self.lora_B, "weight", 0, start, length)
+            return SUM, rule
+        keep_slice(self.lora_A, "weight", 1, start, length)   # row-parallel: A's columns
+        return rule, SUM
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, None if self.defers_bias else self.bias)
+        with self.rng_scope() if self.training and isinstance(self.lora_dropout, nn.Dropout) else nullcontext():
+            x = self.lora_dropout(x)
+        return y + self.lora_B(self.lora_A(x)) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
+
+
+def matches(target_modules, hf_module: str) -> bool:
+    """peft's rule: a list names module-name suffixes, a string is a regular expression that
+    must match the whole module name."""
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, hf_module) is not None
+    return any(hf_module == t or hf_module.endswith("." + t) for t in target_modules)
+
+
+def find_targets(model: nn.Module, target_modules, to_hf, heads: tuple[str, ...]) -> dict[str, str]:
+    """{galaxy module name: Hugging Face module name} of the projections LoRA adapts."""
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) not in (nn.Linear, OutputProjection):
+            continue
+        hf = to_hf(f"{name}.weight").removesuffix(".weight")
+        if not matches(target_modules, hf):
+            continue
+        if name in heads:
+            raise ValueError(f"lora_target_modules {target_modules!r} selects the task head {hf!r}, "
+                             "which trains in full; leave it out of the targets")
+        found[name] = hf
+    if not found:
+        raise ValueError(f"lora_target_modules {target_modules!r} match no projection of the model "
+                         f"(e.g. {sorted(DEFAULT_TARGETS.values())}); give module names as in the "
+                         "Hugging Face model")
+    return found
+
+
+def add_lora(model: nn.Module, name: str, r: int, alpha: float, dropout: float, seed: int,
+             rslora: bool = False) -> dict[str, ParamRule]:
+    """Replace projection `name` with a LoraLinear; returns the rules of its new parameters."""
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    base = getattr(parent, attr)
+    rule = model.param_rules[f"{name}.weight"]
+    full_out, full_in = base.weight.shape
+    if rule.kind == "sharded":
+        full_out, full_in = (sum(rule.sizes), full_in) if rule.dim == 0 else (full_out, sum(rule.sizes))
+    scaling = alpha / math.sqrt(r) if rslora else alpha / r
+    lora = LoraLinear(base, r, scaling, dropout, full_in, full_out, named_generator(seed, name))
+    rule_a, rule_b = lora.shard_like(rule, model.group.rank)
+    # Dropout on a sharded input (row-parallel: the rank's features; SP: its tokens) draws from
+    # the rank's own stream; on a replicated input every rank draws the same mask.
+    sharded_input = rule.kind == "sum" or (rule.kind == "sharded" and rule.dim == 1)
+    if sharded_input and getattr(model, "sharded_rng", None) is not None:
+        lora.rng_scope = model.sharded_rng.fork
+    setattr(parent, attr, lora)
+    return {f"{name}.lora_A.weight": rule_a, f"{name}.lora_B.weight": rule_b}
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def merge_into(full: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full (gathered) tensors by galaxy name -> the same with every update folded into its
+    weight (W + scaling * B A) and the lora_A / lora_B tensors dropped."""
+    out = dict(full)
+    for name, m in lora_modules(model).items():
+        a, b = out.pop(f"{name}.lora_A.weight"), out.pop(f"{name}.lora_B.weight")
+        w = out[f"{name}.weight"]
+        out[f"{name}.weight"] = (w.double() + m.scaling * (b.double() @ a.double())).to(w.dtype)
+    return out

@@ -1,0 +1,94 @@
+"""peft's on-disk format for LoRA: an adapter directory Hugging Face peft reads and writes.
+
+    adapter_config.json         peft_type LORA, task_type, r, lora_alpha, lora_dropout,
+                                target_modules, modules_to_save, base_model_name_or_path, ...
+    adapter_model.safetensors   full tensors named "base_model.model.<HF module>.lora_A.weight" /
+                                ".lora_B.weight", and the modules_to_save weights under
+                                "base_model.model.<HF name>" (e.g. the classifier of SEQ_CLS)
+
+so PeftModel.from_pretrained(<HF model>, dir) loads what galaxy trained, and a directory peft
+wrote starts galaxy's training (lora_path). Only plain LoRA is read: options that change what
+LoRA computes (DoRA, LoRA biases, per-module ranks, layer subsets, ...) are refused by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+PREFIX = "base_model.model."
+# peft's task type of each family's galaxy model, and the head modules it saves in full.
+TASK_TYPES = {"bert": "SEQ_CLS", "llama": "CAUSAL_LM"}
+MODULES_TO_SAVE = {"bert": ("classifier",), "llama": ()}
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+# adapter_config.json keys whose non-default values galaxy's LoRA does not compute.
+_UNSUPPORTED = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "rank_pattern": {},
+                "alpha_pattern": {}, "layers_to_transform": None, "exclude_modules": None,
+                "target_parameters": None, "layer_replication": None, "lora_bias": False}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int
+    alpha: float
+    target_modules: tuple[str, ...] | str
+    dropout: float = 0.0
+    rslora: bool = False
+
+
+def peft_key(hf_name: str) -> str:
+    return PREFIX + hf_name
+
+
+def read_lora_dir(path: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """(the directory's LoRA shape, its tensors by peft key)."""
+    config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(config_path) or not os.path.isfile(weights_path):
+        raise FileNotFoundError(f"lora_path {path!r} is not a peft adapter directory (it needs "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise ValueError(f"lora_path {path!r} holds a {cfg.get('peft_type')!r} adapter; only LORA is read")
+    for key, default in _UNSUPPORTED.items():
+        value = cfg.get(key)
+        if value is not None and value != default:
+            raise ValueError(f"lora_path {path!r}: {key} = {cfg[key]!r} is not supported by galaxy's "
+                             f"LoRA (it computes plain LoRA, {key} = {default!r})")
+    targets = cfg["target_modules"]
+    spec = LoraSpec(r=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
+                    target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
+                    dropout=float(cfg.get("lora_dropout", 0.0)), rslora=bool(cfg.get("use_rslora", False)))
+    return spec, load_file(weights_path)
+
+
+def lora_config_json(spec: LoraSpec, family: str, base_model_path: str) -> dict:
+    targets = spec.target_modules
+    return {
+        "peft_type": "LORA",
+        "task_type": TASK_TYPES[family],
+        "base_model_name_or_path": base_model_path,
+        "r": spec.r,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": targets if isinstance(targets, str) else sorted(targets),
+        "modules_to_save": list(MODULES_TO_SAVE[family]) or None,
+        "use_rslora": spec.rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def write_lora_dir(path: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the two files (each atomically: a temporary name, then a rename)."""
+    from galaxy.train.files import write_safetensors_atomic, write_text_atomic
+    os.makedirs(path, exist_ok=True)
+    write_safetensors_atomic(os.path.join(path, WEIGHTS_FILE), tensors)
+    write_text_atomic(os.path.join(path, CONFIG_FILE), json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,207 @@
+"""Rank-side helpers for PEFT fidelity tests.
+
+LoRA: galaxy (any plan, DP, PP) against peft's LoRA on Hugging Face's model trained serially on
+every rank, both started from the same peft adapter directory. Adapters and side-tuning: galaxy
+under a plan against galaxy serial (a one-rank group in the same process), same seed.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parity import hf_bert, hf_llama, rel_err, world_group
+from parity_runners import replica_rows
+
+from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.mesh import make_mesh
+from galaxy.models.build import build_model
+from galaxy.models.registry import family_of
+from galaxy.parallel.data_parallel import DataParallelRunner
+from galaxy.parallel.full_state import full_sequence_logits, gather_full
+from galaxy.parallel.grad_sync import GradientSync
+from galaxy.peft import PeftOptions, apply_peft
+from galaxy.peft.export import lora_adapter_state
+from galaxy.peft.peft_format import peft_key
+from galaxy.pipeline.runner import PipelineRunner
+from galaxy.pipeline.split import stage_layer_ranges
+from galaxy.pipeline.stage import keep_stage
+
+HF = {"bert": hf_bert, "llama": hf_llama}
+
+
+def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[str], r: int = 4,
+                       alpha: float = 8.0, seed: int = 1) -> str:
+    """A peft adapter directory with random, non-zero A and B (and classifier, for BERT)."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(seed)
+    task = {"bert": "SEQ_CLS", "llama": "CAUSAL_LM"}[family]
+    model = get_peft_model(HF[family](model_dir), LoraConfig(task_type=task, r=r, lora_alpha=alpha,
+                                                             target_modules=targets))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_reference(family: str, model_dir: str, adapter_dir: str):
+    from peft import PeftModel
+    return PeftModel.from_pretrained(HF[family](model_dir), adapter_dir, is_trainable=True).train()
+
+
+def reference_tensors(ref) -> dict[str, torch.Tensor]:
+    """What peft's save_pretrained writes: adapter_model.safetensors' tensors by key."""
+    from peft import get_peft_model_state_dict
+    return get_peft_model_state_dict(ref)
+
+
+def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
+    assert set(ours) == set(theirs), (sorted(set(ours) ^ set(theirs)))[:4]
+    return max((rel_err(ours[k], theirs[k]), k) for k in theirs)
+
+
+def _sgd(params, lr):
+    return torch.optim.SGD([p for p in params if p.requires_grad], lr=lr)
+
+
+def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_fn, steps=5, lr=0.1):
+    """5 SGD steps of galaxy LoRA under `plan` and of peft serially. Returns
+    {"loss": per-step rel errors, "tensors": (worst rel error, key) of the adapter tensors,
+    "logits": step-0 rel error, "frozen_grads": frozen parameters that got a gradient}."""
+    torch.manual_seed(0)
+    group = world_group(*shares)
+    model = build_model(model_dir, plan, group, num_labels=3)
+    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
+    sync = GradientSync(model, group.pg)
+    opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
+    ref_opt = _sgd(ref.parameters(), lr)
+    report = {"loss": []}
+    for step in range(steps):
+        batch = batch_fn(seed=step)
+        logits, loss = model(**batch)
+        out = ref(**batch)
+        loss.backward()
+        out.loss.backward()
+        sync()
+        if step == 0:
+            report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
+            report["frozen_grads"] = [n for n, p in model.named_parameters()
+                                      if not p.requires_grad and p.grad is not None]
+        report["loss"].append(rel_err(loss, out.loss))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    report["tensors"] = compare_tensors(lora_adapter_state(model), reference_tensors(ref))
+    return report
+
+
+def lora_mesh_vs_peft(model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2):
+    """LoRA on a pp x dp x Galaxy mesh (DataParallelRunner / PipelineRunner) against peft serially."""
+    torch.manual_seed(0)
+    mesh = make_mesh(pp, dp, *shares)
+    model = build_model(model_dir, plan, mesh.galaxy, num_labels=3)
+    if pp > 1:
+        ranges = stage_layer_ranges(model.config.num_hidden_layers, pp)
+        keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
+    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
+    runner = (PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches) if pp > 1
+              else DataParallelRunner(model, mesh))
+    opt, ref = _sgd(trainable.values(), lr), peft_reference("bert", model_dir, adapter_dir)
+    ref_opt = _sgd(ref.parameters(), lr)
+    to_hf = family_of("bert").hf_name_fn(model.config)
+    report = {"loss": []}
+    for step in range(steps):
+        batch = batch_fn(seed=step, batch=global_batch)
+        out = ref(**batch)
+        out.loss.backward()
+        loss = runner.step(replica_rows(batch, mesh.dp_rank, dp))
+        report["loss"].append(rel_err(loss, out.loss))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = runner.full_state()
+    ours = {peft_key(to_hf(n)): t for n, t in full.items()
+            if ".lora_" in n or n.startswith("classifier.")}
+    report["tensors"] = compare_tensors(ours, reference_tensors(ref))
+    return report
+
+
+def serial_group(shares) -> GalaxyGroup:
+    return GalaxyGroup.serial(*(sum(s) for s in shares))
+
+
+def _galaxy_peft(model_dir, plan, group, options, seed=0):
+    model = build_model(model_dir, plan, group, num_labels=3)
+    trainable = apply_peft(model, options, seed=seed)
+    return model, trainable
+
+
+def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=0.5):
+    """Adapters / side-tuning: galaxy under `plan` against galaxy serial, same seed and batches.
+    Returns {"loss": per-step rel errors, "tensors": (worst, name) over the trained tensors,
+    "logits": step-0 rel error, "base_logits": step-0 rel error against the model without PEFT}."""
+    torch.manual_seed(0)
+    group = world_group(*shares)
+    model, trainable = _galaxy_peft(model_dir, plan, group, options)
+    ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
+    assert set(trainable) == set(ref_trainable)
+    sync = GradientSync(model, group.pg)
+    opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
+    report = {"loss": []}
+    for step in range(steps):
+        batch = batch_fn(seed=step)
+        logits, loss = model(**batch)
+        ref_logits, ref_loss = ref(**batch)
+        loss.backward()
+        ref_loss.backward()
+        sync()
+        if step == 0:
+            report["logits"] = rel_err(full_sequence_logits(model, logits), ref_logits)
+        report["loss"].append(rel_err(loss, ref_loss))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full, ref_full = gather_full(model), dict(ref.named_parameters())
+    report["tensors"] = max((rel_err(full[n], ref_full[n].detach()), n) for n in trainable)
+    return report
+
+
+def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
+                   global_batch=8, num_microbatches=2):
+    """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (whole batch)."""
+    torch.manual_seed(0)
+    mesh = make_mesh(pp, dp, *shares)
+    model = build_model(model_dir, plan, mesh.galaxy, num_labels=3)
+    if pp > 1:
+        ranges = stage_layer_ranges(model.config.num_hidden_layers, pp)
+        keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
+    trainable = apply_peft(model, options, seed=0)
+    runner = (PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches) if pp > 1
+              else DataParallelRunner(model, mesh))
+    ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
+    opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
+    report = {"loss": []}
+    for step in range(steps):
+        batch = batch_fn(seed=step, batch=global_batch)
+        _, ref_loss = ref(**batch)
+        ref_loss.backward()
+        loss = runner.step(replica_rows(batch, mesh.dp_rank, dp))
+        report["loss"].append(rel_err(loss, ref_loss))
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    full = runner.full_state()
+    report["tensors"] = max((rel_err(full[n], p.detach()), n) for n, p in ref_trainable.items())
+    return report
+
+
+def base_outputs_kept(model_dir, plan, shares, options, batch_fn) -> bool:
+    """At step 0 the PEFT model's logits equal the base model's bit for bit."""
+    group = world_group(*shares)
+    base = build_model(model_dir, plan, group, num_labels=3)
+    model, _ = _galaxy_peft(model_dir, plan, group, options)
+    batch = batch_fn(seed=0)
+    return torch.equal(base(**batch)[0], model(**batch)[0])
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
