@@ -1,0 +1,124 @@
+"""Bottleneck adapters and ladder side-tuning: the same training under every layout.
+
+Under Galaxy plans at world 2 with uneven shares (both CON layouts, TP and SP sub-blocks), under
+DP (dp 2) and, for adapters, PP (pp 2), the loss of each of 5 SGD steps and every trained tensor
+at the end (gathered to full shape) match galaxy's serial run with the same seed within 1e-5
+relative. At step 0 an adapter model and a use_side model compute the base model's logits bit
+for bit (zero-initialised up-projections). Side-only never runs the backbone's layers, and
+use_side runs the backbone without autograd; frozen weights get no gradient.
+"""
+import pytest
+import torch
+
+from peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
+from tiny_models import TINY_SEQ, tiny_batch
+
+from galaxy.models.build import build_model
+from galaxy.parallel.plan import ParallelPlan
+from galaxy.peft import PeftOptions, apply_peft, export_peft
+
+UNEVEN_2 = ((4, 2), (64, 32), (7, 5))          # tiny BERT: 6 heads, 96 columns, 12 tokens
+SERIAL = ((6,), (96,), (TINY_SEQ,))
+PLANS = {"galaxy": ParallelPlan("TP", "TP", "SP"), "tp": ParallelPlan("TP", "TP", "None"),
+         "sp": ParallelPlan("SP", "SP", "SP"), "galaxy2": ParallelPlan("TP", "SP", "SP")}
+OPTIONS = {"adapter": PeftOptions("adapter", adapter_reduction_dim=8, non_linearity="gelu"),
+           "side": PeftOptions("side", side_reduction_factor=4),
+           "side_only": PeftOptions("side_only", side_reduction_factor=4)}
+TOL = 1e-5
+
+
+def check(report, rank):
+    assert max(report["loss"]) < TOL, f"rank {rank}: losses off by {report['loss']}"
+    assert report["tensors"][0] < TOL, f"rank {rank}: {report['tensors'][1]} off by {report['tensors'][0]}"
+    if "logits" in report:
+        assert report["logits"] < TOL, f"rank {rank}: logits off by {report['logits']}"
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("method", list(OPTIONS))
+def test_plan_matches_serial(dist_pool, tiny_bert_dir, method, plan):
+    reports = dist_pool(2).run(peft_plan_vs_serial, tiny_bert_dir, PLANS[plan], UNEVEN_2, OPTIONS[method],
+                               tiny_batch)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
+@pytest.mark.parametrize("method,pp,dp", [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2)],
+                         ids=["adapter-dp2", "adapter-pp2", "side-dp2"])
+def test_mesh_matches_serial(dist_pool, tiny_bert_dir, method, pp, dp):
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, ParallelPlan(), pp, dp, SERIAL, OPTIONS[method],
+                               tiny_batch)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
+@pytest.mark.parametrize("method", ["adapter", "side"])
+def test_step_zero_is_the_base_model(dist_pool, tiny_bert_dir, method):
+    assert dist_pool(1).run(base_outputs_kept, tiny_bert_dir, ParallelPlan(), SERIAL, OPTIONS[method], tiny_batch)[0]
+    assert all(dist_pool(2).run(base_outputs_kept, tiny_bert_dir, PLANS["galaxy"], UNEVEN_2, OPTIONS[method],
+                                tiny_batch))
+
+
+def serial(model_dir, method):
+    model = build_model(model_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    return model, apply_peft(model, OPTIONS[method], seed=0)
+
+
+def record_layer_outputs(model) -> list:
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].requires_grad))
+    return seen
+
+
+def test_side_only_skips_the_backbone_layers(tiny_bert_dir):
+    model, trainable = serial(tiny_bert_dir, "side_only")
+    seen = record_layer_outputs(model)
+    _, loss = model(**tiny_batch(0))
+    loss.backward()
+    assert seen == []                                   # no backbone layer ran
+    assert all(p.grad is not None for p in trainable.values())
+    assert "not run" in model.peft.description
+
+
+def test_side_runs_the_backbone_without_autograd(tiny_bert_dir):
+    model, trainable = serial(tiny_bert_dir, "side")
+    seen = record_layer_outputs(model)
+    _, loss = model(**tiny_batch(0))
+    loss.backward()
+    assert seen == [False, False]                       # both layers ran, nothing kept for backward
+    graded = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert graded == set(trainable) and "classifier.weight" in graded
+    assert not any(n.startswith(("embeddings.", "layers.0.att", "pooler.")) for n in trainable)
+
+
+def test_adapters_freeze_the_backbone(tiny_bert_dir):
+    model, trainable = serial(tiny_bert_dir, "adapter")
+    model(**tiny_batch(0))[1].backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == set(trainable)
+    assert sorted({n.split(".")[2] for n in trainable if n.startswith("layers.")}) == ["con1", "con2"]
+
+
+@pytest.mark.parametrize("method", list(OPTIONS))
+def test_export_resumes(tiny_bert_dir, tmp_path, method):
+    """export_peft writes the trained tensors; apply_peft(state=...) puts them back."""
+    from safetensors.torch import load_file
+    model, trainable = serial(tiny_bert_dir, method)
+    opt = torch.optim.SGD(trainable.values(), lr=0.5)
+    for step in range(2):
+        model(**tiny_batch(step))[1].backward()
+        opt.step(), opt.zero_grad()
+    export_peft(model, str(tmp_path), base_model_path=tiny_bert_dir, lead=True)
+    again = build_model(tiny_bert_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    apply_peft(again, OPTIONS[method], seed=99, state=load_file(str(tmp_path / "peft_model.safetensors")))
+    assert (tmp_path / "galaxy_peft.json").exists()
+    with torch.no_grad():
+        assert torch.equal(model(**tiny_batch(5))[0], again(**tiny_batch(5))[0])
+
+
+def test_side_under_a_pipeline_is_refused(tiny_bert_dir):
+    from galaxy.pipeline.stage import keep_stage
+    model = build_model(tiny_bert_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    keep_stage(model, range(0, 1), True, False)
+    with pytest.raises(ValueError, match="pipeline"):
+        apply_peft(model, OPTIONS["side"])
