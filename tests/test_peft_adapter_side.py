@@ -1,7 +1,7 @@
 """Bottleneck adapters and ladder side-tuning: the same training under every layout.
 
-Under Galaxy plans at world 2 with uneven shares (both CON layouts, TP and SP sub-blocks), under
-DP (dp 2) and, for adapters, PP (pp 2), the loss of each of 5 SGD steps and every trained tensor
+Under Galaxy plans at world 2 with uneven shares (both CON layouts, TP and SP sub-blocks; BERT, and
+Llama under the Galaxy plan), under DP (dp 2) and, for adapters, PP (pp 2), the loss of each of 5 SGD steps and every trained tensor
 at the end (gathered to full shape) match galaxy's serial run with the same seed within 1e-5
 relative. At step 0 an adapter model and a use_side model compute the base model's logits bit
 for bit (zero-initialised up-projections). Side-only never runs the backbone's layers, and
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
-from tiny_models import TINY_SEQ, tiny_batch
+from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.models.build import build_model
 from galaxy.parallel.plan import ParallelPlan
@@ -39,6 +39,20 @@ def check(report, rank):
 def test_plan_matches_serial(dist_pool, tiny_bert_dir, method, plan):
     reports = dist_pool(2).run(peft_plan_vs_serial, tiny_bert_dir, PLANS[plan], UNEVEN_2, OPTIONS[method],
                                tiny_batch)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    return make_tiny_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.mark.parametrize("method", list(OPTIONS))
+def test_llama_galaxy_matches_serial(dist_pool, tiny_llama_dir, method):
+    """Causal masks in the side network's attention; pre-norm CONs with adapters."""
+    reports = dist_pool(2).run(peft_plan_vs_serial, tiny_llama_dir, PLANS["galaxy"], ((6, 2), (64, 32), (7, 5)),
+                               OPTIONS[method], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 

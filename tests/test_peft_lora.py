@@ -152,7 +152,7 @@ def test_refuses_adapters_it_cannot_compute(tiny_bert_dir, adapter_dir, tmp_path
         serial_model(tiny_bert_dir, lora_path=str(bad))
     with pytest.raises(ValueError, match="match no projection"):
         serial_model(tiny_bert_dir, lora_target_modules=["q_proj"])
-    with pytest.raises(ValueError, match="task head"):
+    with pytest.raises(ValueError, match="output head"):
         serial_model(tiny_bert_dir, lora_target_modules=["classifier"])
 
 
@@ -163,3 +163,5 @@ def test_exactly_one_method():
     opts = PeftOptions.from_config(SimpleNamespace(use_lora=True, lora_dim=4, lora_target_modules=["query"]))
     assert (opts.method, opts.lora_dim, opts.lora_target_modules) == ("lora", 4, ("query",))
     assert PeftOptions.from_config(SimpleNamespace()).method == "full"
+    with pytest.raises(ValueError, match="full_model is false"):
+        PeftOptions.from_config(SimpleNamespace(full_model=False, _given=frozenset({"full_model"})))

@@ -10,12 +10,13 @@ from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
 
 
 @torch.no_grad()
-def gather_full(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict[str, torch.Tensor]:
+    """names: only these parameters (default: all). Every rank must pass the same names."""
     pg = model.group.pg
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
-        if t is None:
+        if t is None or (names is not None and name not in names):
             continue
         rule = model.param_rules[name]
         out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()

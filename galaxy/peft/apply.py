@@ -55,12 +55,15 @@ class PeftOptions:
     @staticmethod
     def from_config(cfg) -> "PeftOptions":
         """From an object with the config keys (full_model, use_lora, use_adapter, use_side,
-        use_side_only, lora_dim, ...; missing ones take the defaults). Exactly one flag must be
-        true; none at all means full fine-tuning."""
+        use_side_only, lora_dim, ...; missing or None ones take the defaults).
+
+        At most one flag may be true. None true means full fine-tuning, unless the config set
+        full_model to false explicitly (it lists "full_model" in cfg._given): then it asked for
+        no method at all, which is an error too."""
         on = [flag for flag in FLAGS if getattr(cfg, flag, False)]
-        if len(on) > 1:
-            raise ValueError(f"{' and '.join(on)} are all true; set exactly one of "
-                             f"{', '.join(FLAGS)} to true")
+        if len(on) > 1 or (not on and "full_model" in getattr(cfg, "_given", ())):
+            got = " and ".join(on) + (" are all true" if on else "full_model is false and no other is true")
+            raise ValueError(f"{got}; set exactly one of {', '.join(FLAGS)} to true")
         method = FLAGS[on[0]] if on else "full"
         names = [f.name for f in PeftOptions.__dataclass_fields__.values() if f.name != "method"]
         return PeftOptions(method, **{n: getattr(cfg, n) for n in names
@@ -107,7 +110,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
             spec = replace(from_dir, dropout=options.lora_dropout)   # its r, alpha, targets win
             peft.options = replace(options, lora_dim=spec.r, lora_alpha=spec.alpha,
                                    lora_target_modules=spec.target_modules)
-        targets = find_targets(model, spec.target_modules, to_hf, head)
+        targets = find_targets(model, spec.target_modules, to_hf)
         rules = {}
         for name in targets:
             rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))

@@ -29,8 +29,8 @@ GALAXY_CONFIG, GALAXY_WEIGHTS = "galaxy_peft.json", "peft_model.safetensors"
 def trained_state(model) -> dict[str, torch.Tensor]:
     """Collective over the Galaxy group: the trained tensors in full, by Hugging Face name, on the CPU."""
     to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
-    full = gather_full(model)
-    return {to_hf(n): full[n].to("cpu").contiguous() for n in model.peft.trainable}
+    full = gather_full(model, names=set(model.peft.trainable))
+    return {to_hf(n): t.to("cpu").contiguous() for n, t in full.items()}
 
 
 def lora_adapter_state(model) -> dict[str, torch.Tensor]:

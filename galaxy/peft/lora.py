@@ -32,6 +32,9 @@ from galaxy.peft.seeding import named_generator
 
 # peft's defaults for these architectures: the query and value projections.
 DEFAULT_TARGETS = {"bert": ("query", "value"), "llama": ("q_proj", "v_proj")}
+# Output heads: the classifier trains in full (peft's modules_to_save); the LM head is applied
+# through its weight (tied to the embeddings, sharded loss), not as a module LoRA could wrap.
+HEADS = ("classifier", "lm_head")
 
 
 class LoraLinear(nn.Linear):
@@ -84,7 +87,7 @@ def matches(target_modules, hf_module: str) -> bool:
     return any(hf_module == t or hf_module.endswith("." + t) for t in target_modules)
 
 
-def find_targets(model: nn.Module, target_modules, to_hf, heads: tuple[str, ...]) -> dict[str, str]:
+def find_targets(model: nn.Module, target_modules, to_hf) -> dict[str, str]:
     """{galaxy module name: Hugging Face module name} of the projections LoRA adapts."""
     found = {}
     for name, module in model.named_modules():
@@ -93,9 +96,9 @@ def find_targets(model: nn.Module, target_modules, to_hf, heads: tuple[str, ...]
         hf = to_hf(f"{name}.weight").removesuffix(".weight")
         if not matches(target_modules, hf):
             continue
-        if name in heads:
-            raise ValueError(f"lora_target_modules {target_modules!r} selects the task head {hf!r}, "
-                             "which trains in full; leave it out of the targets")
+        if name in HEADS:
+            raise ValueError(f"lora_target_modules {target_modules!r} selects the output head {hf!r}, "
+                             "which LoRA does not adapt (a classifier trains in full); leave it out")
         found[name] = hf
     if not found:
         raise ValueError(f"lora_target_modules {target_modules!r} match no projection of the model "
