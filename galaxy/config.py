@@ -75,6 +75,21 @@ class GalaxyConfig:
     save_dir: str | None = None  # None: no checkpoints
     save_interval: int | None = None  # None: save at the end of training only
     keep_checkpoints: int | None = None  # None: keep all; else the newest N
+    # Parameter-efficient fine-tuning (galaxy/peft): at most one method flag true; none = full.
+    full_model: bool = False
+    use_lora: bool = False
+    use_adapter: bool = False
+    use_side: bool = False
+    use_side_only: bool = False
+    lora_dim: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | None = None   # None: the query and value projections
+    lora_path: str | None = None                   # a peft adapter directory to start from
+    merge_lora: bool = False                       # export merged weights instead of an adapter
+    adapter_reduction_dim: int = 64
+    non_linearity: str = "relu"
+    side_reduction_factor: int = 8
     resume: str | None = None  # "latest" (in save_dir) or a checkpoint folder
     export_dir: str | None = None  # Hugging Face folder written at the end of training
     # Set by apply_preset, not read from JSON: which entry script runs this config.
@@ -126,12 +141,27 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "keep_checkpoints": (int, True),
     "resume": (str, True),
     "export_dir": (str, True),
+    "full_model": (bool, False),
+    "use_lora": (bool, False),
+    "use_adapter": (bool, False),
+    "use_side": (bool, False),
+    "use_side_only": (bool, False),
+    "lora_dim": (int, False),
+    "lora_alpha": (float, False),
+    "lora_dropout": (float, False),
+    "lora_target_modules": ("str_list", True),
+    "lora_path": (str, True),
+    "merge_lora": (bool, False),
+    "adapter_reduction_dim": (int, False),
+    "non_linearity": (str, False),
+    "side_reduction_factor": (int, False),
 }
 _POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg", "num_microbatches",
-                  "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints")
+                  "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints",
+                  "lora_dim", "adapter_reduction_dim", "side_reduction_factor")
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
-               "int_list": "a list of integers",
+               "int_list": "a list of integers", "str_list": "a list of strings",
                "classes": "a list of strings or the path of a text file"}
 
 
@@ -178,6 +208,11 @@ def _check_type(key: str, value):
             if not _is_int(item):
                 raise ConfigError(f"{key}[{i}] must be an integer, got {_show(item)}")
         return list(value)
+    elif kind == "str_list" and isinstance(value, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ConfigError(f"{key}[{i}] must be a string, got {_show(item)}")
+        return list(value)
     elif kind == "classes" and (isinstance(value, str) or isinstance(value, list)):
         for i, item in enumerate(value if isinstance(value, list) else []):
             if not isinstance(item, str):
@@ -200,6 +235,13 @@ def _check_ranges(cfg: GalaxyConfig) -> None:
         raise ConfigError(f"weight_decay must be 0 or more, got {cfg.weight_decay}")
     if cfg.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
+    methods = [k for k in ("full_model", "use_lora", "use_adapter", "use_side", "use_side_only") if getattr(cfg, k)]
+    if len(methods) > 1 or (not methods and "full_model" in cfg._given):
+        got = " and ".join(methods) + (" are all true" if methods else "full_model is false and no other is true")
+        raise ConfigError(f"{got}; set exactly one of full_model, use_lora, use_adapter, use_side, "
+                          "use_side_only to true")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
         raise ConfigError(f"dropout must be in [0, 1) or null, got {cfg.dropout}")
     _check_training_keys(cfg)
@@ -249,6 +291,12 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
     for key in ("metrics_file", "save_dir", "export_dir"):
         if getattr(cfg, key) is not None:  # written later, need not exist
             setattr(cfg, key, os.path.abspath(getattr(cfg, key)))
+    if cfg.lora_path is not None:
+        path = os.path.abspath(cfg.lora_path)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ConfigError(f"lora_path {path!r} has no adapter_config.json; give a peft adapter "
+                              f"folder {where}")
+        cfg.lora_path = path
     if cfg.resume not in (None, "latest"):
         path = os.path.abspath(cfg.resume)
         if not os.path.isdir(path):

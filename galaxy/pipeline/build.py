@@ -13,15 +13,18 @@ from galaxy.pipeline.stage import keep_stage
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
-                   schedule: str = "1f1b", autocast=nullcontext) -> PipelineRunner:
+                   schedule: str = "1f1b", autocast=nullcontext, adapt=None) -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
     The full model is built and loaded, then everything the stage does not run is dropped.
+    adapt(model), when given, changes the stage before anything wraps it (e.g. apply_peft).
     """
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed,
                         device=device, dropout=dropout)
     ranges = stage_layer_ranges(model.config.num_hidden_layers, mesh.pp_size, stage_num_hidden_layers_list)
     keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
+    if adapt is not None:
+        adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
                           device=device, autocast=autocast)
 
@@ -29,16 +32,20 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
 def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                  device="cpu", dropout: float | None = None,
                  stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
-                 schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext):
+                 schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext, adapt=None):
     """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
 
     num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
-    to the rest (a pipeline's micro-batches are its accumulation).
+    to the rest (a pipeline's micro-batches are its accumulation). adapt(model), when given, changes
+    the model (or stage) after it is built and before DDP / gradient sync wrap it.
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
                               dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
-                              num_microbatches=num_microbatches, schedule=schedule, autocast=autocast)
+                              num_microbatches=num_microbatches, schedule=schedule, autocast=autocast,
+                              adapt=adapt)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout)
+    if adapt is not None:
+        adapt(model)
     return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)

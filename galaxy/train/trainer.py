@@ -25,7 +25,9 @@ from tqdm import tqdm
 from galaxy.config import ConfigError, read_model_shape
 from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
+from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import ParallelPlan
+from galaxy.peft import PeftOptions, apply_peft, export_peft, peft_summary
 from galaxy.pipeline import build_runner
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
 from galaxy.train.export import export_hf
@@ -48,6 +50,7 @@ class Job:
     tokenizer: object
     shape: dict
     resume: Checkpoint | None = None
+    peft: PeftOptions = PeftOptions()
 
     # Kept for callers that predate tasks.
     @property
@@ -91,6 +94,13 @@ def _prepare(cfg, kind: str) -> Job:
         raise ConfigError(f"model_path holds a {shape['model_type']!r} model; {scripts} train "
                           f"{' / '.join(TASK_FAMILIES[kind])} models")
     _check_mesh(cfg)
+    try:
+        peft = PeftOptions.from_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if peft.method in ("side", "side_only") and cfg.pp_deg > 1:
+        raise ConfigError("side-tuning runs with pp_deg 1 (the side network follows every layer); "
+                          "set pp_deg to 1 or use LoRA / adapters")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
     if len(task.train_set) < cfg.batch_size:
@@ -99,7 +109,7 @@ def _prepare(cfg, kind: str) -> Job:
     resume = resolve_resume(cfg.resume, cfg.save_dir)
     if resume is not None:
         check_resumable(resume, cfg, task)
-    return Job(cfg, task, tokenizer, shape, resume)
+    return Job(cfg, task, tokenizer, shape, resume, peft)
 
 
 def prepare_classifier(cfg) -> Job:
@@ -123,8 +133,15 @@ class Trainer:
         self.group = mesh.galaxy
         self.autocast = autocast_for(cfg.mixed_precision, env.device)
         source = job.resume.model_dir if job.resume else cfg.model_path
+        self.peft = job.peft
+        # PEFT weights resume from the checkpoint's folder (its weights hold them under HF names).
+        peft_state = read_hf_state_dict(source) if job.resume and self.peft.method != "full" else None
+
+        def adapt(model):   # after the model (or stage) is built, before DDP / gradient sync wrap it
+            apply_peft(model, self.peft, seed=cfg.seed, state=peft_state)
+
         self.runner = build_runner(source, plan_of(cfg), mesh, num_labels=self.task.num_labels, seed=cfg.seed,
-                                   device=env.device, dropout=cfg.dropout, autocast=self.autocast,
+                                   device=env.device, dropout=cfg.dropout, autocast=self.autocast, adapt=adapt,
                                    grad_accum_steps=cfg.grad_accum_steps,
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule)
@@ -236,7 +253,11 @@ class Trainer:
                 summary.update({f"{split}_{key}": value for key, value in result.items()})
         if cfg.save_dir and self.saved_step != self.step:
             self.save()
-        if cfg.export_dir:
+        if cfg.export_dir and self.peft.method != "full":
+            export_peft(self.model, cfg.export_dir, base_model_path=cfg.model_path, lead=self.lead,
+                        merge=cfg.merge_lora, class_names=self.task.class_names, tokenizer=job.tokenizer)
+            self._note(f"export: {cfg.export_dir} ({'merged weights' if cfg.merge_lora else 'adapter'})")
+        elif cfg.export_dir:
             export_hf(self.model, cfg.export_dir, base_model_path=cfg.model_path, class_names=self.task.class_names,
                       tokenizer=job.tokenizer, lead=self.lead)
             self._note(f"export: {cfg.export_dir}")
@@ -246,6 +267,7 @@ class Trainer:
         metrics.close()
         if self.lead:
             print(format_summary(summary, env.device), flush=True)
+            print(f"parameters: {peft_summary(self.model)}", flush=True)
             self._plot()
         dist.barrier()
         return summary

@@ -1,0 +1,84 @@
+"""PEFT through the entry scripts: LoRA under the Galaxy plan (world 2, uneven shares) reports
+the serial LoRA run's losses, and its exported peft adapter, loaded with PeftModel onto HF's
+model, reproduces the trained model's logits; a bad PEFT config is a one-line exit 2."""
+import json
+
+import pytest
+import torch
+
+from script_runner import launch, run_script
+from tiny_models import make_tiny_bert
+
+from galaxy.data import pydoc_topics_dataset
+from galaxy.models.packaged_minilm import packaged_minilm_dir
+from galaxy.train.metrics import read_metrics
+
+STEPS, BATCH, PAD = 3, 8, 16
+CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
+LORA = dict(use_lora=True, lora_dim=4, lora_alpha=8, lora_target_modules=["query", "value", "dense"])
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    import os
+    tmp = tmp_path_factory.mktemp("peft_entry")
+    model_dir = str(tmp / "model")
+    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
+    examples, names = pydoc_topics_dataset("train")
+    train = tmp / "train.tsv"
+    train.write_text("".join(f"{t}\t{names[y]}\n" for t, y in examples[: BATCH * STEPS]))
+    return dict(tmp=tmp, model_dir=model_dir, train=str(train))
+
+
+def write_config(job, name, **extra):
+    cfg = dict(model_path=job["model_dir"], train_path=job["train"], class_list=CLASSES, pad_size=PAD,
+               batch_size=BATCH, learning_rate=0.3, optimizer="sgd", max_steps=STEPS, shuffle=False,
+               dropout=0.0, timeout_s=60, metrics_file=str(job["tmp"] / f"{name}.jsonl"))
+    cfg.update(extra)
+    path = job["tmp"] / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path), cfg["metrics_file"]
+
+
+def losses(path):
+    return [r["loss"] for r in read_metrics(path) if "event" not in r]
+
+
+def test_galaxy_lora_equals_serial_lora_and_exports_a_peft_adapter(job):
+    from peft import PeftModel
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from galaxy.distributed.group import GalaxyGroup
+    from galaxy.models.build import build_model
+    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.peft import PeftOptions, apply_peft
+    config, serial_metrics = write_config(job, "lora-serial", **LORA)
+    run_script("pretrain_bert.py", config, 1)
+    export = str(job["tmp"] / "adapter")
+    config, galaxy_metrics = write_config(job, "lora-galaxy", **LORA, export_dir=export,
+                                          tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[60, 36],
+                                          seq_scatter_list=[9, 7])
+    run_script("pretrain_galaxy.py", config, 2)
+    serial, galaxy = losses(serial_metrics), losses(galaxy_metrics)
+    assert len(galaxy) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(galaxy, serial)) < 1e-5
+
+    tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    enc = tok(["for x in y: pass", "a lambda expression"], padding="max_length", max_length=PAD,
+              truncation=True, return_tensors="pt")
+    hf = PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(job["model_dir"]), export).eval()
+    ours = build_model(job["model_dir"], ParallelPlan(), GalaxyGroup.serial(6, 96, PAD), num_labels=len(CLASSES))
+    apply_peft(ours, PeftOptions("lora", lora_path=export))
+    ours.eval()
+    with torch.no_grad():
+        want = hf(**enc).logits
+        got, _ = ours(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_two_peft_methods_are_a_one_line_exit_2(job):
+    config, _ = write_config(job, "two-methods", use_lora=True, use_adapter=True)
+    (code, out, err), = launch("pretrain_bert.py", config, 1)
+    assert code == 2 and "use_lora and use_adapter" in err and len(err.strip().splitlines()) == 1, err
