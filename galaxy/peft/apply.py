@@ -114,37 +114,29 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
         rules = {}
         for name in targets:
             rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))
-        add_param_rules(model, rules)
         if options.lora_path:
             loaded = _from_peft_dir(model, tensors, options.lora_path, to_hf, list(rules), head)
         peft.lora = spec
         peft.description = (f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on "
                             f"{len(targets)} projections ({', '.join(_short(targets.values()))})")
     elif options.method == "adapter":
-        add_param_rules(model, add_adapters(model, options.adapter_reduction_dim, options.non_linearity,
-                                            seed, con_rule))
+        rules = add_adapters(model, options.adapter_reduction_dim, options.non_linearity, seed, con_rule)
         peft.description = (f"bottleneck adapters ({options.adapter_reduction_dim}, "
                             f"{options.non_linearity}) after every attention and MLP output")
     else:
-        add_param_rules(model, add_side(model, options.side_reduction_factor,
-                                        options.method == "side_only", seed, con_rule))
+        rules = add_side(model, options.side_reduction_factor, options.method == "side_only", seed, con_rule)
         peft.description = describe_side(model)
-    new = [n for n in model.param_rules if _is_peft_param(n)]
-    for name, p in model.named_parameters():
-        if name in new or name.split(".")[0] in head:
-            p.requires_grad_(True)
+    add_param_rules(model, rules)
+    train = [*rules, *_head_params(model, head)]          # the new parameters and the task head
+    params = dict(model.named_parameters())
+    for name in train:
+        params[name].requires_grad_(True)
     if state is not None:
-        loaded.update({n: t for n, t in ((n, state.get(to_hf(n))) for n in new + _head_params(model, head))
-                       if t is not None})
+        loaded.update({n: state[to_hf(n)] for n in train if to_hf(n) in state})
     load_full(model, loaded)
     peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     model.peft = peft
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _is_peft_param(name: str) -> bool:
-    return (".lora_A." in name or ".lora_B." in name or ".adapter." in name or ".side." in name
-            or name.startswith(("side_in.", "side_out.")))
 
 
 def _head_params(model, head) -> list[str]:

@@ -159,7 +159,9 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
     # use_side starts from the backbone's own outputs; side-only has no backbone output to keep.
     _init(model.side_out, "side_out", seed, std if only else 0.0)
     model.side_mode = "side_only" if only else "side"
-    return {n: rule for n, _ in model.named_parameters() if n.startswith("side_") or ".side." in n}
+    modules = [("side_in", model.side_in), ("side_out", model.side_out),
+               *((f"layers.{i}.side", layer.side) for i, layer in model.layers.named_children())]
+    return {f"{prefix}.{n}": rule for prefix, module in modules for n, _ in module.named_parameters()}
 
 
 def describe_side(model: nn.Module) -> str:
