@@ -7,7 +7,6 @@ under a plan against galaxy serial (a one-rank group in the same process), same 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from parity import hf_bert, hf_llama, rel_err, world_group
 from parity_runners import replica_rows
@@ -16,15 +15,12 @@ from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.mesh import make_mesh
 from galaxy.models.build import build_model
 from galaxy.models.registry import family_of
-from galaxy.parallel.data_parallel import DataParallelRunner
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.peft import PeftOptions, apply_peft
 from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
-from galaxy.pipeline.runner import PipelineRunner
-from galaxy.pipeline.split import stage_layer_ranges
-from galaxy.pipeline.stage import keep_stage
+from galaxy.pipeline import build_runner
 
 HF = {"bert": hf_bert, "llama": hf_llama}
 
@@ -100,21 +96,24 @@ def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_f
     return report
 
 
+def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbatches: int):
+    """(mesh, this rank's runner, its trainable parameters): build_runner applies PEFT to the
+    model (or pipeline stage) before DDP and gradient sync wrap it."""
+    torch.manual_seed(0)
+    mesh, trainable = make_mesh(pp, dp, *shares), {}
+    runner = build_runner(model_dir, plan, mesh, num_labels=3, num_microbatches=num_microbatches,
+                          adapt=lambda model: trainable.update(apply_peft(model, options, seed=0)))
+    return mesh, runner, trainable
+
+
 def lora_mesh_vs_peft(model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
                       steps=5, lr=0.1, global_batch=8, num_microbatches=2):
     """LoRA on a pp x dp x Galaxy mesh (DataParallelRunner / PipelineRunner) against peft serially."""
-    torch.manual_seed(0)
-    mesh = make_mesh(pp, dp, *shares)
-    model = build_model(model_dir, plan, mesh.galaxy, num_labels=3)
-    if pp > 1:
-        ranges = stage_layer_ranges(model.config.num_hidden_layers, pp)
-        keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
-    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
-    runner = (PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches) if pp > 1
-              else DataParallelRunner(model, mesh))
+    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares,
+                                          PeftOptions("lora", lora_path=adapter_dir), num_microbatches)
     opt, ref = _sgd(trainable.values(), lr), peft_reference("bert", model_dir, adapter_dir)
     ref_opt = _sgd(ref.parameters(), lr)
-    to_hf = family_of("bert").hf_name_fn(model.config)
+    to_hf = family_of("bert").hf_name_fn(runner.model.config)
     report = {"loss": []}
     for step in range(steps):
         batch = batch_fn(seed=step, batch=global_batch)
@@ -174,15 +173,7 @@ def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=
 def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
                    global_batch=8, num_microbatches=2):
     """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (whole batch)."""
-    torch.manual_seed(0)
-    mesh = make_mesh(pp, dp, *shares)
-    model = build_model(model_dir, plan, mesh.galaxy, num_labels=3)
-    if pp > 1:
-        ranges = stage_layer_ranges(model.config.num_hidden_layers, pp)
-        keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
-    trainable = apply_peft(model, options, seed=0)
-    runner = (PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches) if pp > 1
-              else DataParallelRunner(model, mesh))
+    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares, options, num_microbatches)
     ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
     opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
     report = {"loss": []}
@@ -207,8 +198,3 @@ def base_outputs_kept(model_dir, plan, shares, options, batch_fn) -> bool:
     model, _ = _galaxy_peft(model_dir, plan, group, options)
     batch = batch_fn(seed=0)
     return torch.equal(base(**batch)[0], model(**batch)[0])
-
-
-def barrier():
-    if dist.is_initialized():
-        dist.barrier()

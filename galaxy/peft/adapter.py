@@ -10,7 +10,6 @@ rule "sum"), on the full sequence under CON None and serially (rule "replicated"
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
