@@ -52,6 +52,26 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool, to_hf=None) -> t
     return worst, where
 
 
+def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
+    """SGD on galaxy's model (its `params`) and on the reference, batch for batch.
+
+    Yields (step, logits, loss, reference output) after both backward passes and galaxy's
+    gradient sync, before the updates: a caller inspects gradients there.
+    """
+    opt = torch.optim.SGD(params, lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        batch = batch_fn(seed=step)
+        logits, loss = model(**batch)
+        out = ref(**batch)
+        loss.backward()
+        out.loss.backward()
+        sync()
+        yield step, logits, loss, out
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+
+
 def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
 
@@ -63,23 +83,13 @@ def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_
     model = build_model(model_dir, plan, group, num_labels=3)
     ref = HF_LOADERS[family](model_dir)
     to_hf = family_of(family).hf_name_fn(model.config)
-    sync = GradientSync(model, group.pg)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     report = {"loss": []}
-    for step in range(steps):
-        batch = batch_fn(seed=step)
-        logits, loss = model(**batch)
-        out = ref(**batch)
-        loss.backward()
-        out.loss.backward()
-        sync()
+    for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
+                                                batch_fn, steps, lr):
         if step == 0:
             report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
             report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, to_hf)
         report["loss"].append(rel_err(loss, out.loss))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
     report["weights"] = worst_param_error(gather_full(model), ref, False, to_hf)
     return report
 

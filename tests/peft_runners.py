@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from parity import hf_bert, hf_llama, rel_err, world_group
+from parity import hf_bert, hf_llama, lockstep_sgd, rel_err, world_group
 from parity_runners import replica_rows
 
 from galaxy.distributed.group import GalaxyGroup
@@ -74,24 +74,15 @@ def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_f
     group = world_group(*shares)
     model = build_model(model_dir, plan, group, num_labels=3)
     trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
-    sync = GradientSync(model, group.pg)
-    opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
-    ref_opt = _sgd(ref.parameters(), lr)
+    ref = peft_reference(family, model_dir, adapter_dir)
     report = {"loss": []}
-    for step in range(steps):
-        batch = batch_fn(seed=step)
-        logits, loss = model(**batch)
-        out = ref(**batch)
-        loss.backward()
-        out.loss.backward()
-        sync()
+    for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), trainable.values(),
+                                                batch_fn, steps, lr):
         if step == 0:
             report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
             report["frozen_grads"] = [n for n, p in model.named_parameters()
                                       if not p.requires_grad and p.grad is not None]
         report["loss"].append(rel_err(loss, out.loss))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
     report["tensors"] = compare_tensors(lora_adapter_state(model), reference_tensors(ref))
     return report
 
