@@ -1,7 +1,8 @@
 """Bottleneck adapters and ladder side-tuning: the same training under every layout.
 
 Under Galaxy plans at world 2 with uneven shares (both CON layouts, TP and SP sub-blocks; BERT, and
-Llama under the Galaxy plan), under DP (dp 2) and, for adapters, PP (pp 2), the loss of each of 5 SGD steps and every trained tensor
+Llama under the Galaxy plan), under DP (dp 2) and PP (pp 2; pp 2 x Galaxy 2 and Llama pp 2 for
+side-tuning, whose side state travels between stages), the loss of each of 5 SGD steps and every trained tensor
 at the end (gathered to full shape) match galaxy's serial run with the same seed within 1e-5
 relative. At step 0 an adapter model and a use_side model compute the base model's logits bit
 for bit (zero-initialised up-projections). Side-only never runs the backbone's layers, and
@@ -57,11 +58,30 @@ def test_llama_galaxy_matches_serial(dist_pool, tiny_llama_dir, method):
         check(report, rank)
 
 
-@pytest.mark.parametrize("method,pp,dp", [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2)],
-                         ids=["adapter-dp2", "adapter-pp2", "side-dp2"])
+MESHES = [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2), ("side", 2, 1), ("side_only", 2, 1)]
+
+
+@pytest.mark.parametrize("method,pp,dp", MESHES, ids=[f"{m}-pp{pp}-dp{dp}" for m, pp, dp in MESHES])
 def test_mesh_matches_serial(dist_pool, tiny_bert_dir, method, pp, dp):
     reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, ParallelPlan(), pp, dp, SERIAL, OPTIONS[method],
                                tiny_batch)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
+@pytest.mark.parametrize("method", ["side", "side_only"])
+def test_pipeline_of_galaxy_groups_matches_serial(dist_pool, tiny_bert_dir, method):
+    """pp 2 x Galaxy 2 (CON SP, uneven): the side state travels sequence-sharded between stages."""
+    reports = dist_pool(4).run(mesh_vs_serial, tiny_bert_dir, PLANS["galaxy"], 2, 1, UNEVEN_2, OPTIONS[method],
+                               tiny_batch)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
+@pytest.mark.parametrize("method", ["side", "side_only"])
+def test_llama_pipeline_matches_serial(dist_pool, tiny_llama_dir, method):
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_llama_dir, ParallelPlan(), 2, 1, ((8,), (96,), (TINY_SEQ,)),
+                               OPTIONS[method], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 
@@ -130,9 +150,26 @@ def test_export_resumes(tiny_bert_dir, tmp_path, method):
         assert torch.equal(model(**tiny_batch(5))[0], again(**tiny_batch(5))[0])
 
 
-def test_side_under_a_pipeline_is_refused(tiny_bert_dir):
+def stage(model_dir, method, layers, first, last):
     from galaxy.pipeline.stage import keep_stage
-    model = build_model(tiny_bert_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
-    keep_stage(model, range(0, 1), True, False)
-    with pytest.raises(ValueError, match="pipeline"):
-        apply_peft(model, OPTIONS["side"])
+    model = build_model(model_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    keep_stage(model, layers, first, last)
+    return model, apply_peft(model, OPTIONS[method], seed=0)
+
+
+@pytest.mark.parametrize("method", ["side", "side_only"])
+def test_pipeline_stages_split_the_side_network(tiny_bert_dir, method):
+    """The stages' side parameters are exactly the serial model's, each on one stage, same values;
+    what travels: the backbone stream without gradient (side) or nothing of it (side-only)."""
+    from galaxy.pipeline.stage import CarrySlot, carry_slots
+    _, whole = serial(tiny_bert_dir, method)
+    first, first_trainable = stage(tiny_bert_dir, method, range(0, 1), True, False)
+    last, last_trainable = stage(tiny_bert_dir, method, range(1, 2), False, True)
+    assert not set(first_trainable) & set(last_trainable)
+    assert set(first_trainable) | set(last_trainable) == set(whole)
+    for name, p in {**first_trainable, **last_trainable}.items():
+        assert torch.equal(p, whole[name]), name
+    assert first.side_out is None and last.side_in is None
+    width = first.side_width
+    backbone = None if method == "side_only" else CarrySlot(first.config.hidden_size, False)
+    assert carry_slots(first) == (backbone, CarrySlot(width, True)) == carry_slots(last)

@@ -82,3 +82,20 @@ def test_two_peft_methods_are_a_one_line_exit_2(job):
     config, _ = write_config(job, "two-methods", use_lora=True, use_adapter=True)
     (code, out, err), = launch("pretrain_bert.py", config, 1)
     assert code == 2 and "use_lora and use_adapter" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("method", ["use_side", "use_side_only"])
+def test_pipelined_side_tuning_equals_serial(job, method):
+    """pretrain_pp_bert.py (2 stages, 2 micro-batches) with side-tuning reports the serial run's
+    losses, and its summary counts the whole model's parameters, not one stage's."""
+    side = {method: True, "side_reduction_factor": 4}
+    config, serial_metrics = write_config(job, f"{method}-serial", **side)
+    serial_out = run_script("pretrain_bert.py", config, 1)
+    config, pp_metrics = write_config(job, f"{method}-pp", **side, num_microbatches=2)
+    pp_out = run_script("pretrain_pp_bert.py", config, 2)
+    serial, pipelined = losses(serial_metrics), losses(pp_metrics)
+    assert len(pipelined) == STEPS
+    assert max(abs(a - b) / abs(b) for a, b in zip(pipelined, serial)) < 1e-5
+    counts = [next(line for line in out[0].splitlines() if line.startswith("parameters:"))
+              for out in (serial_out, pp_out)]
+    assert counts[0] == counts[1], counts

@@ -173,22 +173,30 @@ def load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
         p.copy_(tensor)
 
 
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
+def parameter_counts(model: nn.Module, stages_pg=None) -> tuple[int, int]:
     """(trainable, total) parameters of the full model that this rank's part belongs to
-    (sharded parameters count at full size; a pipeline stage counts its own parameters)."""
+    (sharded parameters count at full size). A pipeline stage counts its own parameters; with
+    stages_pg (the mesh's pp group) the stages' counts are summed, a collective over it."""
     trainable = total = 0
     for name, p in model.named_parameters():
         rule = model.param_rules[name]
         n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()
         total += n
         trainable += n if p.requires_grad else 0
+    if stages_pg is not None:
+        counts = torch.tensor([trainable, total], dtype=torch.int64, device=next(model.parameters()).device)
+        torch.distributed.all_reduce(counts, group=stages_pg)
+        trainable, total = counts.tolist()
     return trainable, total
 
 
-def peft_summary(model: nn.Module) -> str:
-    """One line: the method and trainable / total parameters."""
-    trainable, total = parameter_counts(model)
+def peft_summary(model: nn.Module, counts: tuple[int, int] | None = None) -> str:
+    """One line: the method and trainable / total parameters (counts: parameter_counts' result,
+    e.g. summed over pipeline stages; default: this model's own)."""
+    trainable, total = counts or parameter_counts(model)
     peft = getattr(model, "peft", None)
     what = peft.description if peft else "full fine-tuning"
-    head = f" + {', '.join(peft.head)}" if peft and peft.head and peft.options.method != "full" else ""
+    # The task head trains in full; on a pipeline it lives on the last stage only.
+    head = MODULES_TO_SAVE[family_of(model.config.model_type).name]
+    head = f" + {', '.join(head)}" if peft and head and peft.options.method != "full" else ""
     return f"{what}{head}: {trainable:,} of {total:,} parameters train ({100 * trainable / max(total, 1):.2f}%)"

@@ -137,41 +137,49 @@ def _init(module: nn.Module, prefix: str, seed: int, std: float) -> None:
 
 def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict:
     """Attach the side network (model.side_in, layers[i].side, model.side_out) and switch the
-    model's forward to side-tuning; returns the new parameters' rules."""
-    if hasattr(model, "stage_layers"):
-        raise ValueError("side-tuning under pipeline parallelism is not supported yet (the side "
-                         "state would travel between stages); use pp_deg 1 with use_side")
+    model's forward to side-tuning; returns the new parameters' rules.
+
+    On a pipeline stage (galaxy.pipeline.stage.keep_stage) only its part is built: side_in on
+    the first stage, the side blocks of its own layers, side_out on the last. Every part is
+    drawn from the seed and its full-model name, so the stages together hold exactly the
+    serial model's side network; the side state travels between stages with the carry.
+    """
     cfg = model.config
     width, heads = side_shape(cfg, factor)
     eps = getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "rms_norm_eps", 1e-6)
     std = getattr(cfg, "initializer_range", 0.02)
     device = next(model.parameters()).device
     group = model.group
-    model.side_in = SideInput(cfg.hidden_size, width, device)
-    _init(model.side_in, "side_in", seed, std)
+    first, last = getattr(model, "is_first_stage", True), getattr(model, "is_last_stage", True)
+    modules = []
+    if first:
+        model.side_in = SideInput(cfg.hidden_size, width, device)
+        _init(model.side_in, "side_in", seed, std)
+        modules.append(("side_in", model.side_in))
     for i, layer in model.layers.named_children():      # i: the global layer index
         layer.side = SideLayer(cfg.hidden_size, width, heads, eps, ladder=not only, device=device)
         _init(layer.side, f"layers.{i}.side", seed, std)
         if model.plan.con_layout == Layout.S and group.size > 1:
             layer.side.block.attn.kv_gather = partial(gather_for_sharded_consumer, group=group)
             layer.side.block.attn.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
-    model.side_out = SideOutput(cfg.hidden_size, width, eps, only, device)
-    # use_side starts from the backbone's own outputs; side-only has no backbone output to keep.
-    _init(model.side_out, "side_out", seed, std if only else 0.0)
+        modules.append((f"layers.{i}.side", layer.side))
+    if last:
+        model.side_out = SideOutput(cfg.hidden_size, width, eps, only, device)
+        # use_side starts from the backbone's own outputs; side-only has no backbone output to keep.
+        _init(model.side_out, "side_out", seed, std if only else 0.0)
+        modules.append(("side_out", model.side_out))
     model.side_mode = "side_only" if only else "side"
-    modules = [("side_in", model.side_in), ("side_out", model.side_out),
-               *((f"layers.{i}.side", layer.side) for i, layer in model.layers.named_children())]
+    model.side_width, model.side_heads = width, heads
     return {f"{prefix}.{n}": rule for prefix, module in modules for n, _ in module.named_parameters()}
 
 
 def describe_side(model: nn.Module) -> str:
     cfg = model.config
-    width = model.side_in.down.out_features
-    heads = model.layers[0].side.block.attn.heads if len(model.layers) else 0
-    blocks = f"{len(model.layers)} side blocks of width {width} ({heads} heads)"
+    layers = cfg.num_hidden_layers
+    blocks = f"{layers} side blocks of width {model.side_width} ({model.side_heads} heads)"
     if model.side_mode == "side_only":
         return (f"side-only: the frozen embeddings -> down-projection -> {blocks} -> up-projection "
-                f"-> task head; the backbone's {cfg.num_hidden_layers} transformer layers are not run")
+                f"-> task head; the backbone's {layers} transformer layers are not run")
     return (f"ladder side-tuning: {blocks}, each fed by a gated down-projection of the backbone "
             f"layer's output; task head reads backbone output + up-projection; the backbone runs "
             f"without autograd")

@@ -14,8 +14,10 @@ corresponding ranks have identical shapes, so every send has a matching receive)
   5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
 
 Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
-hidden] per carry tensor), so no metadata exchange or trial forward runs; one schedule is kept
-per batch shape.
+width] per travelling carry tensor, galaxy.pipeline.stage.carry_slots), so no metadata exchange
+or trial forward runs; one schedule is kept per batch shape. Under ladder side-tuning the
+backbone's tensors travel without gradients (the backbone runs without autograd) and only the
+side state's gradient comes back; under side-only only the side state travels.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
 from galaxy.pipeline.schedule import SCHEDULES, make_schedule
-from galaxy.pipeline.stage import StageModule, carry_shape, example_carry
+from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
 
 
 class PipelineRunner(Runner):
@@ -75,7 +77,7 @@ class PipelineRunner(Runner):
 
     def _loss(self, carry: tuple, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's head on one micro-batch, scaled toward the global-batch mean."""
-        _, loss = self.model.head(carry, labels)
+        _, loss = self.model.head(unpack_carry(carry, carry_slots(self.model)), labels)
         return loss.float() * loss_scale(self.model, labels, self._total_units, self.mesh.dp_size)
 
     def _schedule_for(self, rows: int, seq_len: int):
@@ -83,7 +85,7 @@ class PipelineRunner(Runner):
         if key not in self._schedules:
             m, mesh = self.model, self.mesh
             dtype = next(m.parameters()).dtype
-            carry = example_carry(m, carry_shape(m, self.plan.con_layout, rows, seq_len), dtype)
+            carry = example_carry(m, self.plan.con_layout, rows, seq_len, dtype)
             inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.is_first_stage else carry
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
                                   input_args=inputs, output_args=carry, group=mesh.pp_pg)
@@ -109,18 +111,20 @@ class PipelineRunner(Runner):
             attention_mask = torch.ones_like(input_ids)
         rows, seq_len = attention_mask.shape
         pg, prev, nxt = mesh.pp_pg, mesh.pp_rank - 1, mesh.pp_rank + 1
+        slots = carry_slots(m)
         with self.autocast():
             if m.is_first_stage:
                 carry = m.embed(input_ids, token_type_ids)
             else:
-                shape = carry_shape(m, self.plan.con_layout, rows, seq_len)
-                carry = tuple(torch.empty(shape, dtype=next(m.parameters()).dtype, device=self.device)
-                              for _ in range(m.carry_size))
-                for t in carry:
+                dtype = next(m.parameters()).dtype
+                received = [torch.empty(shape, dtype=dtype, device=self.device)
+                            for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len)]
+                for t in received:
                     dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)
+                carry = unpack_carry(received, slots)
             carry = m.run_layers(carry, m.layer_context(attention_mask), m.layers)
             if not m.is_last_stage:
-                for t in carry:
+                for t in pack_carry(carry, slots):
                     dist.send(t.contiguous(), dst=dist.get_global_rank(pg, nxt), group=pg)
                 out = [None]
             else:

@@ -7,6 +7,8 @@ rules, gather_full, checkpoints and the Hugging Face name map work on a stage un
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -57,19 +59,54 @@ def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
     return model
 
 
-def carry_shape(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) -> tuple[int, int, int]:
-    """Shape of every carry tensor between stages: [rows, s_con, hidden], s_con = own tokens under S."""
+@dataclass(frozen=True)
+class CarrySlot:
+    """One tensor of the carry as it crosses a stage boundary: [rows, s_con, width]."""
+    width: int
+    trainable: bool       # False: no gradient flows back through it (a frozen backbone's stream)
+
+
+def carry_slots(model: nn.Module) -> tuple[CarrySlot | None, ...]:
+    """One entry per tensor of the model's carry, in carry order; None for one that stays home.
+
+    The carry is the backbone's model.carry_size tensors ([b, s_con, hidden] each), then the side
+    state ([b, s_con, side_width]) under side-tuning (galaxy.peft.side). Ladder side-tuning runs
+    the backbone without autograd, so its tensors travel without a gradient coming back;
+    side-only never runs the backbone's layers, so only the side state travels.
+    """
+    mode, hidden = getattr(model, "side_mode", None), model.config.hidden_size
+    if mode is None:
+        return (CarrySlot(hidden, True),) * model.carry_size
+    backbone = None if mode == "side_only" else CarrySlot(hidden, False)
+    return (backbone,) * model.carry_size + (CarrySlot(model.side_width, True),)
+
+
+def pack_carry(carry: tuple, slots) -> tuple:
+    """The tensors of `carry` that travel to the next stage."""
+    return tuple(t for t, slot in zip(carry, slots, strict=True) if slot is not None)
+
+
+def unpack_carry(tensors: tuple, slots) -> tuple:
+    """The carry from what the previous stage sent (None where a tensor stayed home)."""
+    received = iter(tensors)
+    return tuple(None if slot is None else next(received) for slot in slots)
+
+
+def carry_shapes(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) -> list[tuple[tuple, bool]]:
+    """(shape, trainable) of every travelling carry tensor: [rows, s_con, width], s_con = own
+    tokens under a sequence-sharded CON layout."""
     g = model.group
     s_con = g.seq[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
-    return rows, s_con, model.config.hidden_size
+    return [((rows, s_con, slot.width), slot.trainable) for slot in carry_slots(model) if slot is not None]
 
 
 class StageModule(nn.Module):
-    """Runs one stage. First stage: (input_ids [b, S],) in; others: the carry, [b, s_con, h] each.
+    """Runs one stage. First stage: (input_ids [b, S],) in; others: the travelling carry tensors.
 
     Every stage gets the micro-batch's attention_mask [b, S] as a keyword argument (pipelining
     splits keyword tensors into micro-batches for every stage), so no mask travels between stages.
-    Returns the carry; the last stage's head and loss run in the schedule's loss function.
+    Returns the travelling carry; the last stage's head and loss run in the schedule's loss
+    function (on unpack_carry of it).
     """
 
     def __init__(self, model: nn.Module):
@@ -78,14 +115,16 @@ class StageModule(nn.Module):
 
     def forward(self, *inputs, attention_mask, token_type_ids=None):
         m = self.model
-        carry = m.embed(inputs[0], token_type_ids) if m.is_first_stage else inputs
-        return m.run_layers(tuple(carry), m.layer_context(attention_mask), m.layers)
+        slots = carry_slots(m)
+        carry = m.embed(inputs[0], token_type_ids) if m.is_first_stage else unpack_carry(inputs, slots)
+        return pack_carry(m.run_layers(tuple(carry), m.layer_context(attention_mask), m.layers), slots)
 
 
-def example_carry(model: nn.Module, shape: tuple[int, int, int], dtype: torch.dtype) -> tuple:
-    """Meta tensors describing a carry, for the stage's static send/receive buffers.
+def example_carry(model: nn.Module, con_layout: Layout, rows: int, seq_len: int, dtype: torch.dtype) -> tuple:
+    """Meta tensors describing the travelling carry, for the stage's static send/receive buffers.
 
-    requires_grad marks them as differentiable: a stage receives its input's gradient only if so.
+    requires_grad marks a tensor as differentiable: the stage that receives it sends its gradient
+    back only if so (a frozen backbone's stream gets none).
     """
-    return tuple(torch.empty(shape, dtype=dtype, device="meta", requires_grad=True)
-                 for _ in range(model.carry_size))
+    return tuple(torch.empty(shape, dtype=dtype, device="meta", requires_grad=trainable)
+                 for shape, trainable in carry_shapes(model, con_layout, rows, seq_len))
