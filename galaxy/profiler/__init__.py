@@ -7,7 +7,7 @@
 See README.md (Profiling) for the counting convention and the JSON schema.
 """
 from galaxy.profiler.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, llama_matmul_flops,
-                                         plan_comm_bytes)
+                                         llama_plan_comm_bytes, plan_comm_bytes)
 from galaxy.profiler.comm import CommRecorder, ring_bytes
 from galaxy.profiler.profile import loss_of, profile_model
 from galaxy.profiler.report import ModuleStats, ProfileReport, SubBlockStats, Totals
@@ -15,4 +15,4 @@ from galaxy.profiler.table import comm_table, module_table, sub_block_table, sum
 
 __all__ = ["profile_model", "loss_of", "ProfileReport", "ModuleStats", "SubBlockStats", "Totals",
            "CommRecorder", "ring_bytes", "bert_matmul_flops", "llama_matmul_flops", "plan_comm_bytes",
-           "bert_plan_comm_bytes", "module_table", "sub_block_table", "comm_table", "summary"]
+           "bert_plan_comm_bytes", "llama_plan_comm_bytes", "module_table", "sub_block_table", "comm_table", "summary"]

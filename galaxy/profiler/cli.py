@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from galaxy.config import ConfigError, read_model_shape
 from galaxy.launch import main as launch_main
-from galaxy.profiler.closed_form import bert_matmul_flops, bert_plan_comm_bytes, human_check, llama_matmul_flops
+from galaxy.profiler.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, human_check, llama_matmul_flops,
+                                         llama_plan_comm_bytes)
 from galaxy.profiler.profile import profile_model
 from galaxy.profiler.table import comm_table, human, module_table, sub_block_table, summary
 
@@ -106,6 +107,19 @@ def closed_form_flops(job: ProfileJob) -> int:
                               head_dim=hf.get("head_dim"))["total"]
 
 
+def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
+    """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank."""
+    hf = job.hf
+    common = dict(seq_shares=seq_shares, batch=job.cfg.batch_size, hidden=hf["hidden_size"],
+                  layers=hf["num_hidden_layers"], intermediate=hf["intermediate_size"])
+    if job.opts.model == "bert":
+        return bert_plan_comm_bytes(plan, **common)
+    return llama_plan_comm_bytes(plan, **common, heads=hf["num_attention_heads"], vocab=hf["vocab_size"],
+                                 kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                                 head_dim=hf.get("head_dim"), attention_bias=bool(hf.get("attention_bias")),
+                                 mlp_bias=bool(hf.get("mlp_bias")))
+
+
 def run(job: ProfileJob, env) -> None:
     from galaxy.distributed.mesh import build_mesh
     from galaxy.models.build import build_model
@@ -132,12 +146,7 @@ def run(job: ProfileJob, env) -> None:
         dist.all_gather_object(reports, report)
     if env.rank != 0:
         return
-    expected_comm = None
-    if env.world > 1 and opts.model == "bert":
-        g = mesh.galaxy
-        expected_comm = bert_plan_comm_bytes(plan, seq_shares=g.seq, batch=cfg.batch_size,
-                                             hidden=job.hf["hidden_size"], layers=job.hf["num_hidden_layers"],
-                                             intermediate=job.hf["intermediate_size"])
+    expected_comm = closed_form_comm(job, plan, mesh.galaxy.seq) if env.world > 1 else None
     print(render(reports, job, opts.depth, expected_comm, deepspeed_flops), flush=True)
     if opts.json:
         write_json(opts.json, reports, closed_form_flops(job), expected_comm)

@@ -63,13 +63,16 @@ def bert_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, g
 
 
 def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, kv_features: int,
-                    exit_tokens: int | None, sum_param_numel: int, element_size: int = 4) -> dict:
+                    exit_tokens: int | None, sum_param_numel: int, head_all_reduces: tuple[int, ...] = (),
+                    element_size: int = 4) -> dict:
     """Collectives one rank issues in one training step under `plan`: {kind: {calls, sent, received}}.
 
     seq_shares: tokens per rank (padded to the largest in gathers and scatters); kv_features: the
     width SP attention gathers (2 x K/V heads x head dim); exit_tokens: tokens per rank gathered
     after the last layer when CON is SP (BERT: 1, the [CLS] candidate), None when the head runs on
-    the CON layout; sum_param_numel: elements of GradientSync's all-reduce.
+    the CON layout; head_all_reduces: elements of each all-reduce the head issues when CON is SP
+    (Llama: the LM head weight's gradient and the loss); sum_param_numel: elements of
+    GradientSync's all-reduce.
     """
     n = len(seq_shares)
     out: dict[str, dict] = {}
@@ -111,6 +114,8 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
         add("all_gather", shard)                    # enter: R -> S split | all-gather
         if exit_tokens is not None:
             add("all_gather", batch * exit_tokens * hidden)   # exit: S -> R | split
+        for numel in head_all_reduces:
+            add("all_reduce", numel)
     if sum_param_numel:
         add("all_reduce", sum_param_numel)
     return out
@@ -123,6 +128,70 @@ def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: i
                            kv_features=2 * hidden, exit_tokens=1,
                            sum_param_numel=bert_sum_param_numel(plan, hidden=hidden, layers=layers,
                                                                 intermediate=intermediate, group_size=n),
+                           element_size=element_size)
+
+
+def llama_sum_param_numel(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                          intermediate: int, attention_bias: bool = False, mlp_bias: bool = False,
+                          group_size: int) -> int:
+    """Elements of Llama's gradients summed over the group (GradientSync's one all-reduce).
+
+    CON SP: the RMSNorm weights, [H] each: the first layer's input norm before the first block
+    (`first_norm`) plus CON1's and CON2's per layer (CON2 of the last layer holds the final norm),
+    (2L + 1) x H; and the deferred output biases, H per layer for each of o_proj / down_proj
+    that has one (attention_bias / mlp_bias).
+    ATT SP: q_proj [heads*d, H], k_proj and v_proj [kv_heads*d, H], o_proj [H, heads*d];
+    with attention_bias, q/k/v biases (heads*d + 2 kv_heads*d; o_proj's is deferred, above).
+    MLP SP: gate_proj and up_proj [I, H], down_proj [H, I]; with mlp_bias, gate and up biases (2I).
+    The LM head and the embeddings are not summed here (see llama_plan_comm_bytes).
+    """
+    if group_size == 1:
+        return 0
+    h, i, q, kv = hidden, intermediate, heads * head_dim, kv_heads * head_dim
+    n = 0
+    if plan.con == "SP":
+        n += (2 * layers + 1) * h + layers * h * (int(attention_bias) + int(mlp_bias))
+    if plan.att == "SP":
+        n += layers * (2 * q * h + 2 * kv * h + (q + 2 * kv if attention_bias else 0))
+    if plan.mlp == "SP":
+        n += layers * (3 * h * i + (2 * i if mlp_bias else 0))
+    return n
+
+
+def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                          intermediate: int, vocab: int, head_dim: int | None = None,
+                          attention_bias: bool = False, mlp_bias: bool = False, element_size: int = 4) -> dict:
+    """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
+    Every layer is the same four-transition block as BERT's (galaxy.layers.block): each sub-block
+    reads the CON's normalised input x [b, S|s_i, H] and hands its output back; the residual
+    stream, the carry's other half, never leaves the CON layout, so it adds no collective. Per
+    layer and per TP/SP sub-block (plan_comm_bytes, forward | backward; shards [b, s, H]):
+      CON SP,   TP:  S -> R gather | reduce-scatter in, P -> S reduce-scatter | gather out
+      CON None, TP:  R -> R copy | all-reduce [b, S, H] in, P -> R all-reduce | identity out
+      CON None, SP:  R -> S split | gather in, S -> R gather | split out
+      CON SP,   SP:  nothing
+    SP attention gathers K and V, rotated, as one tensor [b, s, 2 kv_heads d] (grouped-query:
+    kv_heads, not heads), then reduce-scatters its gradient: kv_features = 2 kv_heads d.
+    Entry (CON SP): the embeddings run replicated and are split, R -> S (free), whose backward
+    all-gathers the gradient [b, s, H]; first_norm runs after the split, on the shards.
+    Head (CON SP): each rank scores its own tokens with the replicated LM head, so nothing is
+    gathered at the exit (exit_tokens None); instead the head weight's gradient [vocab, H] is
+    all-reduced in backward (tied or not: the head's contribution is what is summed, same size),
+    and the loss, a scalar of this rank's tokens, is all-reduced in forward. Under CON None the
+    head runs on R: no collective.
+    Gradient sync: one all-reduce of the "sum" parameters (llama_sum_param_numel).
+    """
+    d = head_dim or hidden // heads
+    n = len(seq_shares)
+    return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                           kv_features=2 * kv_heads * d, exit_tokens=None,
+                           head_all_reduces=(vocab * hidden, 1),
+                           sum_param_numel=llama_sum_param_numel(
+                               plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
+                               intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
+                               group_size=n),
                            element_size=element_size)
 
 
