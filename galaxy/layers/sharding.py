@@ -6,7 +6,11 @@ from torch import nn
 
 
 def keep_slice(module: nn.Module, name: str, dim: int, start: int, length: int) -> None:
-    """Replace parameter `name` of `module` with its [start, start+length) slice along `dim`."""
+    """Replace parameter `name` of `module` with its [start, start+length) slice along `dim`.
+
+    On the meta device only the shape changes: galaxy.models.build shards a model before any
+    weight exists, then reads each slice from the checkpoint.
+    """
     full = getattr(module, name)
     if full is None:
         return
@@ -30,7 +34,11 @@ def shard_row_parallel(linear: nn.Linear, start: int, length: int) -> None:
     linear.in_features = length
 
 
+def shard_offset(sizes, rank: int) -> int:
+    """Where rank's share starts along the split dimension (shares are laid out in rank order)."""
+    return sum(sizes[:rank])
+
+
 @torch.no_grad()
 def slice_like(full: torch.Tensor, dim: int, sizes, rank: int) -> torch.Tensor:
-    start = sum(sizes[:rank])
-    return full.narrow(dim, start, sizes[rank])
+    return full.narrow(dim, shard_offset(sizes, rank), sizes[rank])

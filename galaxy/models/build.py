@@ -1,4 +1,4 @@
-"""Build a model from a Hugging Face directory, load its weights, apply a parallel plan."""
+"""Build this rank's part of a model from a Hugging Face directory: plan, stage, then weights."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +7,10 @@ from transformers import AutoConfig
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
+from galaxy.layers.sharding import shard_offset
 from galaxy.models.registry import Family, family_of
-from galaxy.models.weights import read_hf_state_dict
-from galaxy.parallel.plan import ParallelPlan, apply_plan
+from galaxy.models.weights import LazyCheckpoint
+from galaxy.parallel.plan import ParallelPlan, ParamRule, apply_plan
 
 
 class CheckpointError(ValueError):
@@ -28,49 +29,101 @@ def load_hf_config(model_path: str, dropout: float | None = None):
 
 
 def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int | None = None,
-                seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None) -> nn.Module:
-    """Every rank builds the full model on the meta device, loads the checkpoint, keeps its shard.
+                seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None,
+                stage: tuple[range, bool, bool] | None = None) -> nn.Module:
+    """This rank's part of the model: its shard under `plan`, of its pipeline stage, loaded.
 
+    The model is built on the meta device, sharded by the plan and pruned to the stage there
+    (shapes only, no data), then materialised on the CPU; each kept parameter then reads only
+    its own slice of the checkpoint (load_hf_weights), so no rank ever holds the full model.
     num_labels: classifier outputs (classification families); ignored by causal LMs.
+    stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
+    keeps the whole model.
     """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
+    device = torch.device(device)
     with torch.device("meta"):
         model = family.build(cfg, num_labels=num_labels)
-    model.to_empty(device="cpu")
-    if hasattr(model, "materialize"):     # non-checkpoint state: rotary tables, tied weights
-        model.materialize()
-    load_hf_weights(model, read_hf_state_dict(model_path), family, seed)
-    device = torch.device(device)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
+    with LazyCheckpoint(model_path) as checkpoint:
+        # The whole model against the checkpoint's headers (no data) before pruning: a bad
+        # checkpoint fails alike on every pipeline stage, with the first error the full model meets.
+        locate_weights(model, checkpoint, family, group.rank)
+        if stage is not None:
+            # Imported here: galaxy.pipeline's package imports this module (build_pipeline).
+            from galaxy.pipeline.stage import keep_stage
+            keep_stage(model, *stage)
+        model.to_empty(device="cpu")      # new, uninitialised tensors: ties are broken, buffers empty
+        if hasattr(model, "materialize"):     # non-checkpoint state: rotary tables, tied weights
+            model.materialize()
+        load_hf_weights(model, checkpoint, family, seed, group.rank)
     return model.to(device)
 
 
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, state: dict[str, torch.Tensor], family: Family, seed: int) -> None:
+def locate_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: Family, rank: int = 0) -> list:
+    """Where each parameter of `model` (sharded already; pruned or not) comes from, checked
+    against the checkpoint's names and shapes: [(param, checkpoint name or None for a new task
+    head, dim, start, full shape)], dim None for a whole tensor, else this rank's slice starts at
+    `start` along `dim` (ParamRule "sharded": offset sum(sizes[:rank]), as keep_slice cut it).
+
+    A weight a pipeline end holds as its own copy of a tied weight (model.tied_across_stages:
+    {copy: original}) comes from the original's tensor. Shapes are checked at full (unsharded)
+    size, so the errors read the same under every plan.
+    """
     to_hf = family.hf_name_fn(model.config)
-    missing_head = []
+    rules = getattr(model, "param_rules", {})
+    tied = getattr(model, "tied_across_stages", {})
+    prefix = family.hf_base_prefix
+    located = []
     for name, param in model.named_parameters():
-        hf = to_hf(name)
-        tensor = state.get(hf)
-        if tensor is None and family.hf_base_prefix and hf.startswith(family.hf_base_prefix):
-            tensor = state.get(hf[len(family.hf_base_prefix):])
-        if tensor is None:
-            if name in family.hf_head_params:
-                missing_head.append(param)
-                continue
-            raise CheckpointError(f"checkpoint has no tensor {hf!r} (for {name})")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise CheckpointError(f"checkpoint tensor {hf!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model needs {tuple(param.shape)} (check num_labels / class_list)")
-        param.copy_(tensor)
+        hf = to_hf(tied.get(name, name))
+        source = hf
+        if source not in checkpoint and prefix and hf.startswith(prefix):
+            source = hf[len(prefix):]     # a bare base-model checkpoint
+        dim, start, full_shape = _shard_of(name, param, rules.get(name), rank)
+        if source not in checkpoint:
+            if name not in family.hf_head_params:
+                raise CheckpointError(f"checkpoint has no tensor {hf!r} (for {name})")
+            source = None
+        elif checkpoint.shape(source) != full_shape:
+            raise CheckpointError(f"checkpoint tensor {hf!r} has shape {checkpoint.shape(source)}, "
+                                  f"the model needs {full_shape} (check num_labels / class_list)")
+        located.append((param, source, dim, start, full_shape))
+    return located
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: Family, seed: int,
+                    rank: int = 0) -> None:
+    """Copy every parameter of `model` (sharded and pruned already, materialised) from the
+    checkpoint, reading only this rank's slice of a sharded one (locate_weights)."""
+    missing_head = []
+    for param, source, dim, start, full_shape in locate_weights(model, checkpoint, family, rank):
+        if source is None:
+            missing_head.append((param, dim, start, full_shape))
+        else:
+            checkpoint.read_into(source, param, dim, start)
     if missing_head:
         # A new task head, initialised as Hugging Face does, from the shared seed so that every
-        # rank draws the same values.
+        # rank draws the same values (drawn at full shape, then sliced, should a plan shard it).
         gen = torch.Generator().manual_seed(seed)
         std = getattr(model.config, "initializer_range", 0.02)
-        for param in missing_head:
+        for param, dim, start, full_shape in missing_head:
             if param.dim() > 1:
-                param.normal_(0.0, std, generator=gen)
+                full = torch.empty(full_shape, dtype=param.dtype).normal_(0.0, std, generator=gen)
+                param.copy_(full if dim is None else full.narrow(dim, start, param.shape[dim]))
             else:
                 param.zero_()
+
+
+def _shard_of(name: str, param: torch.Tensor, rule: ParamRule | None, rank: int):
+    """(dim, start, full shape) of this rank's slice; dim None when the parameter is whole."""
+    if rule is None or rule.kind != "sharded":
+        return None, 0, tuple(param.shape)
+    if param.shape[rule.dim] != rule.sizes[rank]:
+        raise RuntimeError(f"{name} has {param.shape[rule.dim]} entries along dim {rule.dim}, "
+                           f"its rule gives rank {rank} {rule.sizes[rank]}")
+    full_shape = list(param.shape)
+    full_shape[rule.dim] = sum(rule.sizes)
+    return rule.dim, shard_offset(rule.sizes, rank), tuple(full_shape)

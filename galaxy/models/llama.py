@@ -183,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
     def materialize(self) -> None:
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
         self.rotary = LlamaRotaryEmbedding(self.config)   # handles every rope_type of the config
-        if self.config.tie_word_embeddings:
+        # A pipeline stage may hold one end only (galaxy.pipeline.stage.keep_stage): nothing to tie.
+        if self.config.tie_word_embeddings and hasattr(self, "embed_tokens") and hasattr(self, "lm_head"):
             self.lm_head.weight = self.embed_tokens.weight
 
     def plan_head(self, con_layout, group) -> dict:

@@ -3,11 +3,10 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from galaxy.models.build import build_model
+from galaxy.models.build import build_model, load_hf_config
 from galaxy.parallel.data_parallel import DataParallelRunner
 from galaxy.pipeline.runner import PipelineRunner
 from galaxy.pipeline.split import stage_layer_ranges
-from galaxy.pipeline.stage import keep_stage
 
 
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
@@ -16,13 +15,14 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
                    schedule: str = "1f1b", autocast=nullcontext, adapt=None) -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
-    The full model is built and loaded, then everything the stage does not run is dropped.
-    adapt(model), when given, changes the stage before anything wraps it (e.g. apply_peft).
+    build_model prunes the model to the stage before any weight is read, so the rank reads and
+    holds only its stage's share. adapt(model), when given, changes the stage before anything
+    wraps it (e.g. apply_peft).
     """
-    model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed,
-                        device=device, dropout=dropout)
-    ranges = stage_layer_ranges(model.config.num_hidden_layers, mesh.pp_size, stage_num_hidden_layers_list)
-    keep_stage(model, ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
+    layers = load_hf_config(model_path).num_hidden_layers
+    ranges = stage_layer_ranges(layers, mesh.pp_size, stage_num_hidden_layers_list)
+    model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
+                        dropout=dropout, stage=(ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage))
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
