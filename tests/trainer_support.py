@@ -20,13 +20,15 @@ GALAXY_W2 = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_paralle
                  seq_scatter_list=[9, 7])
 
 
-def make_workspace(root, n_train: int = 64, n_held_out: int = 12) -> dict:
-    """model/ (tiny BERT, 6 labels, MiniLM tokenizer) and train/dev/test TSV files under root."""
+def make_workspace(root, n_train: int = 64, n_held_out: int = 12, **model) -> dict:
+    """model/ (tiny BERT, 6 labels, MiniLM tokenizer) and train/dev/test TSV files under root.
+
+    model: BertConfig overrides (e.g. num_hidden_layers=4 for uneven pipeline stages)."""
     from galaxy.data import pydoc_topics_dataset
     from galaxy.models.packaged_minilm import packaged_minilm_dir
     root = str(root)
     model_dir = os.path.join(root, "model")
-    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
+    make_tiny_bert(model_dir, **{"vocab_size": 30522, **model, "num_labels": len(CLASSES)})
     for name in TOKENIZER_FILES:
         os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
     paths = {"root": root, "model_dir": model_dir}
@@ -52,20 +54,21 @@ def write_config(ws: dict, name: str, **keys) -> str:
     return path
 
 
-def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=None):
+def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=None, task: str = "classification"):
     """What an entry script does, on this pool rank.
 
     before / after: optional module-level functions of the trainer, called before and after fit.
+    task: "classification" (the BERT scripts) or "causal_lm" (the Llama scripts).
     Returns (summary, before(trainer), after(trainer)), None for an absent function.
     """
     import torch
     from galaxy.config import apply_preset, load_config, validate_for_world
     from galaxy.launch import DistEnv
-    from galaxy.train.trainer import ClassifierTrainer, prepare_classifier
+    from galaxy.train.trainer import ClassifierTrainer, prepare_causal_lm, prepare_classifier
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = apply_preset(load_config(config_path), preset)
     validate_for_world(cfg, world, rank)
-    job = prepare_classifier(cfg)
+    job = (prepare_classifier if task == "classification" else prepare_causal_lm)(cfg)
     env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
                   timeout_s=cfg.timeout_s, local_rank=rank)
     trainer = ClassifierTrainer(job, env)

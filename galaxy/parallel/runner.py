@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from galaxy.parallel.full_state import gather_full
+from galaxy.pipeline.stage_state import written_names
 
 
 class Runner:
@@ -54,8 +55,13 @@ class Runner:
 
     @torch.no_grad()
     def full_state(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter (or gradient) of the full model at full shape, by Galaxy name."""
-        state = gather_full(self.model, grads=grads)
+        """Every parameter (or gradient) of the full model at full shape, by Galaxy name.
+
+        Stages: all_gather_object over the pp group of CPU copies (every rank gets everything; for
+        tests and small models). A weight tied across the pipeline's ends counts once, under the
+        first stage's name, as in the full model (galaxy.pipeline.stage_state.written_names).
+        """
+        state = gather_full(self.model, grads=grads, names=written_names(self.model))
         pp_pg = self.mesh.pp_pg
         if pp_pg is None:
             return state

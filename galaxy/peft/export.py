@@ -8,6 +8,10 @@
     adapter, side(_only) galaxy_peft.json (method, options, base model) and
                          peft_model.safetensors: the trained tensors (new parameters and the task
                          head) in full, under the Hugging Face-style names of the family's map
+
+Under pipeline parallelism (mesh given) every stage gathers and transforms its own part (LoRA
+merges happen on the stage that holds the projection) and the parts meet on the writer, global
+rank 0 (galaxy.pipeline.stage_state): the files are those a pp_deg 1 run writes.
 """
 from __future__ import annotations
 
@@ -22,32 +26,45 @@ from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import gather_full
 from galaxy.peft.lora import merge_into
 from galaxy.peft.peft_format import lora_config_json, peft_key, write_lora_dir
+from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer, written_names
 
 GALAXY_CONFIG, GALAXY_WEIGHTS = "galaxy_peft.json", "peft_model.safetensors"
 
 
-def trained_state(model) -> dict[str, torch.Tensor]:
-    """Collective over the Galaxy group: the trained tensors in full, by Hugging Face name, on the CPU."""
+def trained_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
+    """The trained tensors in full, by Hugging Face name, on the CPU.
+
+    mesh None: collective over the Galaxy group, every rank gets its model's (or stage's) part.
+    mesh given: collective over every rank; the writer (global rank 0) gets every stage's,
+    ranks that do not write may get None. The same holds for the two functions below.
+    """
+    if not in_writer_replica(mesh):
+        return None
     to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
-    full = gather_full(model, names=set(model.peft.trainable))
-    return {to_hf(n): t.to("cpu").contiguous() for n, t in full.items()}
+    full = gather_full(model, names=written_names(model, set(model.peft.trainable)))
+    return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in full.items()})
 
 
-def lora_adapter_state(model) -> dict[str, torch.Tensor]:
-    """Collective: peft's adapter_model.safetensors tensors (peft keys)."""
-    return {peft_key(hf): t for hf, t in trained_state(model).items()}
+def lora_adapter_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
+    """peft's adapter_model.safetensors tensors (peft keys)."""
+    state = trained_state(model, mesh)
+    return None if state is None else {peft_key(hf): t for hf, t in state.items()}
 
 
-def merged_hf_state(model) -> dict[str, torch.Tensor]:
-    """Collective: every weight by Hugging Face name with the LoRA updates folded in."""
+def merged_hf_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
+    """Every weight by Hugging Face name with the LoRA updates folded in."""
+    if not in_writer_replica(mesh):
+        return None
     to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
-    merged = merge_into(gather_full(model), model)
-    return {to_hf(n): t.to("cpu").contiguous() for n, t in merged.items()}
+    merged = merge_into(gather_full(model, names=written_names(model)), model)   # this stage's LoRA
+    return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in merged.items()})
 
 
 def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge: bool = False,
-                class_names: list[str] | None = None, tokenizer=None) -> None:
-    """Collective over the Galaxy group (all ranks gather); only the lead rank writes.
+                class_names: list[str] | None = None, tokenizer=None, mesh=None) -> None:
+    """Collective over the Galaxy group (all ranks gather), or over every rank when the mesh is
+    given (needed with several pipeline stages; lead must then be global rank 0, the writer);
+    only the lead rank writes.
 
     class_names / tokenizer: for merge=True (the HF config's labels, the tokenizer files;
     default: the base model's tokenizer).
@@ -61,7 +78,7 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
         raise ValueError(f"merge_lora merges LoRA updates; method {method!r} has none to merge")
     if merge:
         from galaxy.train.export import classifier_config, write_hf_dir
-        state = merged_hf_state(model)
+        state = merged_hf_state(model, mesh)
         if lead:
             if tokenizer is None:
                 from transformers import AutoTokenizer
@@ -70,11 +87,11 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
             write_hf_dir(out_dir, cfg, state, tokenizer)
         return
     if method == "lora":
-        state = lora_adapter_state(model)
+        state = lora_adapter_state(model, mesh)
         if lead:
             write_lora_dir(out_dir, lora_config_json(peft.lora, family, base_model_path), state)
         return
-    state = trained_state(model)
+    state = trained_state(model, mesh)
     if lead:
         from galaxy.train.files import write_safetensors_atomic, write_text_atomic
         os.makedirs(out_dir, exist_ok=True)

@@ -13,6 +13,11 @@ to step-N, and only then replaces `latest` (itself written to a temp file and re
 killed at any point leaves `latest` naming a complete checkpoint; the half-written temporary
 folder is removed by the next save. Every rank takes part in the gathers; only rank 0 writes.
 Resuming reads the folder on every rank: with several machines save_dir must be shared.
+
+Pipeline parallelism changes nothing in the folder: the stages' weights and optimizer state are
+gathered to rank 0 (galaxy.pipeline.stage_state), which writes the files a pp_deg 1 run writes;
+rng.safetensors adds one replicated stream per stage and trainer_state.json's layout records the
+pipeline (rng_state.py). Any layout resumes from it: each stage takes its own parameters.
 """
 from __future__ import annotations
 
@@ -132,11 +137,14 @@ def _prune(save_dir: str, keep: int | None, newest: str) -> None:
 
 def save_checkpoint(save_dir: str, step: int, *, model, optimizer, trainer_state: dict,
                     base_model_path: str, class_names: list[str], tokenizer, device,
-                    lead: bool, keep: int | None = None) -> str | None:
-    """Collective: every rank gathers, rank `lead` writes. Returns the folder (lead) or None."""
-    weights = hf_state_dict(model)
-    opt_tensors, opt_groups = gather_optimizer_state(model, optimizer)
-    rng = capture_rng(model, device)
+                    lead: bool, keep: int | None = None, mesh=None) -> str | None:
+    """Collective: every rank calls it, rank `lead` writes. Returns the folder (lead) or None.
+
+    mesh: the run's mesh (needed with several pipeline stages; lead must then be global rank 0).
+    """
+    weights = hf_state_dict(model, mesh)
+    opt_tensors, opt_groups = gather_optimizer_state(model, optimizer, mesh)
+    rng = capture_rng(model, device, mesh)
     if not lead:
         return None
     os.makedirs(save_dir, exist_ok=True)

@@ -7,6 +7,8 @@
 
 so that e.g. BertForSequenceClassification.from_pretrained(out_dir) gives galaxy's logits, and
 build_model(out_dir, ...) rebuilds the model under any plan (that is how checkpoints resume).
+Under pipeline parallelism the stages' weights are gathered to the writer (global rank 0) first
+(galaxy.pipeline.stage_state), so the folder is the one a pp_deg 1 run writes.
 """
 from __future__ import annotations
 
@@ -19,13 +21,23 @@ import torch
 from galaxy.models.build import load_hf_config
 from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import gather_full
+from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer, written_names
 from galaxy.train.files import fsync_path, replace_with, write_safetensors_atomic, write_text_atomic
 
 
-def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """Collective over the Galaxy group: full parameters by Hugging Face name, on the CPU."""
+def hf_state_dict(model, mesh=None) -> dict[str, torch.Tensor] | None:
+    """Full parameters by Hugging Face name, on the CPU.
+
+    mesh None: collective over the Galaxy group, every rank gets its model's (or stage's) dict.
+    mesh given: collective over every rank; the writer (global rank 0) gets the whole model's,
+    every pipeline stage's; ranks that do not write may get None.
+    """
+    if not in_writer_replica(mesh):
+        return None
     to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
-    return {to_hf(name): t.to("cpu").contiguous() for name, t in gather_full(model).items()}
+    full = gather_full(model, names=written_names(model))
+    part = {to_hf(name): t.to("cpu").contiguous() for name, t in full.items()}
+    return stages_to_writer(mesh, part)
 
 
 def classifier_config(base_model_path: str, class_names: list[str] | None):
@@ -62,8 +74,9 @@ def write_hf_dir(out_dir: str, hf_config, state: dict[str, torch.Tensor], tokeni
 
 
 def export_hf(model, out_dir: str, *, base_model_path: str, class_names: list[str] | None, tokenizer,
-              lead: bool) -> None:
-    """Collective (all ranks gather); only the lead rank writes."""
-    state = hf_state_dict(model)
+              lead: bool, mesh=None) -> None:
+    """Collective (every rank calls it); only the lead rank writes. With several pipeline stages
+    the mesh is needed (and lead must be global rank 0, the writer)."""
+    state = hf_state_dict(model, mesh)
     if lead:
         write_hf_dir(out_dir, classifier_config(base_model_path, class_names), state, tokenizer)

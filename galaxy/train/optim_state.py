@@ -8,12 +8,22 @@ every rank of the group and is saved as is.
 
 Saved form: tensors {"<param name>/<state key>": full tensor} and the parameter groups'
 hyperparameters (everything but "params") as JSON-able dicts.
+
+Pipeline parallelism: every stage has its own optimizer over its own parameters (same groups,
+same hyperparameters). Saving gathers each stage's tensors to the writer (global rank 0) with the
+stage pieces of galaxy.pipeline.stage_state, so the file is the one a pp_deg 1 run writes; the
+groups are the writer's (stage 0's). Loading, each stage takes the state of the parameters it
+owns (stage_state.stage_owns) and leaves the others' to them, whatever layout wrote the file.
+A weight tied across the pipeline's ends is saved once, under the first stage's name; the last
+stage's copy loads that state too (the copies take identical steps, so their states are equal).
 """
 from __future__ import annotations
 
 import torch
 
 from galaxy.distributed.collectives import all_gather_dim
+from galaxy.pipeline.stage_state import (in_writer_replica, stage_owns, stages_to_writer, tied_sources,
+                                         written_names)
 
 
 def _full_shape(p: torch.Tensor, rule) -> tuple[int, ...]:
@@ -30,13 +40,23 @@ def _named_groups(model, optimizer):
 
 
 @torch.no_grad()
-def gather_optimizer_state(model, optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Collective over the Galaxy group: every rank must call it. Tensors come back on the CPU."""
+def gather_optimizer_state(model, optimizer, mesh=None) -> tuple[dict[str, torch.Tensor] | None, list[dict]]:
+    """Collective: every rank must call it. Tensors come back on the CPU.
+
+    mesh None: over the Galaxy group, every rank gets its model's (or stage's) state. mesh given:
+    over every rank, the writer (global rank 0) gets every pipeline stage's tensors; ranks that
+    do not write may get None for the tensors.
+    """
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+              for group in optimizer.param_groups]
+    if not in_writer_replica(mesh):
+        return None, groups
     pg = model.group.pg
-    tensors, groups = {}, []
-    for group, named in _named_groups(model, optimizer):
-        groups.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
+    tensors, written = {}, written_names(model)
+    for _, named in _named_groups(model, optimizer):
         for name, p in named:
+            if name not in written:
+                continue                # a tied weight's copy: its state is the original's
             rule = model.param_rules[name]
             for key, value in optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
@@ -44,7 +64,7 @@ def gather_optimizer_state(model, optimizer) -> tuple[dict[str, torch.Tensor], l
                 if rule.kind == "sharded" and value.shape == p.shape:
                     value = all_gather_dim(value, rule.sizes, rule.dim, pg)
                 tensors[f"{name}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
-    return tensors, groups
+    return stages_to_writer(mesh, tensors), groups
 
 
 def _local_slice(full: torch.Tensor, rule, rank: int) -> torch.Tensor:
@@ -55,13 +75,22 @@ def _local_slice(full: torch.Tensor, rule, rank: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> None:
-    """Slice full-shape state for this rank (under the current plan) and load it (no collective)."""
-    rank = model.group.rank
+def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], groups: list[dict]) -> set[str]:
+    """Slice full-shape state for this rank (under the current plan) and load it (no collective).
+
+    On a pipeline stage, state of parameters other stages own is left alone; returns those
+    parameter names (galaxy.pipeline.stage_state.agree_on_load checks that some stage took each).
+    Raises ValueError for state of a parameter this rank's part should hold but does not.
+    """
+    rank, copies = model.group.rank, tied_sources(model)
     by_param: dict[str, dict[str, torch.Tensor]] = {}
+    others: set[str] = set()
     for key, full in tensors.items():
         name, state_key = key.rsplit("/", 1)
-        by_param.setdefault(name, {})[state_key] = full
+        if not stage_owns(model, name):
+            others.add(name)
+            continue
+        by_param.setdefault(copies.get(name, name), {})[state_key] = full
     named_groups = _named_groups(model, optimizer)
     if len(groups) != len(named_groups):
         raise ValueError(f"checkpoint has {len(groups)} optimizer parameter groups, "
@@ -88,3 +117,4 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
                          f"{sorted(by_param)[:3]}")
     # load_state_dict casts per-element state to each parameter's device and dtype.
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    return others

@@ -10,7 +10,9 @@ reads only its batch_size / dp_deg rows), forward and backward in grad_accum_ste
 (or num_microbatches pipeline micro-batches), gradient sync (Galaxy "sum" rule, DP average) ->
 optional clipping -> lr of step k -> update. After step k: the metrics line, the dev evaluation
 every eval_interval steps, a checkpoint every save_interval steps. At the end: dev and test
-evaluation, a last checkpoint, the Hugging Face export, the summary, the plot.
+evaluation, a last checkpoint, the Hugging Face export, the summary, the plot. Checkpoints and
+exports of a pipeline gather every stage to rank 0 and read the same as pp_deg 1 ones
+(galaxy/pipeline/stage_state.py); each stage's dropout streams are its own (rng_state.py).
 """
 from __future__ import annotations
 
@@ -27,14 +29,16 @@ from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import ParallelPlan
-from galaxy.peft import PeftOptions, apply_peft, export_peft, peft_summary
+from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, peft_summary
 from galaxy.pipeline import build_runner
+from galaxy.pipeline.split import stage_layer_ranges
+from galaxy.pipeline.stage_state import agree_on_load
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
 from galaxy.train.export import export_hf
 from galaxy.train.metrics import MetricsWriter
 from galaxy.train.optim import make_optimizer
 from galaxy.train.optim_state import load_optimizer_state
-from galaxy.train.rng_state import restore_rng
+from galaxy.train.rng_state import restore_rng, seed_streams
 from galaxy.train.schedule import LRSchedule
 from galaxy.train.step import autocast_for
 from galaxy.train.summary import format_summary, gather_peak_memory
@@ -78,9 +82,6 @@ def _check_mesh(cfg) -> None:
     if cfg.batch_size % (cfg.dp_deg * cfg.num_microbatches if cfg.pp_deg > 1 else cfg.dp_deg):
         what = "dp_deg x num_microbatches" if cfg.pp_deg > 1 else "dp_deg"
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by {what}; make it a multiple")
-    if cfg.pp_deg > 1 and (cfg.save_dir or cfg.export_dir or cfg.resume):
-        raise ConfigError("save_dir / resume / export_dir are not supported with pp_deg > 1 yet; "
-                          "remove them or set pp_deg to 1")
     if cfg.pp_deg > 1 and cfg.grad_accum_steps > 1:
         raise ConfigError("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
                           "num_microbatches is its accumulation); remove it")
@@ -98,9 +99,6 @@ def _prepare(cfg, kind: str) -> Job:
         peft = PeftOptions.from_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if peft.method in ("side", "side_only") and cfg.pp_deg > 1:
-        raise ConfigError("side-tuning runs with pp_deg 1 (the side network follows every layer); "
-                          "set pp_deg to 1 or use LoRA / adapters")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
     if len(task.train_set) < cfg.batch_size:
@@ -124,11 +122,25 @@ def plan_of(cfg) -> ParallelPlan:
     return ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
 
 
+def pipeline_layout(pp_deg: int, dp_deg: int, num_hidden_layers: int, stage_list) -> dict:
+    """The mesh's pipeline side, as a checkpoint records it: stages as [first layer, end)."""
+    ranges = stage_layer_ranges(num_hidden_layers, pp_deg, stage_list)
+    return {"pp_deg": pp_deg, "dp_deg": dp_deg, "stages": [[r.start, r.stop] for r in ranges]}
+
+
+def saved_layout(layout: dict, num_hidden_layers: int) -> dict:
+    """A checkpoint's layout; those written before pipelines could save were pp_deg 1 runs."""
+    if "pipeline" in layout:
+        return layout
+    dp = layout["world"] // len(layout["seq"])
+    return {**layout, "pipeline": pipeline_layout(1, dp, num_hidden_layers, None)}
+
+
 class Trainer:
     def __init__(self, job: Job, env):
         cfg = self.cfg = job.cfg
         self.job, self.task, self.env, self.lead = job, job.task, env, env.rank == 0
-        torch.manual_seed(cfg.seed)     # identical on every rank: replicated draws stay in lockstep
+        torch.manual_seed(cfg.seed)     # identical on every rank while the model is built
         self.mesh = mesh = build_mesh(cfg, env.rank, env.world, job.shape)
         self.group = mesh.galaxy
         self.autocast = autocast_for(cfg.mixed_precision, env.device)
@@ -146,6 +158,9 @@ class Trainer:
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
+        # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
+        # after the build, so that what building drew does not matter.
+        seed_streams(self.model, cfg.seed, mesh.pp_rank, env.device)
         self.runner.train()
         self.optimizer = make_optimizer(cfg, self.runner.parameters())
         # Every stage of a replica reads that replica's rows (the first stage needs the tokens,
@@ -182,11 +197,14 @@ class Trainer:
     # --- checkpoint state -------------------------------------------------------------------
 
     def layout(self) -> dict:
-        """What the per-rank (sharded) random streams depend on."""
-        g, plan = self.group, plan_of(self.cfg)
+        """What the random streams depend on: the per-rank (sharded) ones on all of it, each
+        stage's replicated one on pipeline.stages (galaxy/train/rng_state.py)."""
+        g, plan, cfg = self.group, plan_of(self.cfg), self.cfg
         return {"world": self.env.world, "plan": [plan.att, plan.mlp, plan.con],
                 "heads": list(g.heads), "intermediate": list(g.intermediate), "seq": list(g.seq),
-                "device": self.env.device.type}
+                "device": self.env.device.type,
+                "pipeline": pipeline_layout(cfg.pp_deg, cfg.dp_deg, self.job.shape["num_hidden_layers"],
+                                            cfg.stage_num_hidden_layers_list)}
 
     def trainer_state(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
@@ -195,12 +213,22 @@ class Trainer:
 
     def _restore(self, ckpt: Checkpoint) -> None:
         state = ckpt.state
-        load_optimizer_state(self.model, self.optimizer, ckpt.optimizer_tensors(), state["optimizer_groups"])
+        # Each pipeline stage takes its own parameters' state; the stages then agree (collective)
+        # that none failed and that every saved parameter found its stage.
+        error, others = None, set()
+        try:
+            others = load_optimizer_state(self.model, self.optimizer, ckpt.optimizer_tensors(),
+                                          state["optimizer_groups"])
+        except ValueError as e:
+            error = str(e)
+        agree_on_load(self.mesh, error, others, "optimizer state")
         self.batches.load_state_dict(state["data"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.saved_step = self.step
-        restore_rng(self.model, self.env.device, ckpt.rng_tensors(), same_layout=state["layout"] == self.layout(),
-                    seed=self.cfg.seed, step=self.step)
+        saved, now = saved_layout(state["layout"], self.job.shape["num_hidden_layers"]), self.layout()
+        restore_rng(self.model, self.env.device, ckpt.rng_tensors(), same_layout=saved == now,
+                    same_stages=saved["pipeline"]["stages"] == now["pipeline"]["stages"],
+                    seed=self.cfg.seed, step=self.step, stage=self.mesh.pp_rank)
         if state["schedule"] != self.schedule.state_dict():
             self.notes.append(f"resume: the learning-rate schedule {state['schedule']} of the checkpoint "
                               f"differs from the config's {self.schedule.state_dict()}; using the config's")
@@ -211,7 +239,8 @@ class Trainer:
         path = save_checkpoint(cfg.save_dir, self.step, model=self.model, optimizer=self.optimizer,
                                trainer_state=self.trainer_state(), base_model_path=cfg.model_path,
                                class_names=self.task.class_names, tokenizer=self.job.tokenizer,
-                               device=self.env.device, lead=self.lead, keep=cfg.keep_checkpoints)
+                               device=self.env.device, lead=self.lead, keep=cfg.keep_checkpoints,
+                               mesh=self.mesh)
         self.saved_step = self.step
         self._note(f"checkpoint: {path}")
 
@@ -255,19 +284,21 @@ class Trainer:
             self.save()
         if cfg.export_dir and self.peft.method != "full":
             export_peft(self.model, cfg.export_dir, base_model_path=cfg.model_path, lead=self.lead,
-                        merge=cfg.merge_lora, class_names=self.task.class_names, tokenizer=job.tokenizer)
+                        merge=cfg.merge_lora, class_names=self.task.class_names, tokenizer=job.tokenizer,
+                        mesh=self.mesh)
             self._note(f"export: {cfg.export_dir} ({'merged weights' if cfg.merge_lora else 'adapter'})")
         elif cfg.export_dir:
             export_hf(self.model, cfg.export_dir, base_model_path=cfg.model_path, class_names=self.task.class_names,
-                      tokenizer=job.tokenizer, lead=self.lead)
+                      tokenizer=job.tokenizer, lead=self.lead, mesh=self.mesh)
             self._note(f"export: {cfg.export_dir}")
         summary["wall_s"] = round(time.perf_counter() - start, 3)
         summary["peak_memory_mib"] = gather_peak_memory(env.device)
         metrics.log_event("done", **summary)
         metrics.close()
+        counts = parameter_counts(self.model, self.mesh.pp_pg)    # collective: every stage's own
         if self.lead:
             print(format_summary(summary, env.device), flush=True)
-            print(f"parameters: {peft_summary(self.model)}", flush=True)
+            print(f"parameters: {peft_summary(self.model, counts)}", flush=True)
             self._plot()
         dist.barrier()
         return summary
