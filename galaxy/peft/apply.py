@@ -178,7 +178,10 @@ def parameter_counts(model: nn.Module, stages_pg=None) -> tuple[int, int]:
     (sharded parameters count at full size). A pipeline stage counts its own parameters; with
     stages_pg (the mesh's pp group) the stages' counts are summed, a collective over it."""
     trainable = total = 0
+    copies = getattr(model, "tied_across_stages", {})   # counted on the first pipeline stage
     for name, p in model.named_parameters():
+        if name in copies:
+            continue
         rule = model.param_rules[name]
         n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()
         total += n

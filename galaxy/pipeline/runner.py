@@ -10,7 +10,8 @@ corresponding ranks have identical shapes, so every send has a matching receive)
      (galaxy.parallel.loss_scale) so that the scaled losses add up to the global-batch mean;
   3. data parallelism: the stage module is wrapped in DDP over the dp group; pipelining keeps
      DDP quiet until the last micro-batch's backward, which all-reduces the accumulated gradients;
-  4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group;
+  4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight tied across
+     the first and last stage gets the sum of both ends' gradients (galaxy.pipeline.tied);
   5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
 
 Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
@@ -33,6 +34,7 @@ from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_los
 from galaxy.parallel.runner import Runner
 from galaxy.pipeline.schedule import SCHEDULES, make_schedule
 from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
+from galaxy.pipeline.tied import TiedWeightSync
 
 
 class PipelineRunner(Runner):
@@ -43,6 +45,7 @@ class PipelineRunner(Runner):
         self.device = torch.device(device or "cpu")
         self.module = wrap_data_parallel(StageModule(model), mesh.dp_pg, self.device)
         self.sync = GradientSync(model, mesh.galaxy.pg)
+        self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
         if schedule not in SCHEDULES:
@@ -69,6 +72,7 @@ class PipelineRunner(Runner):
         with self.autocast():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.sync()
+        self.tied()
         if m.is_last_stage:
             loss = mean_over_replicas(torch.stack([x.detach() for x in losses]).sum(), mesh.dp_pg, mesh.dp_size)
         else:

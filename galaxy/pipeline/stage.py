@@ -34,27 +34,37 @@ class LayerSlice(nn.Module):
         return [int(k) for k in self._modules]
 
 
-def _shared_across_ends(model: nn.Module) -> list[str]:
-    """Parameters that both the first and the last stage would hold (tied embeddings)."""
-    first = {id(p) for name in model.first_stage_modules for p in getattr(model, name).parameters()}
-    return [f"{name}.{n}" for name in model.last_stage_modules
-            for n, p in getattr(model, name).named_parameters() if id(p) in first]
+def _shared_across_ends(model: nn.Module) -> dict[str, str]:
+    """Parameters that both the first and the last stage would hold (tied embeddings):
+    {name on the last stage: name on the first stage}."""
+    first = {id(p): f"{name}.{n}" for name in model.first_stage_modules
+             for n, p in getattr(model, name).named_parameters()}
+    return {f"{name}.{n}": first[id(p)] for name in model.last_stage_modules
+            for n, p in getattr(model, name).named_parameters(remove_duplicate=False) if id(p) in first}
 
 
 def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
-    """Drop everything stage (layers, first, last) does not run; returns the same model."""
-    if not (first and last):
-        tied = _shared_across_ends(model)
-        if tied:
-            raise ValueError(f"{tied[0]} is tied to the input embeddings, which live on another "
-                             f"pipeline stage; untie the weights (tie_word_embeddings false) or use pp_deg 1")
+    """Drop everything stage (layers, first, last) does not run; returns the same model.
+
+    A weight tied across the ends (Llama's tie_word_embeddings: lm_head.weight is
+    embed_tokens.weight) becomes two parameters when the ends are different stages: the first
+    stage keeps it under its own name, the last under the head's. model.tied_across_stages
+    ({last-stage name: first-stage name}, the same on every stage) tells the pipeline to sum
+    their gradients (galaxy.pipeline.tied), so the two copies stay equal, and tells gathers and
+    norms to count the last stage's copy as the first's.
+    """
+    tied = {} if first and last else _shared_across_ends(model)
+    rules = model.param_rules
     model.layers = LayerSlice({i: model.layers[i] for i in layers})
     for name in () if first else model.first_stage_modules:
         delattr(model, name)
     for name in () if last else model.last_stage_modules:
         delattr(model, name)
     kept = {n for n, _ in model.named_parameters()}
-    model.param_rules = {n: r for n, r in model.param_rules.items() if n in kept}
+    model.param_rules = {n: r for n, r in rules.items() if n in kept}
+    if last and not first:
+        model.param_rules.update({copy: rules[original] for copy, original in tied.items()})
+    model.tied_across_stages = tied
     model.stage_layers, model.is_first_stage, model.is_last_stage = layers, first, last
     return model
 

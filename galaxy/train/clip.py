@@ -24,9 +24,10 @@ def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
 def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """The L2 norm of the full model's gradient (0-d fp32 tensor, equal on every rank)."""
     rules, group = model.param_rules, model.group
+    copies = getattr(model, "tied_across_stages", {})   # counted on the first pipeline stage
     sharded, whole = [], []
     for name, p in model.named_parameters():
-        if p.grad is not None:
+        if p.grad is not None and name not in copies:
             (sharded if rules[name].kind == "sharded" else whole).append(p.grad)
     device = next(model.parameters()).device
     sq_sharded = _sum_of_squares(sharded, device)

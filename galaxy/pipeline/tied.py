@@ -1,0 +1,43 @@
+"""Weights tied across the two ends of a pipeline: one gradient for two copies.
+
+With tie_word_embeddings a causal LM multiplies by the same matrix at both ends: the embedding
+lookup (first stage) and the LM head (last stage). keep_stage leaves each end its own copy,
+equal at the start (both loaded from the one checkpoint tensor). The serial gradient of the
+tied weight is the sum of the two uses' gradients, so after every backward each copy's
+gradient is all-reduced over the pair {stage 0 rank, last-stage rank} of the same data-parallel
+replica and Galaxy rank; both copies then take identical optimizer steps and stay equal.
+
+Pair groups are made once per runner, by every rank in the same order (new_group is collective
+over the world). Stages in between hold neither copy and only take part in that creation.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from galaxy.distributed.mesh import global_rank
+
+
+class TiedWeightSync:
+    def __init__(self, model, mesh):
+        tied = getattr(model, "tied_across_stages", {})
+        self.pg, self.params = None, []
+        if not tied:
+            return
+        me, size = dist.get_rank(), mesh.galaxy.size
+        for dp_index in range(mesh.dp_size):
+            for g in range(size):
+                pair = [global_rank(0, dp_index, g, mesh.dp_size, size),
+                        global_rank(mesh.pp_size - 1, dp_index, g, mesh.dp_size, size)]
+                pg = dist.new_group(pair)
+                if me in pair:
+                    self.pg = pg
+        params = dict(model.named_parameters())
+        # One entry per tied pair, in the same order on both ends.
+        ends = [original if model.is_first_stage else copy for copy, original in tied.items()]
+        self.params = [params[n] for n in ends if n in params]
+
+    def __call__(self) -> None:
+        """After backward (and the data-parallel average), before the optimizer step."""
+        for p in self.params:
+            if p.requires_grad:       # frozen under PEFT: frozen on both ends alike
+                dist.all_reduce(p.grad, group=self.pg)
