@@ -97,14 +97,14 @@ def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbat
     return mesh, runner, trainable
 
 
-def lora_mesh_vs_peft(model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
+def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
                       steps=5, lr=0.1, global_batch=8, num_microbatches=2):
     """LoRA on a pp x dp x Galaxy mesh (DataParallelRunner / PipelineRunner) against peft serially."""
     mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares,
                                           PeftOptions("lora", lora_path=adapter_dir), num_microbatches)
-    opt, ref = _sgd(trainable.values(), lr), peft_reference("bert", model_dir, adapter_dir)
+    opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
     ref_opt = _sgd(ref.parameters(), lr)
-    to_hf = family_of("bert").hf_name_fn(runner.model.config)
+    to_hf = family_of(family).hf_name_fn(runner.model.config)
     report = {"loss": []}
     for step in range(steps):
         batch = batch_fn(seed=step, batch=global_batch)

@@ -2,7 +2,8 @@
 
 Under Galaxy plans at world 2 with uneven shares (both CON layouts, TP and SP sub-blocks; BERT, and
 Llama under the Galaxy plan), under DP (dp 2) and PP (pp 2; pp 2 x Galaxy 2 and Llama pp 2 for
-side-tuning, whose side state travels between stages), the loss of each of 5 SGD steps and every trained tensor
+side-tuning, whose side state travels between stages; Llama adapters and side-tuning under dp 2
+and pp 2), the loss of each of 5 SGD steps and every trained tensor
 at the end (gathered to full shape) match galaxy's serial run with the same seed within 1e-5
 relative. At step 0 an adapter model and a use_side model compute the base model's logits bit
 for bit (zero-initialised up-projections). Side-only never runs the backbone's layers, and
@@ -78,9 +79,12 @@ def test_pipeline_of_galaxy_groups_matches_serial(dist_pool, tiny_bert_dir, meth
         check(report, rank)
 
 
-@pytest.mark.parametrize("method", ["side", "side_only"])
-def test_llama_pipeline_matches_serial(dist_pool, tiny_llama_dir, method):
-    reports = dist_pool(2).run(mesh_vs_serial, tiny_llama_dir, ParallelPlan(), 2, 1, ((8,), (96,), (TINY_SEQ,)),
+LLAMA_MESHES = [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2), ("side", 2, 1), ("side_only", 2, 1)]
+
+
+@pytest.mark.parametrize("method,pp,dp", LLAMA_MESHES, ids=[f"{m}-pp{pp}-dp{dp}" for m, pp, dp in LLAMA_MESHES])
+def test_llama_mesh_matches_serial(dist_pool, tiny_llama_dir, method, pp, dp):
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_llama_dir, ParallelPlan(), pp, dp, ((8,), (96,), (TINY_SEQ,)),
                                OPTIONS[method], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
