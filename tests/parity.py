@@ -106,4 +106,6 @@ def check_report(report, rank, tol=1e-5):
     assert report["logits"] < tol, f"rank {rank}: logits off by {report['logits']}"
     assert max(report["loss"]) < tol, f"rank {rank}: losses off by {report['loss']}"
     assert report["grad"][0] < tol, f"rank {rank}: gradient of {report['grad'][1]} off by {report['grad'][0]}"
+    if "grad_norm" in report:
+        assert report["grad_norm"] < tol, f"rank {rank}: gradient norm off by {report['grad_norm']}"
     assert report["weights"][0] < tol, f"rank {rank}: weight {report['weights'][1]} off by {report['weights'][0]}"

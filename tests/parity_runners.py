@@ -30,7 +30,7 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
     steps (5), lr (0.5).
 
     Returns {"logits" (step 0, evaluation forward), "loss" (per step), "grad" (worst, where),
-    "weights" (worst, where), "stage" (this rank's layers)}.
+    "grad_norm" (step 0, the whole model's), "weights" (worst, where), "stage" (this rank's layers)}.
     """
     o = {"global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
          "grad_accum_steps": 1, "steps": 5, "lr": 0.5, **(options or {})}
@@ -57,6 +57,9 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
         loss = runner.step(local)
         if step == 0:
             report["grad"] = worst_param_error(runner.full_state(grads=True), ref, True, to_hf)
+            # HF's parameters() yields a tied weight once: the norm counts it once, as ours must.
+            ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+            report["grad_norm"] = rel_err(runner.grad_norm(), ref_norm)
         report["loss"].append(rel_err(loss, out.loss))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()

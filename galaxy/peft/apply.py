@@ -28,6 +28,7 @@ from galaxy.peft.adapter import add_adapters
 from galaxy.peft.lora import DEFAULT_TARGETS, add_lora, find_targets
 from galaxy.peft.peft_format import MODULES_TO_SAVE, LoraSpec, peft_key, read_lora_dir
 from galaxy.peft.side import add_side, describe_side
+from galaxy.pipeline.stage_state import written_names
 
 METHODS = ("full", "lora", "adapter", "side", "side_only")
 FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
@@ -178,9 +179,9 @@ def parameter_counts(model: nn.Module, stages_pg=None) -> tuple[int, int]:
     (sharded parameters count at full size). A pipeline stage counts its own parameters; with
     stages_pg (the mesh's pp group) the stages' counts are summed, a collective over it."""
     trainable = total = 0
-    copies = getattr(model, "tied_across_stages", {})   # counted on the first pipeline stage
+    counted = written_names(model)      # a tied weight's pipeline copy counts on the first stage
     for name, p in model.named_parameters():
-        if name in copies:
+        if name not in counted:
             continue
         rule = model.param_rules[name]
         n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()

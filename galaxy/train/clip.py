@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from galaxy.pipeline.stage_state import written_names
+
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
     # fp32 accumulation whatever the gradient dtype: a norm of bf16 values loses bits otherwise.
@@ -24,10 +26,10 @@ def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
 def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """The L2 norm of the full model's gradient (0-d fp32 tensor, equal on every rank)."""
     rules, group = model.param_rules, model.group
-    copies = getattr(model, "tied_across_stages", {})   # counted on the first pipeline stage
+    counted = written_names(model)      # a tied weight's pipeline copy counts on the first stage
     sharded, whole = [], []
     for name, p in model.named_parameters():
-        if p.grad is not None and name not in copies:
+        if p.grad is not None and name in counted:
             (sharded if rules[name].kind == "sharded" else whole).append(p.grad)
     device = next(model.parameters()).device
     sq_sharded = _sum_of_squares(sharded, device)
