@@ -51,3 +51,44 @@ def _from_config(model_dir):
 def test_build_mesh_from_config(dist_pool, tiny_bert_dir):
     got = dist_pool(4).run(_from_config, tiny_bert_dir)
     assert got == [(0, 2, (7, 5), (3, 3)), (0, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3))]
+
+
+def _stalled_partner(stall_s: float, timeout_s: float):
+    """pp 2 x Galaxy 2: rank 0 all-reduces on its Galaxy group (with rank 1), then on its pp group
+    (with rank 2); those partners join only after stall_s. Returns, per collective, (raised,
+    seconds waited)."""
+    import time
+    from datetime import timedelta
+    import torch
+    mesh = make_mesh(2, 1, (1, 1), (1, 1), (1, 1), timeout=timedelta(seconds=timeout_s))
+    partner = {1: mesh.galaxy.pg, 2: mesh.pp_pg}
+    rank, seen = dist.get_rank(), []
+    groups = [mesh.galaxy.pg, mesh.pp_pg] if rank == 0 else [partner[rank]] if rank in partner else []
+    if rank != 0:
+        time.sleep(stall_s)
+    for pg in groups:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=pg)
+            seen.append((False, time.monotonic() - start))
+        except RuntimeError:
+            seen.append((True, time.monotonic() - start))
+    return seen
+
+
+def test_a_stalled_peer_stops_the_mesh_groups_within_the_timeout(dist_pool):
+    """torch gives subgroups a 30-minute default; the mesh passes its timeout to every axis."""
+    waited = dist_pool(4).run(_stalled_partner, 5.0, 1.0)[0]
+    assert [raised for raised, _ in waited] == [True, True]
+    assert all(seconds < 3.0 for _, seconds in waited), waited
+
+
+def _ends_group_ranks(pp):
+    from galaxy.distributed.mesh import pipeline_ends_group
+    pg = pipeline_ends_group(make_mesh(pp, 1, (1,), (1,), (1,)))
+    return None if pg is None else dist.get_process_group_ranks(pg)
+
+
+def test_pipeline_ends_group_pairs_the_first_and_last_stage(dist_pool):
+    assert dist_pool(3).run(_ends_group_ranks, 3) == [[0, 2], None, [0, 2]]
+    assert dist_pool(2).run(_ends_group_ranks, 2) == [[0, 1], [0, 1]]

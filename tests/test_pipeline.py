@@ -6,7 +6,7 @@ gathered over stages and Galaxy shards, the step-0 gradients and the final weigh
 serial Hugging Face model within 1e-5 relative (fp32, dropout 0): world 2 and 3 with uneven
 stages under both schedules, pp 2 x Galaxy 2 (world 4), Llama (token-weighted loss over
 micro-batches of very different token counts) at world 2, and Llama at pp 2 x dp 2 (world 4);
-Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2). The stage split and
+Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2, pp 3). The stage split and
 pruning are checked alone.
 """
 import pytest
@@ -82,8 +82,8 @@ def tied_llama3_dir(tmp_path_factory):
                            tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("pp,dp", [(2, 1), (2, 2)])
-def test_tied_embeddings_across_stages_match_hf(dist_pool, tied_llama3_dir, pp, dp):
+@pytest.mark.parametrize("pp,dp,stages", [(2, 1, [2, 1]), (2, 2, [2, 1]), (3, 1, [1, 1, 1])])
+def test_tied_embeddings_across_stages_match_hf(dist_pool, tied_llama3_dir, pp, dp, stages):
     """The embedding (stage 0) and LM head (last stage) copies of the tied weight get the sum of
     both gradients, so they step as HF's one weight does.
 
@@ -91,7 +91,7 @@ def test_tied_embeddings_across_stages_match_hf(dist_pool, tied_llama3_dir, pp, 
     that even galaxy's single-process model (no pipeline, one tied tensor) ends 5 steps 5e-5 away
     from HF. At 0.1 pipeline and single-process runs alike stay near 2e-7."""
     run_case(dist_pool(pp * dp), "llama", tied_llama3_dir, GALAXY, pp, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
-             dp=dp, num_microbatches=2, stage_layers=[2, 1], lr=0.1)
+             dp=dp, stage_layers=stages, lr=0.1)
 
 
 def test_pp2_x_dp2_llama_matches_hf(dist_pool, llama3_dir):

@@ -5,32 +5,21 @@ lookup (first stage) and the LM head (last stage). keep_stage leaves each end it
 equal at the start (both loaded from the one checkpoint tensor). The serial gradient of the
 tied weight is the sum of the two uses' gradients, so after every backward each copy's
 gradient is all-reduced over the pair {stage 0 rank, last-stage rank} of the same data-parallel
-replica and Galaxy rank; both copies then take identical optimizer steps and stay equal.
-
-Pair groups are made once per runner, by every rank in the same order (new_group is collective
-over the world). Stages in between hold neither copy and only take part in that creation.
+replica and Galaxy rank (galaxy.distributed.mesh.pipeline_ends_group); both copies then take
+identical optimizer steps and stay equal. Middle stages hold neither copy.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from galaxy.distributed.mesh import global_rank
+from galaxy.distributed.mesh import pipeline_ends_group
 
 
 class TiedWeightSync:
     def __init__(self, model, mesh):
-        tied = getattr(model, "tied_across_stages", {})
-        self.pg, self.params = None, []
-        if not tied:
-            return
-        me, size = dist.get_rank(), mesh.galaxy.size
-        for dp_index in range(mesh.dp_size):
-            for g in range(size):
-                pair = [global_rank(0, dp_index, g, mesh.dp_size, size),
-                        global_rank(mesh.pp_size - 1, dp_index, g, mesh.dp_size, size)]
-                pg = dist.new_group(pair)
-                if me in pair:
-                    self.pg = pg
+        tied = getattr(model, "tied_across_stages", {})     # the same on every stage
+        # Built only for tied models, but then on every rank: making groups is collective.
+        self.pg = pipeline_ends_group(mesh) if tied else None
         params = dict(model.named_parameters())
         # One entry per tied pair, in the same order on both ends.
         ends = [original if model.is_first_stage else copy for copy, original in tied.items()]
