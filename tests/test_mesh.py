@@ -4,11 +4,15 @@ For every factorisation of world 4 each rank checks its coordinates and the memb
 process groups against rank = (pp_index * dp + dp_index) * group_size + galaxy_rank; axes of size
 1 have no process group. build_mesh derives the group size and shares from a run config.
 """
+import time
+from datetime import timedelta
+
 import pytest
+import torch
 import torch.distributed as dist
 
 from galaxy.config import GalaxyConfig
-from galaxy.distributed.mesh import build_mesh, global_rank, make_mesh
+from galaxy.distributed.mesh import build_mesh, global_rank, make_mesh, pipeline_ends_group
 
 FACTORINGS = [(1, 1, 4), (1, 4, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
@@ -57,9 +61,6 @@ def _stalled_partner(stall_s: float, timeout_s: float):
     """pp 2 x Galaxy 2: rank 0 all-reduces on its Galaxy group (with rank 1), then on its pp group
     (with rank 2); those partners join only after stall_s. Returns, per collective, (raised,
     seconds waited)."""
-    import time
-    from datetime import timedelta
-    import torch
     mesh = make_mesh(2, 1, (1, 1), (1, 1), (1, 1), timeout=timedelta(seconds=timeout_s))
     partner = {1: mesh.galaxy.pg, 2: mesh.pp_pg}
     rank, seen = dist.get_rank(), []
@@ -84,7 +85,6 @@ def test_a_stalled_peer_stops_the_mesh_groups_within_the_timeout(dist_pool):
 
 
 def _ends_group_ranks(pp):
-    from galaxy.distributed.mesh import pipeline_ends_group
     pg = pipeline_ends_group(make_mesh(pp, 1, (1,), (1,), (1,)))
     return None if pg is None else dist.get_process_group_ranks(pg)
 
