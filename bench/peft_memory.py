@@ -124,7 +124,7 @@ def run_method(args) -> dict:
     return {"method": args.child, "trainable": n_train, "total": n_total, "saved_mib": saved / MIB,
             "state_mib": state / MIB, "peak_mib": peak / MIB, "peak_is": what, "base_mib": base / MIB,
             "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
-            "description": model.peft.description}
+            "description": model.attached.peft.description}
 
 
 def main() -> None:

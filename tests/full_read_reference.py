@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from galaxy.layers.rng import ShardedRNG
-from galaxy.models.build import CheckpointError, load_hf_config
+from galaxy.models.build import CheckpointError, load_hf_config, model_class
 from galaxy.models.registry import family_of
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import apply_plan
@@ -21,10 +21,9 @@ def full_read_build(model_path, plan, group, *, num_labels=None, seed=0, dropout
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
     with torch.device("meta"):
-        model = family.build(cfg, num_labels=num_labels)
+        model = model_class(family, None)(cfg, num_labels=num_labels)
     model.to_empty(device="cpu")
-    if hasattr(model, "materialize"):
-        model.materialize()
+    model.materialize()
     _copy_whole(model, read_hf_state_dict(model_path), family, seed)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, torch.device("cpu")))
     if stage is not None:
@@ -34,7 +33,7 @@ def full_read_build(model_path, plan, group, *, num_labels=None, seed=0, dropout
 
 @torch.no_grad()
 def _copy_whole(model, state, family, seed) -> None:
-    to_hf = family.hf_name_fn(model.config)
+    to_hf = family.hf_names(model.config)
     missing_head = []
     for name, param in model.named_parameters():
         hf = to_hf(name)

@@ -82,7 +82,7 @@ def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_
     group = world_group(*shares)
     model = build_model(model_dir, plan, group, num_labels=3)
     ref = HF_LOADERS[family](model_dir)
-    to_hf = family_of(family).hf_name_fn(model.config)
+    to_hf = family_of(family).hf_names(model.config)
     report = {"loss": []}
     for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
                                                 batch_fn, steps, lr):

@@ -40,10 +40,10 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
                           num_microbatches=o["num_microbatches"], schedule=o["schedule"],
                           grad_accum_steps=o["grad_accum_steps"])
     ref = HF_LOADERS[family](model_dir)
-    to_hf = family_of(family).hf_name_fn(ref.config)
+    to_hf = family_of(family).hf_names(ref.config)
     opt = torch.optim.SGD(runner.parameters(), lr=o["lr"])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=o["lr"])
-    report = {"loss": [], "stage": list(getattr(runner.model, "stage_layers", []))}
+    report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else [])}
     for step in range(o["steps"]):
         batch = batch_fn(seed=step, batch=o["global_batch"])
         local = replica_rows(batch, mesh.dp_rank, dp)

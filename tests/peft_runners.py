@@ -104,7 +104,7 @@ def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: in
                                           PeftOptions("lora", lora_path=adapter_dir), num_microbatches)
     opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
     ref_opt = _sgd(ref.parameters(), lr)
-    to_hf = family_of(family).hf_name_fn(runner.model.config)
+    to_hf = family_of(family).hf_names(runner.model.config)
     report = {"loss": []}
     for step in range(steps):
         batch = batch_fn(seed=step, batch=global_batch)

@@ -116,7 +116,7 @@ def test_side_only_skips_the_backbone_layers(tiny_bert_dir):
     loss.backward()
     assert seen == []                                   # no backbone layer ran
     assert all(p.grad is not None for p in trainable.values())
-    assert "not run" in model.peft.description
+    assert "not run" in model.attached.peft.description
 
 
 def test_side_runs_the_backbone_without_autograd(tiny_bert_dir):

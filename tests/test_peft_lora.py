@@ -152,7 +152,7 @@ def test_defaults_adapt_query_and_value_and_train_the_classifier(tiny_bert_dir):
 def test_adapter_directory_wins_over_options(tiny_bert_dir, adapter_dir):
     model, _ = serial_model(tiny_bert_dir, lora_dim=16, lora_alpha=1.0, lora_target_modules=["key"],
                             lora_path=adapter_dir)
-    assert (model.peft.lora.r, model.peft.lora.alpha) == (4, 8.0)
+    assert (model.attached.peft.lora.r, model.attached.peft.lora.alpha) == (4, 8.0)
     assert model.layers[0].att.query.lora_A.weight.shape == (4, 48)
     assert not hasattr(model.layers[0].att.key, "lora_A")
 

@@ -125,7 +125,7 @@ def test_keep_stage_keeps_full_model_names(bert4_dir):
     middle = keep_stage(_serial_model(bert4_dir), range(1, 3), first=False, last=False)
     names = [n for n, _ in middle.named_parameters()]
     assert names and all(n.startswith(("layers.1.", "layers.2.")) for n in names)
-    assert set(middle.param_rules) == set(names)
+    assert set(middle.attached.rules) == set(names)
     for name, p in middle.named_parameters():
         assert torch.equal(p, full[name]), name
     assert [i for i in middle.layers.indices] == [1, 2]
@@ -138,8 +138,8 @@ def test_tied_embeddings_split_into_two_equal_copies(tmp_path):
     serial = lambda: build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
     first = keep_stage(serial(), range(0, 1), first=True, last=False)
     last = keep_stage(serial(), range(1, 2), first=False, last=True)
-    assert first.tied_across_stages == last.tied_across_stages == {"lm_head.weight": "embed_tokens.weight"}
+    assert first.attached.tied_across_stages == last.attached.tied_across_stages == {"lm_head.weight": "embed_tokens.weight"}
     copy, original = dict(last.named_parameters())["lm_head.weight"], dict(first.named_parameters())["embed_tokens.weight"]
     assert copy is not original and torch.equal(copy, original)
-    assert last.param_rules["lm_head.weight"] == first.param_rules["embed_tokens.weight"]
-    assert keep_stage(serial(), range(0, 2), first=True, last=True).tied_across_stages == {}
+    assert last.attached.rules["lm_head.weight"] == first.attached.rules["embed_tokens.weight"]
+    assert keep_stage(serial(), range(0, 2), first=True, last=True).attached.tied_across_stages == {}

@@ -1,7 +1,7 @@
 """Llama's communication under parallel plans, measured by the profiler, against its closed form.
 
 The CommRecorder counts the collectives each rank really issues in one training step (forward,
-backward, gradient sync); galaxy.profiler.closed_form.llama_plan_comm_bytes derives them from the
+backward, gradient sync); galaxy.models.closed_form.llama_plan_comm_bytes derives them from the
 shapes and the plan alone. They must agree byte for byte, per collective kind, on every rank:
 all 8 ATT x MLP x CON plans at world 2 with uneven shares, the galaxy / tp / sp presets at world 3,
 tied embeddings, attention and MLP biases. Two plans are also written out by hand, per phase.

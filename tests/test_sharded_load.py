@@ -65,7 +65,7 @@ def _compare(model_dir, plan, group, num_labels, stage):
             "shapes": {n: tuple(p.shape) for n, p in new_params.items()},
             "buffers_equal": all(torch.equal(b, ref_buffers[n]) for n, b in new.named_buffers()),
             "buffer_names_equal": sorted(ref_buffers) == sorted(dict(new.named_buffers())),
-            "rules_equal": new.param_rules == ref.param_rules,
+            "rules_equal": new.attached.rules == ref.attached.rules,
             "rng_untouched": torch.equal(rng, torch.get_rng_state()),
             "tied": hasattr(new, "lm_head") and hasattr(new, "embed_tokens")
             and new.lm_head.weight is new.embed_tokens.weight}

@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 from galaxy.distributed.transitions import Layout, Transition
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
+from galaxy.models.family import GalaxyModel
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 
 
@@ -125,13 +126,12 @@ class BertConnector(nn.Module):
         return y, y
 
 
-class BertForClassification(nn.Module):
-    family = "bert"
-    con_params = ()          # parameters outside the blocks that act on the CON layout
-    # Pipeline stages: the first keeps the embeddings, the last the head (galaxy.pipeline).
+class BertForClassification(GalaxyModel):
+    task, peft_task_type = "classification", "SEQ_CLS"
+    modules_to_save = output_heads = ("classifier",)
     first_stage_modules = ("embeddings",)
     last_stage_modules = ("pooler", "classifier")
-    carry_size = 1           # tensors in `carry` (below)
+    carry_size = 1           # (hidden,): post-norm, the stream is the next input
 
     def __init__(self, cfg, num_labels: int):
         super().__init__()
@@ -147,23 +147,11 @@ class BertForClassification(nn.Module):
         p = cfg.classifier_dropout if getattr(cfg, "classifier_dropout", None) is not None else cfg.hidden_dropout_prob
         self.dropout = nn.Dropout(p)
         self.classifier = nn.Linear(cfg.hidden_size, num_labels)
-        # Ladder side-tuning (galaxy.peft.side) sets these: the side network's input and output
-        # projections (its per-layer blocks are `layers[i].side`) and "side" | "side_only".
-        self.side_in, self.side_out, self.side_mode = None, None, None
 
     def plan_head(self, con_layout, group) -> dict:
         """Only the first token leaves the encoder: gather one token per rank (S -> R)."""
         self.exit.set(con_layout, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
         return {}     # pooler and classifier run replicated: their gradients are complete
-
-    # The forward pass in three stage-friendly pieces: a pipeline stage runs `embed` (first
-    # stage), `run_layers` over its own layers, `head` (last stage). `carry` is what flows
-    # between layers and stages: (hidden,) for post-norm BERT, (hidden, side state) under
-    # side-tuning.
-
-    def backbone_grad(self):
-        """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
-        return torch.no_grad() if self.side_mode else nullcontext()
 
     def embed(self, input_ids, token_type_ids=None) -> tuple:
         # input_ids, token_type_ids: [b, S] (full sequence on every rank) -> ([b, s_con, h],)
@@ -176,16 +164,6 @@ class BertForClassification(nn.Module):
     def layer_context(self, attention_mask) -> dict:
         """Keyword arguments every layer needs, from the [b, S] padding mask (or None)."""
         return {"mask": None if attention_mask is None else attention_mask.bool()[:, None, None, :]}
-
-    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        h, *side = carry
-        for layer in layers:
-            if self.side_mode != "side_only":       # side-only never runs the backbone's layers
-                with self.backbone_grad():
-                    h, _ = layer(h, h, **context)
-            if side:
-                side = [layer.side(side[0], h, context)]
-        return (h, *side)
 
     def head(self, carry: tuple, labels=None):
         h, *side = carry
@@ -202,10 +180,6 @@ class BertForClassification(nn.Module):
         """How many terms `head`'s loss averages over: one per example."""
         return torch.tensor(labels.shape[0], device=labels.device)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
-        carry = self.embed(input_ids, token_type_ids)
-        carry = self.run_layers(carry, self.layer_context(attention_mask), self.layers)
-        return self.head(carry, labels)
 
 
 # galaxy name pattern -> Hugging Face BertForSequenceClassification name ({i} = layer index)

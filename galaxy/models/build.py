@@ -8,7 +8,8 @@ from transformers import AutoConfig
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
 from galaxy.layers.sharding import shard_offset
-from galaxy.models.registry import Family, family_of
+from galaxy.models.family import FamilySpec
+from galaxy.models.registry import family_of
 from galaxy.models.weights import LazyCheckpoint
 from galaxy.parallel.plan import ParallelPlan, ParamRule, apply_plan
 
@@ -30,7 +31,7 @@ def load_hf_config(model_path: str, dropout: float | None = None):
 
 def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int | None = None,
                 seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None,
-                stage: tuple[range, bool, bool] | None = None) -> nn.Module:
+                stage: tuple[range, bool, bool] | None = None, task: str | None = None) -> nn.Module:
     """This rank's part of the model: its shard under `plan`, of its pipeline stage, loaded.
 
     The model is built on the meta device, sharded by the plan and pruned to the stage there
@@ -39,12 +40,13 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     num_labels: classifier outputs (classification families); ignored by causal LMs.
     stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
     keeps the whole model.
+    task: "classification" | "causal_lm"; None: the family's one task.
     """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
     device = torch.device(device)
     with torch.device("meta"):
-        model = family.build(cfg, num_labels=num_labels)
+        model = model_class(family, task)(cfg, num_labels=num_labels)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
     with LazyCheckpoint(model_path) as checkpoint:
         # The whole model against the checkpoint's headers (no data) before pruning: a bad
@@ -55,25 +57,32 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
             from galaxy.pipeline.stage import keep_stage
             keep_stage(model, *stage)
         model.to_empty(device="cpu")      # new, uninitialised tensors: ties are broken, buffers empty
-        if hasattr(model, "materialize"):     # non-checkpoint state: rotary tables, tied weights
-            model.materialize()
+        model.materialize()      # non-checkpoint state: rotary tables, tied weights
         load_hf_weights(model, checkpoint, family, seed, group.rank)
     return model.to(device)
 
 
-def locate_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: Family, rank: int = 0) -> list:
+def model_class(family: FamilySpec, task: str | None):
+    """The family's model class for `task` (None: its only task)."""
+    if task is None:
+        if len(family.tasks) != 1:
+            raise ValueError(f"{family.name} models do several tasks ({', '.join(sorted(family.tasks))}); name one")
+        (task,) = family.tasks
+    return family.model_class(task)
+
+
+def locate_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: FamilySpec, rank: int = 0) -> list:
     """Where each parameter of `model` (sharded already; pruned or not) comes from, checked
     against the checkpoint's names and shapes: [(param, checkpoint name or None for a new task
     head, dim, start, full shape)], dim None for a whole tensor, else this rank's slice starts at
     `start` along `dim` (ParamRule "sharded": offset sum(sizes[:rank]), as keep_slice cut it).
 
-    A weight a pipeline end holds as its own copy of a tied weight (model.tied_across_stages:
+    A weight a pipeline end holds as its own copy of a tied weight (model.attached.tied_across_stages:
     {copy: original}) comes from the original's tensor. Shapes are checked at full (unsharded)
     size, so the errors read the same under every plan.
     """
-    to_hf = family.hf_name_fn(model.config)
-    rules = getattr(model, "param_rules", {})
-    tied = getattr(model, "tied_across_stages", {})
+    to_hf = family.hf_names(model.config)
+    rules, tied = model.attached.rules, model.attached.tied_across_stages
     prefix = family.hf_base_prefix
     located = []
     for name, param in model.named_parameters():
@@ -94,7 +103,7 @@ def locate_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: Family,
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: Family, seed: int,
+def load_hf_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: FamilySpec, seed: int,
                     rank: int = 0) -> None:
     """Copy every parameter of `model` (sharded and pruned already, materialised) from the
     checkpoint, reading only this rank's slice of a sharded one (locate_weights)."""

@@ -23,6 +23,7 @@ from galaxy.distributed.transitions import (Layout, Transition, copy_for_sharded
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap
 
 IGNORE_INDEX = -100
@@ -156,13 +157,13 @@ class LlamaConnector(nn.Module):
         return stream, self.norm(stream)
 
 
-class LlamaForCausalLM(nn.Module):
-    family = "llama"
+class LlamaForCausalLM(GalaxyModel):
+    task, peft_task_type = "causal_lm", "CAUSAL_LM"
+    output_heads = ("lm_head",)     # applied through its weight (tied, sharded loss): no LoRA
     con_params = ("first_norm",)
-    # Pipeline stages: the first keeps the embeddings, the last the head (galaxy.pipeline).
     first_stage_modules = ("embed_tokens", "first_norm")
     last_stage_modules = ("lm_head",)
-    carry_size = 2           # tensors in `carry`: (residual stream, normalised input)
+    carry_size = 2           # (residual stream, normalised input of the next sub-block)
 
     def __init__(self, cfg, **_):
         super().__init__()
@@ -175,9 +176,6 @@ class LlamaForCausalLM(nn.Module):
         self.enter = Transition()             # embeddings (R) -> CON layout
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_group = None                # set by a plan whose CON layout is S
-        # Ladder side-tuning (galaxy.peft.side) sets these: the side network's input and output
-        # projections (its per-layer blocks are `layers[i].side`) and "side" | "side_only".
-        self.side_in, self.side_out, self.side_mode = None, None, None
         self.materialize()
 
     def materialize(self) -> None:
@@ -192,13 +190,8 @@ class LlamaForCausalLM(nn.Module):
         self.head_group = group if con_layout == Layout.S and group.size > 1 else None
         return {}     # the head weight's gradient is all-reduced in backward (see forward)
 
-    # The forward pass in three stage-friendly pieces (see BertForClassification); `carry` is
-    # (residual stream, normalised input of the next block), both [b, s_con, h], plus the side
-    # state under side-tuning.
-
-    def backbone_grad(self):
-        """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
-        return torch.no_grad() if self.side_mode else nullcontext()
+    # `carry` is (residual stream, normalised input of the next block), both [b, s_con, h],
+    # plus the side state under side-tuning (galaxy.models.family).
 
     def embed(self, input_ids, token_type_ids=None) -> tuple:
         with self.backbone_grad():
@@ -207,23 +200,16 @@ class LlamaForCausalLM(nn.Module):
         return (h, x) if self.side_in is None else (h, x, self.side_in(h))
 
     def layer_context(self, attention_mask) -> dict:
-        """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask."""
+        """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask
+        (None: no padding)."""
+        if attention_mask is None:
+            raise ValueError("a causal LM needs the attention mask (ones where there is no padding)")
         b, S = attention_mask.shape
         positions = torch.arange(S, device=attention_mask.device).expand(b, S)
         # Any parameter gives the rotary tables' dtype and device (a pipeline stage may lack
         # the embeddings).
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
-
-    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        stream, x, *side = carry
-        for layer in layers:
-            if self.side_mode != "side_only":       # side-only never runs the backbone's layers
-                with self.backbone_grad():
-                    stream, x = layer(stream, x, **context)
-            if side:
-                side = [layer.side(side[0], stream, context)]
-        return (stream, x, *side)
 
     def head(self, carry: tuple, labels=None):
         _, x, *side = carry
@@ -254,8 +240,7 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        carry = self.run_layers(self.embed(input_ids), self.layer_context(attention_mask), self.layers)
-        return self.head(carry, labels)
+        return super().forward(input_ids, attention_mask, labels=labels)
 
 
 def causal_padding_mask(keep):
@@ -271,7 +256,7 @@ def causal_padding_mask(keep):
     return mask | (blind & torch.eye(S, dtype=torch.bool, device=keep.device))
 
 
-def hf_name_fn(cfg):
+def hf_names(cfg):
     """galaxy name -> LlamaForCausalLM name. CON2 of layer i holds layer i+1's input norm."""
     table = NameMap({
         "embed_tokens.weight": "model.embed_tokens.weight",

@@ -1,36 +1,52 @@
-"""Model families: how to build each from a Hugging Face config and map its weight names.
+"""The model families galaxy trains, one FamilySpec each (galaxy.models.family).
 
-Adding a family means writing its sub-blocks (ATT, CON, MLP), its head, and a name map.
+Adding a family is one model file and one entry here (docs/adding_a_model.md). Everything
+outside galaxy/models finds a family through `family_of` (a Hugging Face model_type) or
+`family_of_model` (a built model), and asks the spec; nothing else names a family.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-from torch import nn
-
-from galaxy.models import bert, llama
+from galaxy.models import bert, closed_form, llama
+from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
+FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
+    FamilySpec(
+        name="bert", model_types=("bert",),
+        tasks={"classification": bert.BertForClassification},
+        hf_names=lambda cfg: NameMap(bert.HF_NAMES),
+        hf_base_prefix=bert.HF_BASE_PREFIX, hf_head_params=bert.HF_HEAD_PARAMS,
+        lora_targets=("query", "value"),
+        matmul_flops=closed_form.bert_flops_of, plan_comm_bytes=closed_form.bert_comm_of),
+    FamilySpec(
+        name="llama", model_types=("llama",),
+        tasks={"causal_lm": llama.LlamaForCausalLM},
+        hf_names=llama.hf_names,
+        lora_targets=("q_proj", "v_proj"),
+        matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.llama_comm_of),
+)}
 
-@dataclass(frozen=True)
-class Family:
-    name: str
-    build: Callable[..., nn.Module]            # (hf_config, **task args) -> model
-    hf_name_fn: Callable[[object], Callable]   # hf_config -> (galaxy name -> HF name)
-    hf_base_prefix: str                        # prefix a bare base-model checkpoint lacks
-    hf_head_params: tuple[str, ...]            # galaxy names that may be absent (new task head)
+_BY_MODEL_TYPE = {t: spec for spec in FAMILIES.values() for t in spec.model_types}
 
 
-FAMILIES = {
-    "bert": Family("bert", bert.BertForClassification, lambda cfg: NameMap(bert.HF_NAMES),
-                   bert.HF_BASE_PREFIX, bert.HF_HEAD_PARAMS),
-    "llama": Family("llama", llama.LlamaForCausalLM, llama.hf_name_fn, "", ()),
-}
+def supported_model_types() -> list[str]:
+    return sorted(_BY_MODEL_TYPE)
 
 
-def family_of(model_type: str) -> Family:
+def family_of(model_type: str) -> FamilySpec:
+    """The family that reads Hugging Face models of this config.model_type."""
     try:
-        return FAMILIES[model_type]
+        return _BY_MODEL_TYPE[model_type]
     except KeyError:
-        raise ValueError(f"model_type {model_type!r} is not supported; known: {sorted(FAMILIES)}") from None
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(supported_model_types())}") from None
+
+
+def family_of_model(model) -> FamilySpec:
+    """The family of a built galaxy model."""
+    return family_of(model.config.model_type)
+
+
+def families_for(task: str) -> list[FamilySpec]:
+    """The families that do `task` ("classification", "causal_lm")."""
+    return [spec for spec in FAMILIES.values() if task in spec.tasks]

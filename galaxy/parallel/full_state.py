@@ -12,13 +12,13 @@ from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
 @torch.no_grad()
 def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict[str, torch.Tensor]:
     """names: only these parameters (default: all). Every rank must pass the same names."""
-    pg = model.group.pg
+    pg = model.attached.group.pg
     out = {}
     for name, p in model.named_parameters():
         t = p.grad if grads else p
         if t is None or (names is not None and name not in names):
             continue
-        rule = model.param_rules[name]
+        rule = model.attached.rules[name]
         out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()
     return out
 
@@ -27,5 +27,5 @@ def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict
 def full_sequence_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """A causal LM under a sequence-sharded CON layout returns its own tokens' logits
     [b, s_rank, vocab]; gather them to [b, S, vocab]. Other layouts are returned as they are."""
-    g = getattr(model, "head_group", None)
+    g = model.head_group
     return logits if g is None else all_gather_sequence(logits.contiguous(), g.seq, g.pg)

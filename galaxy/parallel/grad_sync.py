@@ -14,7 +14,7 @@ from galaxy.distributed import collectives
 
 class GradientSync:
     def __init__(self, model: torch.nn.Module, galaxy_pg=None):
-        rules = model.param_rules
+        rules = model.attached.rules
         self.galaxy_pg = galaxy_pg
         self.summed = [p for n, p in model.named_parameters()
                        if rules[n].kind == "sum" and p.requires_grad]

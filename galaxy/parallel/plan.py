@@ -66,21 +66,11 @@ def replicated_rule(layout: Layout, group: GalaxyGroup) -> ParamRule:
     return SUM if layout == Layout.S and group.size > 1 else REPLICATED
 
 
-def add_param_rules(model: nn.Module, rules: dict[str, ParamRule]) -> None:
-    """Register the rules of parameters added after apply_plan (e.g. by galaxy.peft)."""
-    names = dict(model.named_parameters())
-    unknown = [n for n in rules if n not in names]
-    if unknown:
-        raise KeyError(f"no parameter {unknown[0]!r} in the model")
-    model.param_rules.update(rules)
-
-
 def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
                rng: ShardedRNG | None = None) -> dict[str, ParamRule]:
-    """Modify `model` in place; returns and stores (model.param_rules) the gradient rules.
-
-    Also stores model.group, model.plan and model.sharded_rng (None unless the group is split),
-    for what is added to the model later (galaxy.peft).
+    """Modify `model` in place; returns the gradient rules and stores them, the plan, the group
+    and the sharded RNG (None unless the group is split) in model.attached, for what is added to
+    the model later (galaxy.pipeline, galaxy.peft).
     """
     con = plan.con_layout
     con_rule = replicated_rule(con, group)
@@ -122,7 +112,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
     for pname, _ in model.named_parameters():
         rules.setdefault(pname, REPLICATED)     # embeddings, pooler, classifier
     rules = {n: r for n, r in rules.items() if n in dict(model.named_parameters())}
-    model.param_rules = rules
-    model.group, model.plan = group, plan
-    model.sharded_rng = rng if group.size > 1 else None
+    at = model.attached
+    at.rules, at.plan, at.group = rules, plan, group
+    at.sharded_rng = rng if group.size > 1 else None
     return rules

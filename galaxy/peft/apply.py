@@ -11,7 +11,7 @@ the backbone (requires_grad False: no gradient, no optimizer state) and trains i
 parameters plus the task head peft saves in full for the task (modules_to_save: BERT's
 classifier; nothing for a causal LM). New parameters are drawn identically on every rank from
 the seed and the parameter's name, then sliced to the rank's share, and get gradient rules
-(model.param_rules) from the layout they run in, so GradientSync, gather_full, clipping and
+(model.attached.rules) from the layout they run in, so GradientSync, gather_full, clipping and
 checkpoints handle them like any other parameter.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from galaxy.layers.sharding import slice_like
-from galaxy.models.registry import family_of
-from galaxy.parallel.plan import add_param_rules, replicated_rule
+from galaxy.models.registry import family_of_model
+from galaxy.parallel.plan import replicated_rule
 from galaxy.peft.adapter import add_adapters
-from galaxy.peft.lora import DEFAULT_TARGETS, add_lora, find_targets
-from galaxy.peft.peft_format import MODULES_TO_SAVE, LoraSpec, peft_key, read_lora_dir
+from galaxy.peft.lora import add_lora, find_targets
+from galaxy.peft.peft_format import LoraSpec, peft_key, read_lora_dir
 from galaxy.peft.side import add_side, describe_side
 from galaxy.pipeline.stage_state import written_names
 
@@ -73,7 +73,7 @@ class PeftOptions:
 
 @dataclass
 class PeftState:
-    """What apply_peft did (model.peft): the options it ran with (lora_path's r, alpha and
+    """What apply_peft did (model.attached.peft): the options it ran with (lora_path's r, alpha and
     targets replacing the config's), the LoRA shape, the head trained in full."""
     options: PeftOptions
     lora: LoraSpec | None = None
@@ -91,21 +91,21 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
     with the same arguments. state: full tensors by Hugging Face name (a checkpoint's model/
     folder, read_hf_state_dict) that the new parameters resume from.
     """
-    family = family_of(model.config.model_type)
-    head = tuple(m for m in MODULES_TO_SAVE[family.name] if hasattr(model, m))
+    family, at = family_of_model(model), model.attached
+    head = tuple(m for m in model.modules_to_save if hasattr(model, m))
     if options.method == "full":
-        model.peft = PeftState(options, description="full fine-tuning")
-        model.peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        at.peft = PeftState(options, description="full fine-tuning")
+        at.peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         return {n: p for n, p in model.named_parameters() if p.requires_grad}
     for p in model.parameters():
         p.requires_grad_(False)
-    con_rule = replicated_rule(model.plan.con_layout, model.group)
-    to_hf = family.hf_name_fn(model.config)
+    con_rule = replicated_rule(at.plan.con_layout, at.group)
+    to_hf = family.hf_names(model.config)
     peft = PeftState(options, head=head)
     loaded: dict[str, torch.Tensor] = {}
     if options.method == "lora":
         spec = LoraSpec(options.lora_dim, options.lora_alpha,
-                        options.lora_target_modules or DEFAULT_TARGETS[family.name], options.lora_dropout)
+                        options.lora_target_modules or family.lora_targets, options.lora_dropout)
         if options.lora_path:
             from_dir, tensors = read_lora_dir(options.lora_path)
             spec = replace(from_dir, dropout=options.lora_dropout)   # its r, alpha, targets win
@@ -127,7 +127,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
     else:
         rules = add_side(model, options.side_reduction_factor, options.method == "side_only", seed, con_rule)
         peft.description = describe_side(model)
-    add_param_rules(model, rules)
+    at.add_rules(rules, (n for n, _ in model.named_parameters()))
     train = [*rules, *_head_params(model, head)]          # the new parameters and the task head
     params = dict(model.named_parameters())
     for name in train:
@@ -136,7 +136,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
         loaded.update({n: state[to_hf(n)] for n in train if to_hf(n) in state})
     load_full(model, loaded)
     peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    model.peft = peft
+    at.peft = peft
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -152,7 +152,7 @@ def _from_peft_dir(model, tensors: dict, path: str, to_hf, lora_names: list[str]
     """The directory's tensors by galaxy name; every LoRA tensor the model needs must be there.
     (A pipeline stage takes its own layers' tensors and leaves the others.)"""
     keys = {peft_key(to_hf(n)): n for n in lora_names + _head_params(model, head)}
-    unknown = [] if hasattr(model, "stage_layers") else sorted(set(tensors) - set(keys))
+    unknown = [] if model.attached.stage is not None else sorted(set(tensors) - set(keys))
     missing = sorted(peft_key(to_hf(n)) for n in lora_names if peft_key(to_hf(n)) not in tensors)
     if unknown or missing:
         what = f"has {unknown[0]!r}, which this model has no place for" if unknown else f"lacks {missing[0]!r}"
@@ -163,9 +163,9 @@ def _from_peft_dir(model, tensors: dict, path: str, to_hf, lora_names: list[str]
 @torch.no_grad()
 def load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     """Copy full (unsharded) tensors, by galaxy name, into this rank's shares."""
-    params, rank = dict(model.named_parameters()), model.group.rank
+    params, rank = dict(model.named_parameters()), model.attached.group.rank
     for name, tensor in full.items():
-        p, rule = params[name], model.param_rules[name]
+        p, rule = params[name], model.attached.rules[name]
         if rule.kind == "sharded":
             tensor = slice_like(tensor, rule.dim, rule.sizes, rank)
         if tuple(tensor.shape) != tuple(p.shape):
@@ -183,7 +183,7 @@ def parameter_counts(model: nn.Module, stages_pg=None) -> tuple[int, int]:
     for name, p in model.named_parameters():
         if name not in counted:
             continue
-        rule = model.param_rules[name]
+        rule = model.attached.rules[name]
         n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()
         total += n
         trainable += n if p.requires_grad else 0
@@ -198,9 +198,9 @@ def peft_summary(model: nn.Module, counts: tuple[int, int] | None = None) -> str
     """One line: the method and trainable / total parameters (counts: parameter_counts' result,
     e.g. summed over pipeline stages; default: this model's own)."""
     trainable, total = counts or parameter_counts(model)
-    peft = getattr(model, "peft", None)
+    peft = model.attached.peft
     what = peft.description if peft else "full fine-tuning"
     # The task head trains in full; on a pipeline it lives on the last stage only.
-    head = MODULES_TO_SAVE[family_of(model.config.model_type).name]
+    head = model.modules_to_save
     head = f" + {', '.join(head)}" if peft and head and peft.options.method != "full" else ""
     return f"{what}{head}: {trainable:,} of {total:,} parameters train ({100 * trainable / max(total, 1):.2f}%)"

@@ -22,7 +22,7 @@ from dataclasses import asdict
 import torch
 
 from galaxy.models.build import load_hf_config
-from galaxy.models.registry import family_of
+from galaxy.models.registry import family_of_model
 from galaxy.parallel.full_state import gather_full
 from galaxy.peft.lora import merge_into
 from galaxy.peft.peft_format import lora_config_json, peft_key, write_lora_dir
@@ -40,8 +40,8 @@ def trained_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
-    full = gather_full(model, names=written_names(model, set(model.peft.trainable)))
+    to_hf = family_of_model(model).hf_names(model.config)
+    full = gather_full(model, names=written_names(model, set(model.attached.peft.trainable)))
     return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in full.items()})
 
 
@@ -55,7 +55,7 @@ def merged_hf_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """Every weight by Hugging Face name with the LoRA updates folded in."""
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
+    to_hf = family_of_model(model).hf_names(model.config)
     merged = merge_into(gather_full(model, names=written_names(model)), model)   # this stage's LoRA
     return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in merged.items()})
 
@@ -69,8 +69,7 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
     class_names / tokenizer: for merge=True (the HF config's labels, the tokenizer files;
     default: the base model's tokenizer).
     """
-    peft = model.peft
-    family = family_of(model.config.model_type).name
+    peft = model.attached.peft
     method = peft.options.method
     if method == "full":
         raise ValueError("export_peft exports PEFT runs; a full fine-tuning run uses galaxy.train.export.export_hf")
@@ -89,7 +88,7 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
     if method == "lora":
         state = lora_adapter_state(model, mesh)
         if lead:
-            write_lora_dir(out_dir, lora_config_json(peft.lora, family, base_model_path), state)
+            write_lora_dir(out_dir, lora_config_json(peft.lora, model, base_model_path), state)
         return
     state = trained_state(model, mesh)
     if lead:

@@ -30,11 +30,6 @@ from galaxy.layers.sharding import keep_slice
 from galaxy.parallel.plan import SUM, ParamRule
 from galaxy.peft.seeding import named_generator
 
-# peft's defaults for these architectures: the query and value projections.
-DEFAULT_TARGETS = {"bert": ("query", "value"), "llama": ("q_proj", "v_proj")}
-# Output heads: the classifier trains in full (peft's modules_to_save); the LM head is applied
-# through its weight (tied to the embeddings, sharded loss), not as a module LoRA could wrap.
-HEADS = ("classifier", "lm_head")
 
 
 class LoraLinear(nn.Linear):
@@ -88,21 +83,27 @@ def matches(target_modules, hf_module: str) -> bool:
 
 
 def find_targets(model: nn.Module, target_modules, to_hf) -> dict[str, str]:
-    """{galaxy module name: Hugging Face module name} of the projections LoRA adapts."""
-    found = {}
+    """{galaxy module name: Hugging Face module name} of the projections LoRA adapts.
+
+    The model's output heads (model.output_heads) are refused: a classifier trains in full
+    (peft's modules_to_save), and an LM head is applied through its weight (tied to the
+    embeddings, sharded loss), not as a module LoRA could wrap."""
+    found, projections = {}, set()
     for name, module in model.named_modules():
         if type(module) not in (nn.Linear, OutputProjection):
             continue
         hf = to_hf(f"{name}.weight").removesuffix(".weight")
+        if name not in model.output_heads:
+            projections.add(hf.rsplit(".", 1)[-1])
         if not matches(target_modules, hf):
             continue
-        if name in HEADS:
+        if name in model.output_heads:
             raise ValueError(f"lora_target_modules {target_modules!r} selects the output head {hf!r}, "
                              "which LoRA does not adapt (a classifier trains in full); leave it out")
         found[name] = hf
     if not found:
         raise ValueError(f"lora_target_modules {target_modules!r} match no projection of the model "
-                         f"(e.g. {sorted(DEFAULT_TARGETS.values())}); give module names as in the "
+                         f"(it has {', '.join(sorted(projections))}); give module names as in the "
                          "Hugging Face model")
     return found
 
@@ -113,18 +114,18 @@ def add_lora(model: nn.Module, name: str, r: int, alpha: float, dropout: float, 
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     base = getattr(parent, attr)
-    rule = model.param_rules[f"{name}.weight"]
+    rule = model.attached.rules[f"{name}.weight"]
     full_out, full_in = base.weight.shape
     if rule.kind == "sharded":
         full_out, full_in = (sum(rule.sizes), full_in) if rule.dim == 0 else (full_out, sum(rule.sizes))
     scaling = alpha / math.sqrt(r) if rslora else alpha / r
     lora = LoraLinear(base, r, scaling, dropout, full_in, full_out, named_generator(seed, name))
-    rule_a, rule_b = lora.shard_like(rule, model.group.rank)
+    rule_a, rule_b = lora.shard_like(rule, model.attached.group.rank)
     # Dropout on a sharded input (row-parallel: the rank's features; SP: its tokens) draws from
     # the rank's own stream; on a replicated input every rank draws the same mask.
     sharded_input = rule.kind == "sum" or (rule.kind == "sharded" and rule.dim == 1)
-    if sharded_input and getattr(model, "sharded_rng", None) is not None:
-        lora.rng_scope = model.sharded_rng.fork
+    if sharded_input and model.attached.sharded_rng is not None:
+        lora.rng_scope = model.attached.sharded_rng.fork
     setattr(parent, attr, lora)
     return {f"{name}.lora_A.weight": rule_a, f"{name}.lora_B.weight": rule_b}
 

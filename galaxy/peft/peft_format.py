@@ -20,9 +20,6 @@ import torch
 from safetensors.torch import load_file
 
 PREFIX = "base_model.model."
-# peft's task type of each family's galaxy model, and the head modules it saves in full.
-TASK_TYPES = {"bert": "SEQ_CLS", "llama": "CAUSAL_LM"}
-MODULES_TO_SAVE = {"bert": ("classifier",), "llama": ()}
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 # adapter_config.json keys whose non-default values galaxy's LoRA does not compute.
@@ -66,17 +63,18 @@ def read_lora_dir(path: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     return spec, load_file(weights_path)
 
 
-def lora_config_json(spec: LoraSpec, family: str, base_model_path: str) -> dict:
+def lora_config_json(spec: LoraSpec, model, base_model_path: str) -> dict:
+    """adapter_config.json for LoRA `spec` on `model` (its task type and the head it saves)."""
     targets = spec.target_modules
     return {
         "peft_type": "LORA",
-        "task_type": TASK_TYPES[family],
+        "task_type": model.peft_task_type,
         "base_model_name_or_path": base_model_path,
         "r": spec.r,
         "lora_alpha": spec.alpha,
         "lora_dropout": spec.dropout,
         "target_modules": targets if isinstance(targets, str) else sorted(targets),
-        "modules_to_save": list(MODULES_TO_SAVE[family]) or None,
+        "modules_to_save": list(model.modules_to_save) or None,
         "use_rslora": spec.rslora,
         "bias": "none",
         "fan_in_fan_out": False,

@@ -149,8 +149,8 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
     eps = getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "rms_norm_eps", 1e-6)
     std = getattr(cfg, "initializer_range", 0.02)
     device = next(model.parameters()).device
-    group = model.group
-    first, last = getattr(model, "is_first_stage", True), getattr(model, "is_last_stage", True)
+    group = model.attached.group
+    first, last = model.attached.is_first_stage, model.attached.is_last_stage
     modules = []
     if first:
         model.side_in = SideInput(cfg.hidden_size, width, device)
@@ -159,7 +159,7 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
     for i, layer in model.layers.named_children():      # i: the global layer index
         layer.side = SideLayer(cfg.hidden_size, width, heads, eps, ladder=not only, device=device)
         _init(layer.side, f"layers.{i}.side", seed, std)
-        if model.plan.con_layout == Layout.S and group.size > 1:
+        if model.attached.plan.con_layout == Layout.S and group.size > 1:
             layer.side.block.attn.kv_gather = partial(gather_for_sharded_consumer, group=group)
             layer.side.block.attn.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
         modules.append((f"layers.{i}.side", layer.side))

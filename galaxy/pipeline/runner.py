@@ -61,19 +61,19 @@ class PipelineRunner(Runner):
         if rows % self.n:
             raise ValueError(f"{rows} rows per replica are not divisible by num_microbatches {self.n}")
         schedule = self._schedule_for(rows // self.n, seq_len)
-        args = (batch["input_ids"],) if m.is_first_stage else ()
+        args = (batch["input_ids"],) if m.attached.is_first_stage else ()
         kwargs = {"attention_mask": mask}
-        if m.is_first_stage and batch.get("token_type_ids") is not None:
+        if m.attached.is_first_stage and batch.get("token_type_ids") is not None:
             kwargs["token_type_ids"] = batch["token_type_ids"]
         target, losses = None, None
-        if m.is_last_stage:
+        if m.attached.is_last_stage:
             target, losses = batch["labels"], []
             self._total_units = total_loss_units(m, target, mesh.dp_pg)
         with self.autocast():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.sync()
         self.tied()
-        if m.is_last_stage:
+        if m.attached.is_last_stage:
             loss = mean_over_replicas(torch.stack([x.detach() for x in losses]).sum(), mesh.dp_pg, mesh.dp_size)
         else:
             loss = torch.zeros((), device=self.device)
@@ -90,7 +90,7 @@ class PipelineRunner(Runner):
             m, mesh = self.model, self.mesh
             dtype = next(m.parameters()).dtype
             carry = example_carry(m, self.plan.con_layout, rows, seq_len, dtype)
-            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.is_first_stage else carry
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.attached.is_first_stage else carry
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
                                   input_args=inputs, output_args=carry, group=mesh.pp_pg)
             self._schedules[key] = make_schedule(self.schedule_name, stage, self.n, self._loss)
@@ -117,7 +117,7 @@ class PipelineRunner(Runner):
         pg, prev, nxt = mesh.pp_pg, mesh.pp_rank - 1, mesh.pp_rank + 1
         slots = carry_slots(m)
         with self.autocast():
-            if m.is_first_stage:
+            if m.attached.is_first_stage:
                 carry = m.embed(input_ids, token_type_ids)
             else:
                 dtype = next(m.parameters()).dtype
@@ -127,7 +127,7 @@ class PipelineRunner(Runner):
                     dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)
                 carry = unpack_carry(received, slots)
             carry = m.run_layers(carry, m.layer_context(attention_mask), m.layers)
-            if not m.is_last_stage:
+            if not m.attached.is_last_stage:
                 for t in pack_carry(carry, slots):
                     dist.send(t.contiguous(), dst=dist.get_global_rank(pg, nxt), group=pg)
                 out = [None]

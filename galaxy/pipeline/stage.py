@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from galaxy.distributed.transitions import Layout
+from galaxy.models.attached import StageInfo
 
 
 class LayerSlice(nn.Module):
@@ -48,24 +49,25 @@ def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
 
     A weight tied across the ends (Llama's tie_word_embeddings: lm_head.weight is
     embed_tokens.weight) becomes two parameters when the ends are different stages: the first
-    stage keeps it under its own name, the last under the head's. model.tied_across_stages
+    stage keeps it under its own name, the last under the head's. model.attached.tied_across_stages
     ({last-stage name: first-stage name}, the same on every stage) tells the pipeline to sum
     their gradients (galaxy.pipeline.tied), so the two copies stay equal, and tells gathers and
     norms to count the last stage's copy as the first's.
     """
     tied = {} if first and last else _shared_across_ends(model)
-    rules = model.param_rules
+    at = model.attached
+    rules = at.rules
     model.layers = LayerSlice({i: model.layers[i] for i in layers})
     for name in () if first else model.first_stage_modules:
         delattr(model, name)
     for name in () if last else model.last_stage_modules:
         delattr(model, name)
     kept = {n for n, _ in model.named_parameters()}
-    model.param_rules = {n: r for n, r in rules.items() if n in kept}
+    at.rules = {n: r for n, r in rules.items() if n in kept}
     if last and not first:
-        model.param_rules.update({copy: rules[original] for copy, original in tied.items()})
-    model.tied_across_stages = tied
-    model.stage_layers, model.is_first_stage, model.is_last_stage = layers, first, last
+        at.rules.update({copy: rules[original] for copy, original in tied.items()})
+    at.tied_across_stages = tied
+    at.stage = StageInfo(layers, first, last)
     return model
 
 
@@ -105,7 +107,7 @@ def unpack_carry(tensors: tuple, slots) -> tuple:
 def carry_shapes(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) -> list[tuple[tuple, bool]]:
     """(shape, trainable) of every travelling carry tensor: [rows, s_con, width], s_con = own
     tokens under a sequence-sharded CON layout."""
-    g = model.group
+    g = model.attached.group
     s_con = g.seq[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
     return [((rows, s_con, slot.width), slot.trainable) for slot in carry_slots(model) if slot is not None]
 
@@ -126,7 +128,7 @@ class StageModule(nn.Module):
     def forward(self, *inputs, attention_mask, token_type_ids=None):
         m = self.model
         slots = carry_slots(m)
-        carry = m.embed(inputs[0], token_type_ids) if m.is_first_stage else unpack_carry(inputs, slots)
+        carry = m.embed(inputs[0], token_type_ids) if m.attached.is_first_stage else unpack_carry(inputs, slots)
         return pack_carry(m.run_layers(tuple(carry), m.layer_context(attention_mask), m.layers), slots)
 
 

@@ -66,34 +66,34 @@ def stages_to_writer(mesh, part: dict | None) -> dict | None:
 def tied_sources(model) -> dict[str, str]:
     """{original name: this stage's copy} for the tied weights this stage holds as a copy."""
     params = dict(model.named_parameters())
-    return {original: copy for copy, original in getattr(model, "tied_across_stages", {}).items()
+    return {original: copy for copy, original in model.attached.tied_across_stages.items()
             if copy in params}
 
 
 def written_names(model, names=None) -> set[str]:
     """The parameters (all, or those in `names`) that this rank's part contributes to a written
     state: every one but a last-stage copy of a tied weight (the first stage writes the original)."""
-    copies = getattr(model, "tied_across_stages", {})
+    copies = model.attached.tied_across_stages
     return {n for n, _ in model.named_parameters() if n not in copies and (names is None or n in names)}
 
 
 def stage_owns(model, name: str) -> bool:
     """Whether full-model parameter name `name` lives on this rank's part of the model.
 
-    Not a pipeline stage (no model.stage_layers): every name. On a stage: "layers.{i}...." when
-    layer i is one of the stage's (model.stage_layers) or is no layer of the model at all (no
+    Not a pipeline stage (no model.attached.stage): every name. On a stage: "layers.{i}...." when
+    layer i is one of the stage's or is no layer of the model at all (no
     stage owns it: the caller's "not a parameter" error must fire); any other name when its
     top-level module is present on this stage (embeddings and side_in on the first stage, the
     head and side_out on the last, a module every stage has). A name this predicate leaves out
     belongs to another stage.
     """
-    layers = getattr(model, "stage_layers", None)
-    if layers is None or name in tied_sources(model):
+    stage = model.attached.stage
+    if stage is None or name in tied_sources(model):
         return True
     m = _LAYER.match(name)
     if m is not None:
         i = int(m.group(1))
-        return i in layers or not 0 <= i < model.config.num_hidden_layers
+        return i in stage.layers or not 0 <= i < model.config.num_hidden_layers
     # A module, not just an attribute: models keep e.g. side_out = None where none is attached.
     return isinstance(getattr(model, name.split(".", 1)[0], None), nn.Module)
 

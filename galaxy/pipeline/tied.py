@@ -17,12 +17,12 @@ from galaxy.distributed.mesh import pipeline_ends_group
 
 class TiedWeightSync:
     def __init__(self, model, mesh):
-        tied = getattr(model, "tied_across_stages", {})     # the same on every stage
+        tied = model.attached.tied_across_stages     # the same on every stage
         # Built only for tied models, but then on every rank: making groups is collective.
         self.pg = pipeline_ends_group(mesh) if tied else None
         params = dict(model.named_parameters())
         # One entry per tied pair, in the same order on both ends.
-        ends = [original if model.is_first_stage else copy for copy, original in tied.items()]
+        ends = [original if model.attached.is_first_stage else copy for copy, original in tied.items()]
         self.params = [params[n] for n in ends if n in params]
 
     def __call__(self) -> None:

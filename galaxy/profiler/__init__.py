@@ -6,9 +6,9 @@
 
 See README.md (Profiling) for the counting convention and the JSON schema.
 """
-from galaxy.profiler.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, llama_matmul_flops,
-                                         llama_plan_comm_bytes, plan_comm_bytes)
-from galaxy.profiler.comm import CommRecorder, ring_bytes
+from galaxy.models.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, llama_matmul_flops,
+                                       llama_plan_comm_bytes, plan_comm_bytes, ring_bytes)
+from galaxy.profiler.comm import CommRecorder
 from galaxy.profiler.profile import loss_of, profile_model
 from galaxy.profiler.report import ModuleStats, ProfileReport, SubBlockStats, Totals
 from galaxy.profiler.table import comm_table, module_table, sub_block_table, summary

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from galaxy.config import ConfigError, read_model_shape
 from galaxy.launch import main as launch_main
-from galaxy.profiler.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, human_check, llama_matmul_flops,
-                                         llama_plan_comm_bytes)
+from galaxy.models.closed_form import human_check
+from galaxy.models.registry import FAMILIES, family_of
 from galaxy.profiler.profile import profile_model
 from galaxy.profiler.table import comm_table, human, module_table, sub_block_table, summary
 
@@ -34,15 +34,24 @@ class ProfileJob:
     cfg: object
     opts: argparse.Namespace
     shape: dict
-    hf: dict               # the model folder's config.json
+    hf: object             # the model folder's Hugging Face config
     num_labels: int | None
+
+    @property
+    def family(self):
+        return family_of(self.hf.model_type)
+
+    @property
+    def task(self) -> str:
+        (task,) = self.family.tasks       # the profiler builds a family's one task
+        return task
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The profiler's own options, next to launch's --config_file, --world, --rank, --init_method."""
     p.description = ("FLOPs, parameters, latency, activation bytes and communication of one training step "
                      "of the model in a Galaxy config, under the config's plan.")
-    p.add_argument("--model", required=True, choices=("bert", "llama"),
+    p.add_argument("--model", required=True, choices=sorted(FAMILIES),
                    help="model family the config's model_path must hold")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT (rank 0)")
     p.add_argument("--depth", type=int, default=3, help="module tree depth to print (default 3)")
@@ -57,23 +66,22 @@ def prepare(cfg, opts) -> ProfileJob:
     if cfg.pp_deg > 1 or cfg.dp_deg > 1:
         raise ConfigError("pp_deg and dp_deg > 1 are not supported by the profiler yet; set them to 1")
     shape = read_model_shape(cfg.model_path)
-    if shape["model_type"] != opts.model:
-        raise ConfigError(f"--model {opts.model} but model_path holds a {shape['model_type']!r} model; "
-                          f"use --model {shape['model_type']} or another config")
-    from galaxy.models.registry import family_of
     try:
-        family_of(opts.model)
+        family = family_of(shape["model_type"])
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(f"model_path: {e}") from None
+    if family.name != opts.model:
+        raise ConfigError(f"--model {opts.model} but model_path holds a {shape['model_type']!r} model; "
+                          f"use --model {family.name} or another config")
     if opts.compare_deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("--compare-deepspeed needs deepspeed, which is not installed; "
                           "pip install deepspeed or drop the flag")
     if opts.repeats < 1 or opts.warmup < 0 or opts.depth < 0:
         raise ConfigError("--repeats must be at least 1, --warmup and --depth at least 0")
-    with open(f"{cfg.model_path}/config.json", encoding="utf-8") as f:
-        hf = json.load(f)
+    from galaxy.models.build import load_hf_config
+    hf = load_hf_config(cfg.model_path)
     num_labels = None
-    if opts.model == "bert":     # the classifier the trainer would build: one output per class
+    if "classification" in family.tasks:     # the classifier the trainer would build: one output per class
         names = cfg.class_list
         if names is None:
             from galaxy.data import load_examples
@@ -82,13 +90,13 @@ def prepare(cfg, opts) -> ProfileJob:
     return ProfileJob(cfg, opts, shape, hf, num_labels)
 
 
-def synthetic_batch(family: str, batch: int, seq: int, vocab: int, num_labels: int | None, seed: int,
+def synthetic_batch(task: str, batch: int, seq: int, vocab: int, num_labels: int | None, seed: int,
                     device) -> dict:
     """The same batch on every rank: random ids (no padding), full attention mask."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     out = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-    if family == "bert":
+    if task == "classification":
         out["token_type_ids"] = torch.zeros_like(ids)
         out["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
     else:
@@ -97,27 +105,13 @@ def synthetic_batch(family: str, batch: int, seq: int, vocab: int, num_labels: i
 
 
 def closed_form_flops(job: ProfileJob) -> int:
-    cfg, hf = job.cfg, job.hf
-    common = dict(batch=cfg.batch_size, seq=cfg.pad_size, hidden=hf["hidden_size"],
-                  layers=hf["num_hidden_layers"], intermediate=hf["intermediate_size"])
-    if job.opts.model == "bert":
-        return bert_matmul_flops(**common, num_labels=job.num_labels)["total"]
-    return llama_matmul_flops(**common, heads=hf["num_attention_heads"], vocab=hf["vocab_size"],
-                              kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                              head_dim=hf.get("head_dim"))["total"]
+    """Forward matrix FLOPs of the serial model on the batch, from the family's closed form."""
+    return job.family.matmul_flops(job.hf, job.cfg.batch_size, job.cfg.pad_size, job.num_labels)["total"]
 
 
 def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
     """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank."""
-    hf = job.hf
-    common = dict(seq_shares=seq_shares, batch=job.cfg.batch_size, hidden=hf["hidden_size"],
-                  layers=hf["num_hidden_layers"], intermediate=hf["intermediate_size"])
-    if job.opts.model == "bert":
-        return bert_plan_comm_bytes(plan, **common)
-    return llama_plan_comm_bytes(plan, **common, heads=hf["num_attention_heads"], vocab=hf["vocab_size"],
-                                 kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                                 head_dim=hf.get("head_dim"), attention_bias=bool(hf.get("attention_bias")),
-                                 mlp_bias=bool(hf.get("mlp_bias")))
+    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size, seq_shares)
 
 
 def run(job: ProfileJob, env) -> None:
@@ -131,7 +125,7 @@ def run(job: ProfileJob, env) -> None:
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout)
-    batch = synthetic_batch(opts.model, cfg.batch_size, cfg.pad_size, job.hf["vocab_size"], job.num_labels,
+    batch = synthetic_batch(job.task, cfg.batch_size, cfg.pad_size, job.hf.vocab_size, job.num_labels,
                             cfg.seed, env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if env.world > 1 else None
     report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),

@@ -23,20 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from galaxy.distributed import collectives
+from galaxy.models.closed_form import ring_bytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def ring_bytes(kind: str, numel: int, element_size: int, group_size: int) -> int:
-    """Bytes one rank sends (= receives) for a collective moving `numel` elements (see above)."""
-    n = group_size
-    if n <= 1:
-        return 0
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * numel * element_size
-    if kind == "all_reduce":
-        return 2 * (n - 1) * -(-numel // n) * element_size
-    raise ValueError(f"unknown collective kind {kind!r}")
 
 
 @dataclass

@@ -25,7 +25,7 @@ def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
 @torch.no_grad()
 def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """The L2 norm of the full model's gradient (0-d fp32 tensor, equal on every rank)."""
-    rules, group = model.param_rules, model.group
+    rules, group = model.attached.rules, model.attached.group
     counted = written_names(model)      # a tied weight's pipeline copy counts on the first stage
     sharded, whole = [], []
     for name, p in model.named_parameters():

@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from galaxy.models.build import load_hf_config
-from galaxy.models.registry import family_of
+from galaxy.models.registry import family_of_model
 from galaxy.parallel.full_state import gather_full
 from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer, written_names
 from galaxy.train.files import fsync_path, replace_with, write_safetensors_atomic, write_text_atomic
@@ -34,7 +34,7 @@ def hf_state_dict(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of(model.config.model_type).hf_name_fn(model.config)
+    to_hf = family_of_model(model).hf_names(model.config)
     full = gather_full(model, names=written_names(model))
     part = {to_hf(name): t.to("cpu").contiguous() for name, t in full.items()}
     return stages_to_writer(mesh, part)

@@ -16,7 +16,7 @@ from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import build_model
 from galaxy.models.generate import greedy_generate
 from galaxy.train.checkpoint import Checkpoint, resolve_resume
-from galaxy.train.trainer import Job, plan_of, prepare_causal_lm, train
+from galaxy.train.trainer import Job, check_task, plan_of, prepare_causal_lm, train
 
 
 def add_generation_arguments(parser) -> None:
@@ -44,8 +44,7 @@ def prepare_llama(cfg, args):
     if cfg.pp_deg > 1:
         raise ConfigError("--generate runs Galaxy plans, not pipelines; set pp_deg to 1")
     shape = read_model_shape(cfg.model_path)
-    if shape["model_type"] != "llama":
-        raise ConfigError(f"model_path holds a {shape['model_type']!r} model; finetune_llama.py runs llama models")
+    check_task(shape["model_type"], "causal_lm")
     tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
     return GenerationJob(cfg, tokenizer, shape, args.generate, args.max_new_tokens,
                          resolve_resume(cfg.resume, cfg.save_dir))

@@ -51,13 +51,13 @@ def gather_optimizer_state(model, optimizer, mesh=None) -> tuple[dict[str, torch
               for group in optimizer.param_groups]
     if not in_writer_replica(mesh):
         return None, groups
-    pg = model.group.pg
+    pg = model.attached.group.pg
     tensors, written = {}, written_names(model)
     for _, named in _named_groups(model, optimizer):
         for name, p in named:
             if name not in written:
                 continue                # a tied weight's copy: its state is the original's
-            rule = model.param_rules[name]
+            rule = model.attached.rules[name]
             for key, value in optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
                     continue            # e.g. SGD's momentum_buffer=None before momentum is used
@@ -82,7 +82,7 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
     parameter names (galaxy.pipeline.stage_state.agree_on_load checks that some stage took each).
     Raises ValueError for state of a parameter this rank's part should hold but does not.
     """
-    rank, copies = model.group.rank, tied_sources(model)
+    rank, copies = model.attached.group.rank, tied_sources(model)
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     others: set[str] = set()
     for key, full in tensors.items():
@@ -101,7 +101,7 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
         saved = {k: tuple(v) if isinstance(current.get(k), tuple) else v for k, v in saved.items()}
         ids = []
         for name, p in named:
-            rule, entry = model.param_rules[name], {}
+            rule, entry = model.attached.rules[name], {}
             for state_key, full in by_param.pop(name, {}).items():
                 if full.dim() == p.dim():       # per-element state: the parameter's full shape
                     if tuple(full.shape) != _full_shape(p, rule):

@@ -56,14 +56,7 @@ def replicated_key(stage: int, kind: str = "cpu") -> str:
 
 def sharded_rng_of(model) -> ShardedRNG | None:
     """The ShardedRNG a plan wired into the model (None in serial training: nothing is sharded)."""
-    found = getattr(model, "sharded_rng", None)
-    if isinstance(found, ShardedRNG):
-        return found
-    for module in model.modules():
-        owner = getattr(getattr(module, "rng_scope", None), "__self__", None)
-        if isinstance(owner, ShardedRNG):
-            return owner
-    return None
+    return model.attached.sharded_rng
 
 
 def seed_streams(model, seed: int, stage: int, device: torch.device) -> None:
@@ -71,7 +64,7 @@ def seed_streams(model, seed: int, stage: int, device: torch.device) -> None:
     torch.manual_seed(stage_seed(seed, stage))          # CPU and every CUDA device
     sharded = sharded_rng_of(model)
     if sharded is not None:
-        sharded.state = ShardedRNG(stage_seed(seed, stage), model.group.rank, device).state
+        sharded.state = ShardedRNG(stage_seed(seed, stage), model.attached.group.rank, device).state
 
 
 def capture_rng(model, device: torch.device, mesh=None) -> dict[str, torch.Tensor] | None:

@@ -44,11 +44,6 @@ class ClassificationTask:
         c = self.cfg
         return ClassificationBatches(self.train_set, self.tokenizer, c.pad_size, c.batch_size, c.shuffle, c.seed, shard)
 
-    @staticmethod
-    def loss_weight(micro: dict) -> torch.Tensor:
-        """What a micro-batch's mean loss is a mean over (its rows)."""
-        return torch.tensor(float(micro["labels"].shape[0]))
-
     def evaluate(self, model, examples, device, autocast=nullcontext) -> dict:
         return evaluate(model, examples, self.tokenizer, self.cfg.pad_size, self.cfg.batch_size, device, autocast)
 
@@ -72,10 +67,6 @@ class CausalLMTask:
     def batches(self, shard=None):
         c = self.cfg
         return CausalLMBatches(self.train_set, self.tokenizer, c.pad_size, c.batch_size, c.shuffle, c.seed, shard)
-
-    @staticmethod
-    def loss_weight(micro: dict) -> torch.Tensor:
-        return _target_count(micro["labels"]).float()
 
     @torch.no_grad()
     def evaluate(self, model, samples, device, autocast=nullcontext) -> dict:

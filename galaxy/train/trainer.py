@@ -27,6 +27,7 @@ from tqdm import tqdm
 from galaxy.config import ConfigError, read_model_shape
 from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
+from galaxy.models.registry import families_for
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, peft_summary
@@ -44,7 +45,7 @@ from galaxy.train.step import autocast_for
 from galaxy.train.summary import format_summary, gather_peak_memory
 from galaxy.train.tasks import CausalLMTask, ClassificationTask
 
-TASK_FAMILIES = {"classification": ("bert",), "causal_lm": ("llama",)}
+SCRIPTS = {"classification": "the pretrain_*_bert.py scripts", "causal_lm": "finetune_llama.py"}
 
 
 @dataclass
@@ -55,14 +56,6 @@ class Job:
     shape: dict
     resume: Checkpoint | None = None
     peft: PeftOptions = PeftOptions()
-
-    # Kept for callers that predate tasks.
-    @property
-    def class_names(self):
-        return self.task.class_names
-
-
-ClassifierJob = Job
 
 
 def check_resumable(ckpt: Checkpoint, cfg, task) -> None:
@@ -90,10 +83,7 @@ def _check_mesh(cfg) -> None:
 def _prepare(cfg, kind: str) -> Job:
     from transformers import AutoTokenizer
     shape = read_model_shape(cfg.model_path)
-    if shape["model_type"] not in TASK_FAMILIES[kind]:
-        scripts = "the pretrain_*_bert.py scripts" if kind == "classification" else "finetune_llama.py"
-        raise ConfigError(f"model_path holds a {shape['model_type']!r} model; {scripts} train "
-                          f"{' / '.join(TASK_FAMILIES[kind])} models")
+    check_task(shape["model_type"], kind)
     _check_mesh(cfg)
     try:
         peft = PeftOptions.from_config(cfg)
@@ -108,6 +98,14 @@ def _prepare(cfg, kind: str) -> Job:
     if resume is not None:
         check_resumable(resume, cfg, task)
     return Job(cfg, task, tokenizer, shape, resume, peft)
+
+
+def check_task(model_type: str, kind: str) -> None:
+    """A one-line error unless the family of `model_type` does task `kind`."""
+    able = [t for spec in families_for(kind) for t in spec.model_types]
+    if model_type not in able:
+        raise ConfigError(f"model_path holds a {model_type!r} model; {SCRIPTS[kind]} train "
+                          f"{', '.join(sorted(able))} models")
 
 
 def prepare_classifier(cfg) -> Job:

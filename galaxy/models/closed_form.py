@@ -2,12 +2,26 @@
 
 FLOPs are forward matrix products for one batch (2 per multiply-add); the backward is twice that
 (dX and dW of every projection, dQ dK dV dP of attention). Communication is per rank per
-training step, in the ring convention of galaxy.profiler.comm.
+training step, in the ring convention of galaxy.profiler.comm (ring_bytes, below).
+
+Each family's spec (galaxy.models.registry) points at its two forms here, taking the Hugging
+Face config: matmul_flops(cfg, batch, seq, num_labels) and plan_comm_bytes(plan, cfg, batch,
+seq_shares). The keyword forms below them take plain numbers (the tests call those).
 """
 from __future__ import annotations
 
 
-from galaxy.profiler.comm import ring_bytes
+def ring_bytes(kind: str, numel: int, element_size: int, group_size: int) -> int:
+    """Bytes one rank sends (= receives) for a collective moving `numel` elements (see above)."""
+    n = group_size
+    if n <= 1:
+        return 0
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * numel * element_size
+    if kind == "all_reduce":
+        return 2 * (n - 1) * -(-numel // n) * element_size
+    raise ValueError(f"unknown collective kind {kind!r}")
+
 
 
 def bert_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, intermediate: int,
@@ -200,3 +214,32 @@ def human_check(measured: int, expected: int) -> str:
     if measured == expected:
         return "exact"
     return f"{(measured - expected) / max(expected, 1):+.2%}" if expected else "n/a"
+
+
+# -- the spec entries: the Hugging Face config in, the closed forms above out -----------------
+
+def bert_flops_of(cfg, batch: int, seq: int, num_labels: int) -> dict[str, int]:
+    return bert_matmul_flops(batch=batch, seq=seq, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+                             intermediate=cfg.intermediate_size, num_labels=num_labels)
+
+
+def bert_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+    return bert_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=cfg.hidden_size,
+                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size)
+
+
+def _llama_shape(cfg) -> dict:
+    heads = cfg.num_attention_heads
+    return dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                vocab=cfg.vocab_size, head_dim=getattr(cfg, "head_dim", None))
+
+
+def llama_flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return llama_matmul_flops(batch=batch, seq=seq, **_llama_shape(cfg))
+
+
+def llama_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg),
+                                 attention_bias=bool(getattr(cfg, "attention_bias", False)),
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)))

@@ -1,0 +1,145 @@
+"""The family contract: what every model family implements, and the spec that describes it.
+
+A family is one Hugging Face architecture (BERT, Llama, ...) written once, in plain PyTorch, as
+a `GalaxyModel`; every parallel mode is a plan applied to that one definition (galaxy.parallel,
+galaxy.pipeline, galaxy.peft). Code outside galaxy/models never branches on a family's name: it
+asks the model (the methods and class attributes below) or the family's `FamilySpec` (the
+registry, galaxy.models.registry). docs/adding_a_model.md walks through adding one.
+
+The forward pass, in the three pieces a pipeline stage runs (docs/design.md section 5):
+
+    carry   = model.embed(input_ids, token_type_ids)           first stage: [b, S] ids -> carry
+    context = model.layer_context(attention_mask)              every stage: masks, rotary tables
+    carry   = model.run_layers(carry, context, model.layers)   each stage over its own layers
+    logits, loss = model.head(carry, labels)                   last stage
+
+`carry` is a tuple: the backbone's `carry_size` tensors [b, s_con, hidden] (s_con = this rank's
+tokens when the plan shards the CON layout), then the side network's state under side-tuning.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from galaxy.models.attached import Attached
+
+
+class GalaxyModel(nn.Module):
+    """Base class of every family's model. A subclass builds, in __init__(cfg, num_labels=None):
+
+      self.config   the Hugging Face config it was built from
+      self.layers   nn.ModuleList of galaxy.layers.block.TransformerBlock(att, con1, mlp, con2)
+      self.enter    a Transition: embeddings (R) -> the CON layout (set by the plan)
+
+    and the modules named in first_stage_modules / last_stage_modules. Its sub-blocks follow
+    the block protocol (galaxy.layers.block): ATT and MLP return (output, deferred bias) and
+    have `shard_tp(shares, rank)` and `deferred_bias`; ATT has `kv_gather`, `local_rows` and
+    `rng_scope` (set by a plan for SP and dropout); each CON has `rng_scope` and `adapter`
+    (a bottleneck adapter, galaxy.peft.adapter) and returns (residual stream, next input).
+    """
+
+    # -- facts every family states (class attributes) --------------------------------------
+    task: str = ""                    # "classification" | "causal_lm": data, metrics, export
+    peft_task_type: str = ""          # peft's task_type of this head ("SEQ_CLS", "CAUSAL_LM")
+    modules_to_save: tuple[str, ...] = ()   # head modules PEFT trains in full (peft's modules_to_save)
+    output_heads: tuple[str, ...] = ()      # modules LoRA may not wrap (applied through their weight)
+    con_params: tuple[str, ...] = ()        # top-level modules acting on the CON layout (a first norm)
+    first_stage_modules: tuple[str, ...] = ()   # kept by the first pipeline stage only
+    last_stage_modules: tuple[str, ...] = ()    # kept by the last pipeline stage only
+    carry_size: int = 1               # backbone tensors in the carry (1 post-norm, 2 pre-norm)
+    # The group whose tokens the head scores one share per rank (a plan sets it when the head
+    # runs on sequence shards); None: the head's logits are whole on every rank.
+    head_group = None
+
+    def __init__(self):
+        super().__init__()
+        # What plans, pipeline stages and PEFT attach later (galaxy.models.attached).
+        self.attached = Attached()
+        # Ladder side-tuning (galaxy.peft.side) sets these: the side network's input and output
+        # projections (its per-layer blocks are `layers[i].side`) and "side" | "side_only".
+        self.side_in, self.side_out, self.side_mode = None, None, None
+
+    # -- building -------------------------------------------------------------------------
+
+    def materialize(self) -> None:
+        """(Re)create what is not a checkpoint tensor (rotary tables, weight ties) after the
+        model moves off the meta device. Default: nothing."""
+
+    def plan_head(self, con_layout, group) -> dict:
+        """Set up the head for a plan whose CON layout is `con_layout`; return gradient rules
+        ({param name: ParamRule}) for head parameters that need other than the default."""
+        raise NotImplementedError
+
+    # -- the forward pass in stage-sized pieces ---------------------------------------------
+
+    def backbone_grad(self):
+        """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
+        return torch.no_grad() if self.side_mode else nullcontext()
+
+    def embed(self, input_ids, token_type_ids=None) -> tuple:
+        """[b, S] ids (the full sequence on every rank) -> the carry entering the first layer."""
+        raise NotImplementedError
+
+    def layer_context(self, attention_mask) -> dict:
+        """Keyword arguments every layer's ATT takes, from the [b, S] padding mask (or None)."""
+        raise NotImplementedError
+
+    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
+        """Run `layers` (all, or a pipeline stage's) over the carry."""
+        n = self.carry_size
+        backbone, side = carry[:n], carry[n:]
+        for layer in layers:
+            if self.side_mode != "side_only":       # side-only never runs the backbone's layers
+                with self.backbone_grad():
+                    backbone = layer(backbone[0], backbone[-1], **context)[:n]
+            if side:
+                side = (layer.side(side[0], backbone[0], context),)
+        return (*backbone, *side)
+
+    def head(self, carry: tuple, labels=None):
+        """The carry after the last layer -> (logits, loss or None)."""
+        raise NotImplementedError
+
+    def loss_units(self, labels) -> torch.Tensor:
+        """How many terms `head`'s loss averages over (rows, or label tokens): the weights of
+        micro-batch losses, so that accumulated losses equal the full batch's mean."""
+        raise NotImplementedError
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        carry = self.embed(input_ids, token_type_ids)
+        carry = self.run_layers(carry, self.layer_context(attention_mask), self.layers)
+        return self.head(carry, labels)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Every per-family fact the rest of galaxy needs, in one place (the registry holds one each).
+
+    hf_names(cfg) returns a function galaxy parameter name -> Hugging Face name; the same map
+    reads checkpoints, writes exports and checkpoints, and names LoRA tensors in peft's format.
+    """
+    name: str
+    model_types: tuple[str, ...]                 # Hugging Face config.model_type values it reads
+    tasks: dict[str, type[GalaxyModel]]          # task kind -> the model class that does it
+    hf_names: Callable[[object], Callable[[str], str]]
+    hf_base_prefix: str = ""                     # prefix a bare base-model checkpoint lacks
+    hf_head_params: tuple[str, ...] = ()         # galaxy names a checkpoint may lack (new task head)
+    hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): name suffixes
+    lora_targets: tuple[str, ...] = ()           # peft's default target_modules for the family
+    padding_side: str = "right"                  # the tokenizer's padding side galaxy trains with
+    # The profiler's closed forms (galaxy.models.closed_form): matmul FLOPs of one forward pass,
+    # (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the bytes per collective kind
+    # a plan moves per rank and step, (plan, cfg, batch, seq_shares) -> {kind: bytes}.
+    matmul_flops: Callable[..., dict] | None = None
+    plan_comm_bytes: Callable[..., dict] | None = None
+    notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors
+
+    def model_class(self, task: str) -> type[GalaxyModel]:
+        try:
+            return self.tasks[task]
+        except KeyError:
+            raise ValueError(f"{self.name} models do not do {task}; they do {', '.join(sorted(self.tasks))}") from None
