@@ -1,4 +1,4 @@
-"""Dropout follows the activation layout (DESIGN.md section 3).
+"""Dropout follows the activation layout (docs/design.md section 3).
 
 Replicated activations: every rank of the group draws the same mask, so the default random
 stream must stay in lockstep across ranks through a training step with dropout on. Sharded

@@ -1,6 +1,6 @@
 """The process mesh: world = pp x dp x Galaxy group size, and every process group built once.
 
-Rank order (DESIGN.md section 4). The Galaxy group is the fastest-varying axis, so its ranks are
+Rank order (docs/design.md section 4). The Galaxy group is the fastest-varying axis, so its ranks are
 consecutive (neighbours share the fastest links), then data parallel, then pipeline:
 
     rank = (pp_index * dp + dp_index) * group_size + galaxy_rank

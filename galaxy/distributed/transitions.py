@@ -6,7 +6,7 @@ Layouts of a [batch, seq, hidden] activation inside a Galaxy group:
   P  partial: full shape on every rank, the true value is the sum over ranks
 
 Each transition is a forward collective paired with the backward collective that makes the
-gradient right for the consumer (see DESIGN.md section 2):
+gradient right for the consumer (see docs/design.md section 2):
 
   P -> R                      all-reduce      | identity
   P -> S                      reduce-scatter  | all-gather

@@ -1,4 +1,4 @@
-"""Two random streams, so dropout masks follow the activation layout (DESIGN.md section 3).
+"""Two random streams, so dropout masks follow the activation layout (docs/design.md section 3).
 
 Replicated (R) activations: every rank of a Galaxy group must draw the same mask. They use the
 default generator, seeded identically on every rank and advanced identically because no

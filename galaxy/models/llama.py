@@ -1,6 +1,6 @@
 """Llama for causal language modelling: the one definition every plan is applied to.
 
-Pre-norm layers split as DESIGN.md section 1 says:
+Pre-norm layers split as docs/design.md section 1 says:
   ATT  = self-attention (rotary, grouped-query) with its output projection
   CON1 = residual add of the attention output, then post_attention_layernorm (input of the MLP)
   CON2 = residual add of the MLP output, then the NEXT layer's input_layernorm

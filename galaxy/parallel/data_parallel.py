@@ -5,7 +5,7 @@ all-reduces gradient buckets while backward still runs, overlapping communicatio
 DDP only hooks parameter gradients, so it coexists with Galaxy's autograd collectives inside the
 model (those run on the Galaxy group, DDP's on the dp group). Galaxy's "sum" rule (GradientSync,
 after backward) and DDP's average are both linear, so their order does not matter: every rank ends
-with sum over its Galaxy group of the mean over replicas, as DESIGN.md section 3 asks.
+with sum over its Galaxy group of the mean over replicas, as docs/design.md section 3 asks.
 
 A comm hook reports every DDP bucket to galaxy's communication recorder
 (collectives.comm_recorder) before the usual averaging all-reduce, so byte counts of DDP and

@@ -3,7 +3,7 @@
 For every block it (1) sets the four Transitions from the layouts of the sub-blocks,
 (2) shards TP sub-blocks to this rank's heads / MLP columns, (3) turns on the K/V gather of SP
 attention, (4) routes sharded dropout to the rank's own random stream, and (5) tags every
-parameter with its gradient rule (DESIGN.md section 3):
+parameter with its gradient rule (docs/design.md section 3):
 
   sharded     TP projections: the local gradient is complete for the local shard
   sum         replicated parameters applied to S activations: all-reduce over the group
