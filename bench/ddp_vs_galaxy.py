@@ -61,7 +61,7 @@ def build_runners(args, shape: dict) -> dict:
     from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
-    from galaxy.pipeline import build_runner
+    from galaxy.runtime.runners import build_runner
     heads, inter = shape["num_attention_heads"], shape["intermediate_size"]
     meshes = {"ddp": make_mesh(1, 2, (heads,), (inter,), (args.pad_size,)),
               "galaxy": make_mesh(1, 1, even_split(heads, 2), even_split(inter, 2), even_split(args.pad_size, 2))}

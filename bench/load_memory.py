@@ -69,7 +69,8 @@ def build_once(model_dir: str, view: str, variant: str) -> dict:
     from full_read_reference import full_read_build
 
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.models.build import build_model, load_hf_config
+    from galaxy.models.build import load_hf_config
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.plan import ParallelPlan
 
     cfg = load_hf_config(model_dir)

@@ -78,7 +78,8 @@ def run_method(args) -> dict:
     from step_time_vs_hf import make_batch
 
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.models.build import build_model, load_hf_config
+    from galaxy.models.build import load_hf_config
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.peft import PeftOptions, apply_peft, parameter_counts
 

@@ -29,7 +29,8 @@ import torch  # noqa: E402
 from transformers import AutoTokenizer, BertForSequenceClassification  # noqa: E402
 
 from galaxy.distributed.group import GalaxyGroup  # noqa: E402
-from galaxy.models.build import build_model, load_hf_config  # noqa: E402
+from galaxy.models.build import load_hf_config  # noqa: E402
+from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.parallel.plan import ParallelPlan  # noqa: E402
 
 TARGET = 1.05

@@ -33,6 +33,14 @@ class ConfigError(ValueError):
         super().__init__(" ".join(str(message).splitlines()))
 
 
+# The names a few keys take: the one list of each, which the code that acts on them reads too.
+PLAN_METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
+PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
+              "use_side_only": "side_only"}
+
+
 @dataclass
 class GalaxyConfig:
     model_path: str
@@ -116,9 +124,9 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "shuffle": (bool, False),
     "seed": (int, False),
     "metrics_file": (str, True),
-    "att_parallel_method": (("TP", "SP"), False),
-    "mlp_parallel_method": (("TP", "SP"), False),
-    "con_parallel_method": (("SP", "None"), True),
+    "att_parallel_method": (PLAN_METHODS["att"], False),
+    "mlp_parallel_method": (PLAN_METHODS["mlp"], False),
+    "con_parallel_method": (PLAN_METHODS["con"], True),
     "tp_num_attention_heads_list": ("int_list", True),
     "tp_intermediate_size_list": ("int_list", True),
     "seq_scatter_list": ("int_list", True),
@@ -128,7 +136,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "dp_deg": (int, False),
     "stage_num_hidden_layers_list": ("int_list", True),
     "num_microbatches": (int, False),
-    "pipeline_schedule": (("gpipe", "1f1b"), False),
+    "pipeline_schedule": (PIPELINE_SCHEDULES, False),
     "dropout": (float, True),
     "lr_schedule": (("constant", "linear", "cosine"), False),
     "warmup_steps": (int, False),
@@ -235,11 +243,7 @@ def _check_ranges(cfg: GalaxyConfig) -> None:
         raise ConfigError(f"weight_decay must be 0 or more, got {cfg.weight_decay}")
     if cfg.timeout_s <= 0:
         raise ConfigError(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
-    methods = [k for k in ("full_model", "use_lora", "use_adapter", "use_side", "use_side_only") if getattr(cfg, k)]
-    if len(methods) > 1 or (not methods and "full_model" in cfg._given):
-        got = " and ".join(methods) + (" are all true" if methods else "full_model is false and no other is true")
-        raise ConfigError(f"{got}; set exactly one of full_model, use_lora, use_adapter, use_side, "
-                          "use_side_only to true")
+    peft_method(cfg)
     if not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
@@ -252,6 +256,17 @@ def _check_ranges(cfg: GalaxyConfig) -> None:
         for i, v in enumerate(values or []):
             if v < 1:
                 raise ConfigError(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+
+
+def peft_method(cfg) -> str:
+    """The PEFT method the flags select (galaxy.peft's name for it); ConfigError unless at most
+    one flag is true. None true means full fine-tuning, unless the config set full_model to
+    false explicitly (it is in cfg._given): then it asked for no method at all."""
+    on = [flag for flag in PEFT_FLAGS if getattr(cfg, flag, False)]
+    if len(on) > 1 or (not on and "full_model" in getattr(cfg, "_given", ())):
+        got = " and ".join(on) + (" are all true" if on else "full_model is false and no other is true")
+        raise ConfigError(f"{got}; set exactly one of {', '.join(PEFT_FLAGS)} to true")
+    return PEFT_FLAGS[on[0]] if on else "full"
 
 
 def _check_training_keys(cfg: GalaxyConfig) -> None:
@@ -495,6 +510,9 @@ def _validate_pipeline(cfg: GalaxyConfig, shape: dict) -> None:
     if stages > 1 and cfg.pipeline_schedule == "1f1b" and cfg.num_microbatches < stages:
         raise ConfigError(f"num_microbatches is {cfg.num_microbatches} but the 1f1b schedule needs at least "
                           f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg)")
+    if stages > 1 and cfg.grad_accum_steps > 1:
+        raise ConfigError("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
+                          "num_microbatches is its accumulation); remove it")
     if stages > 1 and (cfg.batch_size // cfg.dp_deg) % cfg.num_microbatches:
         raise ConfigError(f"num_microbatches {cfg.num_microbatches} does not divide the "
                           f"{cfg.batch_size // cfg.dp_deg} rows per replica (batch_size / dp_deg); "

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.bert import HF_NAMES
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.models.weights import NameMap
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync

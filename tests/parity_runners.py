@@ -12,7 +12,7 @@ from parity import HF_LOADERS, rel_err, worst_param_error
 from galaxy.distributed.mesh import make_mesh
 from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits
-from galaxy.pipeline import build_runner
+from galaxy.runtime.runners import build_runner
 
 
 def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:

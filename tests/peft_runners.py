@@ -13,14 +13,14 @@ from parity_runners import replica_rows
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.mesh import make_mesh
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.peft import PeftOptions, apply_peft
 from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
-from galaxy.pipeline import build_runner
+from galaxy.runtime.runners import build_runner
 
 HF = {"bert": hf_bert, "llama": hf_llama}
 

@@ -24,7 +24,7 @@ RUN = dict(num_epochs=2, max_steps=6, save_interval=2, lr_schedule="cosine", war
 # (each save writes model, optimizer and rng files: N = 5 is the optimizer file of the 2nd save).
 KILLER = """
 import os, signal, sys
-import galaxy.train.files as files
+import galaxy.files as files
 real, calls, kill_at = files.save_file, [0], int(sys.argv[2])
 def save_file(tensors, path, metadata=None):
     calls[0] += 1

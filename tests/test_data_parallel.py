@@ -50,7 +50,7 @@ def test_llama_dp2_with_accumulation_matches_hf(dist_pool, llama_dir):
 
 def _ddp_bytes(model_dir):
     from galaxy.distributed.mesh import make_mesh
-    from galaxy.pipeline import build_runner
+    from galaxy.runtime.runners import build_runner
     from galaxy.profiler.comm import CommRecorder, ring_bytes
     mesh = make_mesh(1, 2, (6,), (96,), (TINY_SEQ,))
     runner = build_runner(model_dir, GALAXY, mesh, num_labels=3)

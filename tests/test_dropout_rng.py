@@ -15,7 +15,7 @@ from parity import world_group
 from tiny_models import tiny_batch
 
 from galaxy.layers.rng import ShardedRNG
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))

@@ -94,7 +94,7 @@ def test_checkpoint_resume_and_export_for_llama(job):
     from transformers import LlamaForCausalLM
 
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.models.build import build_model
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.plan import ParallelPlan
     tmp = job["tmp"]
     save, export = tmp / "save", tmp / "export"

@@ -9,8 +9,8 @@ from parity import world_group
 from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, encode_lm_sample, format_prompt,
                                    read_lm_samples)
 from galaxy.data.errors import DataError
-from galaxy.models.build import build_model
-from galaxy.models.generate import greedy_generate
+from galaxy.runtime.assemble import build_model
+from galaxy.runtime.generate import greedy_generate
 from galaxy.models.tiny_llama import write_tiny_llama
 from galaxy.parallel.plan import ParallelPlan
 

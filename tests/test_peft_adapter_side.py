@@ -15,7 +15,7 @@ import torch
 from peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
 from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft
 

@@ -20,7 +20,7 @@ from peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, write_peft_adapte
 from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft
 

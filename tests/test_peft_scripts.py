@@ -51,7 +51,7 @@ def test_galaxy_lora_equals_serial_lora_and_exports_a_peft_adapter(job):
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.models.build import build_model
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.peft import PeftOptions, apply_peft
     config, serial_metrics = write_config(job, "lora-serial", **LORA)

@@ -17,7 +17,7 @@ from parity_runners import train_runner_and_compare
 from tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.pipeline.split import stage_layer_ranges
 from galaxy.pipeline.stage import keep_stage

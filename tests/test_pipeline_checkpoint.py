@@ -366,7 +366,7 @@ def test_tied_llama_pipeline_checkpoints_and_exports_the_one_tied_weight(dist_po
 
 def test_stage_owns_its_layers_and_present_modules(ws):
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.models.build import build_model
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.pipeline.stage import keep_stage
     from galaxy.pipeline.stage_state import stage_owns

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.profiler import bert_matmul_flops, bert_plan_comm_bytes, profile_model

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tiny_models import TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.profiler import llama_plan_comm_bytes, profile_model

@@ -15,7 +15,7 @@ from tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
 
 from galaxy.distributed import collectives
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.models.registry import FAMILIES
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.profiler import CommRecorder, bert_matmul_flops, llama_matmul_flops, profile_model

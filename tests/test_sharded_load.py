@@ -27,7 +27,8 @@ from tiny_models import TINY_BERT, TINY_SEQ, make_tiny_bert, make_tiny_llama
 
 import galaxy.models.weights as weights
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.build import CheckpointError, build_model
+from galaxy.models.build import CheckpointError
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 
 SEED = 5

@@ -11,11 +11,11 @@ from parity import hf_bert, worst_param_error, world_group
 from tiny_models import tiny_batch
 from trainer_support import GALAXY_W2, make_workspace, step_losses, train_on_rank, write_config
 
-from galaxy.models.build import build_model
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
-from galaxy.train.clip import clip_grad_norm_
+from galaxy.parallel.clip import clip_grad_norm_
 
 MAX_NORM = 0.05   # well below the tiny model's gradient norm, so clipping really scales
 

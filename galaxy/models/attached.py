@@ -50,3 +50,10 @@ class Attached:
         if unknown:
             raise KeyError(f"no parameter {unknown[0]!r} in the model")
         self.rules.update(rules)
+
+
+def written_names(model, names=None) -> set[str]:
+    """The parameters (all, or those in `names`) that this rank's part contributes to a written
+    state: every one but a last-stage copy of a tied weight (the first stage writes the original)."""
+    copies = model.attached.tied_across_stages
+    return {n for n, _ in model.named_parameters() if n not in copies and (names is None or n in names)}

@@ -16,11 +16,11 @@ from functools import partial
 
 from torch import nn
 
+from galaxy.config import PLAN_METHODS
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
 from galaxy.layers.rng import ShardedRNG
 
-METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
 PRESETS = {
     "tp": ("TP", "TP", "None"),
     "sp": ("SP", "SP", "SP"),
@@ -41,7 +41,7 @@ class ParallelPlan:
         return ParallelPlan(att=att, mlp=mlp, con=con)
 
     def __post_init__(self):
-        for key, allowed in METHODS.items():
+        for key, allowed in PLAN_METHODS.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key} method must be one of {allowed}, got {getattr(self, key)!r}")
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from galaxy.models.attached import written_names
+from galaxy.parallel.clip import clip_grad_norm_, global_grad_norm
 from galaxy.parallel.full_state import gather_full
-from galaxy.pipeline.stage_state import written_names
 
 
 class Runner:
@@ -73,7 +74,6 @@ class Runner:
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient (after step), the same on every rank."""
-        from galaxy.train.clip import global_grad_norm     # per Galaxy group, one stage
         sq = global_grad_norm(self.model).square()
         if self.mesh.pp_pg is not None:
             dist.all_reduce(sq, group=self.mesh.pp_pg)
@@ -82,9 +82,4 @@ class Runner:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale all gradients by min(1, max_norm / (norm + 1e-6)); returns the norm before."""
-        norm = self.grad_norm()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
-        return norm
+        return clip_grad_norm_(self.model, max_norm, norm=self.grad_norm())

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from galaxy.config import PEFT_FLAGS, GalaxyConfig, peft_method
 from galaxy.layers.sharding import slice_like
 from galaxy.models.registry import family_of_model
 from galaxy.parallel.plan import replicated_rule
@@ -28,24 +29,23 @@ from galaxy.peft.adapter import add_adapters
 from galaxy.peft.lora import add_lora, find_targets
 from galaxy.peft.peft_format import LoraSpec, peft_key, read_lora_dir
 from galaxy.peft.side import add_side, describe_side
-from galaxy.pipeline.stage_state import written_names
+from galaxy.models.attached import written_names
 
-METHODS = ("full", "lora", "adapter", "side", "side_only")
-FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
-         "use_side_only": "side_only"}
+METHODS = tuple(PEFT_FLAGS.values())
+_DEFAULT = GalaxyConfig     # the config's defaults are the one place PEFT's defaults are written
 
 
 @dataclass(frozen=True)
 class PeftOptions:
     method: str = "full"                  # one of METHODS
-    lora_dim: int = 8                     # r
-    lora_alpha: float = 16.0              # scaling = alpha / r
-    lora_dropout: float = 0.0
-    lora_target_modules: tuple[str, ...] | str | None = None   # HF module names; None: query, value
+    lora_dim: int = _DEFAULT.lora_dim     # r
+    lora_alpha: float = _DEFAULT.lora_alpha   # scaling = alpha / r
+    lora_dropout: float = _DEFAULT.lora_dropout
+    lora_target_modules: tuple[str, ...] | str | None = None   # HF module names; None: the family's default
     lora_path: str | None = None          # a peft adapter directory to start from
-    adapter_reduction_dim: int = 64       # the adapters' bottleneck width
-    non_linearity: str = "relu"           # the adapters' activation (transformers' ACT2FN name)
-    side_reduction_factor: int = 8        # side network width = hidden / this
+    adapter_reduction_dim: int = _DEFAULT.adapter_reduction_dim   # the adapters' bottleneck width
+    non_linearity: str = _DEFAULT.non_linearity   # the adapters' activation (transformers' ACT2FN name)
+    side_reduction_factor: int = _DEFAULT.side_reduction_factor   # side width = hidden / this
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -56,16 +56,9 @@ class PeftOptions:
     @staticmethod
     def from_config(cfg) -> "PeftOptions":
         """From an object with the config keys (full_model, use_lora, use_adapter, use_side,
-        use_side_only, lora_dim, ...; missing or None ones take the defaults).
-
-        At most one flag may be true. None true means full fine-tuning, unless the config set
-        full_model to false explicitly (it lists "full_model" in cfg._given): then it asked for
-        no method at all, which is an error too."""
-        on = [flag for flag in FLAGS if getattr(cfg, flag, False)]
-        if len(on) > 1 or (not on and "full_model" in getattr(cfg, "_given", ())):
-            got = " and ".join(on) + (" are all true" if on else "full_model is false and no other is true")
-            raise ValueError(f"{got}; set exactly one of {', '.join(FLAGS)} to true")
-        method = FLAGS[on[0]] if on else "full"
+        use_side_only, lora_dim, ...; missing or None ones take the defaults). The flags select
+        the method by galaxy.config.peft_method's rule (a ConfigError when two are true)."""
+        method = peft_method(cfg)
         names = [f.name for f in PeftOptions.__dataclass_fields__.values() if f.name != "method"]
         return PeftOptions(method, **{n: getattr(cfg, n) for n in names
                                       if getattr(cfg, n, None) is not None})

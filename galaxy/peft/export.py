@@ -4,7 +4,7 @@
                          module names; PeftModel.from_pretrained(<HF model>, out_dir) reproduces
                          galaxy's logits
     lora, merge=True     a plain Hugging Face checkpoint with W + scaling * B A folded in
-                         (galaxy.train.export's folder: config, model.safetensors, tokenizer)
+                         (galaxy.runtime.export's folder: config, model.safetensors, tokenizer)
     adapter, side(_only) galaxy_peft.json (method, options, base model) and
                          peft_model.safetensors: the trained tensors (new parameters and the task
                          head) in full, under the Hugging Face-style names of the family's map
@@ -26,7 +26,10 @@ from galaxy.models.registry import family_of_model
 from galaxy.parallel.full_state import gather_full
 from galaxy.peft.lora import merge_into
 from galaxy.peft.peft_format import lora_config_json, peft_key, write_lora_dir
-from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer, written_names
+from galaxy.files import write_safetensors_atomic, write_text_atomic
+from galaxy.models.attached import written_names
+from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer
+from galaxy.runtime.export import classifier_config, write_hf_dir
 
 GALAXY_CONFIG, GALAXY_WEIGHTS = "galaxy_peft.json", "peft_model.safetensors"
 
@@ -72,11 +75,10 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
     peft = model.attached.peft
     method = peft.options.method
     if method == "full":
-        raise ValueError("export_peft exports PEFT runs; a full fine-tuning run uses galaxy.train.export.export_hf")
+        raise ValueError("export_peft exports PEFT runs; a full fine-tuning run uses galaxy.runtime.export.export_hf")
     if merge and method != "lora":
         raise ValueError(f"merge_lora merges LoRA updates; method {method!r} has none to merge")
     if merge:
-        from galaxy.train.export import classifier_config, write_hf_dir
         state = merged_hf_state(model, mesh)
         if lead:
             if tokenizer is None:
@@ -92,7 +94,6 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
         return
     state = trained_state(model, mesh)
     if lead:
-        from galaxy.train.files import write_safetensors_atomic, write_text_atomic
         os.makedirs(out_dir, exist_ok=True)
         write_safetensors_atomic(os.path.join(out_dir, GALAXY_WEIGHTS), state)
         doc = {"method": method, "options": asdict(peft.options), "base_model_name_or_path": base_model_path,

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
+from galaxy.files import write_safetensors_atomic, write_text_atomic
+
 PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
@@ -86,7 +88,6 @@ def lora_config_json(spec: LoraSpec, model, base_model_path: str) -> dict:
 
 def write_lora_dir(path: str, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Write the two files (each atomically: a temporary name, then a rename)."""
-    from galaxy.train.files import write_safetensors_atomic, write_text_atomic
     os.makedirs(path, exist_ok=True)
     write_safetensors_atomic(os.path.join(path, WEIGHTS_FILE), tensors)
     write_text_atomic(os.path.join(path, CONFIG_FILE), json.dumps(config, indent=2) + "\n")

@@ -32,7 +32,7 @@ from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
-from galaxy.pipeline.schedule import SCHEDULES, make_schedule
+from galaxy.pipeline.schedule import make_schedule, schedule_class
 from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
 
@@ -48,8 +48,7 @@ class PipelineRunner(Runner):
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pipeline_schedule {schedule!r} is unknown; use one of {sorted(SCHEDULES)}")
+        schedule_class(schedule)     # an unknown name fails here, not at the first step
 
     # --- training -----------------------------------------------------------------------------
 

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+from galaxy.config import PIPELINE_SCHEDULES
+
+SCHEDULES = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B), strict=True))
+
+
+def schedule_class(name: str):
+    """The torch schedule named `name`; ValueError naming the known ones otherwise."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"pipeline_schedule {name!r} is unknown; use one of {sorted(SCHEDULES)}") from None
 
 
 def make_schedule(name: str, stage, num_microbatches: int, loss_fn):
-    try:
-        cls = SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"pipeline_schedule {name!r} is unknown; use one of {sorted(SCHEDULES)}") from None
-    return cls(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(name)(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -70,13 +70,6 @@ def tied_sources(model) -> dict[str, str]:
             if copy in params}
 
 
-def written_names(model, names=None) -> set[str]:
-    """The parameters (all, or those in `names`) that this rank's part contributes to a written
-    state: every one but a last-stage copy of a tied weight (the first stage writes the original)."""
-    copies = model.attached.tied_across_stages
-    return {n for n, _ in model.named_parameters() if n not in copies and (names is None or n in names)}
-
-
 def stage_owns(model, name: str) -> bool:
     """Whether full-model parameter name `name` lives on this rank's part of the model.
 

@@ -116,7 +116,7 @@ def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
 
 def run(job: ProfileJob, env) -> None:
     from galaxy.distributed.mesh import build_mesh
-    from galaxy.models.build import build_model
+    from galaxy.runtime.assemble import build_model
     from galaxy.parallel.grad_sync import GradientSync
     from galaxy.parallel.plan import ParallelPlan
     cfg, opts = job.cfg, job.opts

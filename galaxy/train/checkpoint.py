@@ -3,7 +3,7 @@
     save_dir/
       latest                      text: the name of the newest complete checkpoint folder
       step-00000120/
-        model/                    a Hugging Face folder (galaxy.train.export): full weights
+        model/                    a Hugging Face folder (galaxy.runtime.export): full weights
         optimizer.safetensors     full-shape optimizer state by parameter name (optim_state.py)
         rng.safetensors           random states (rng_state.py)
         trainer_state.json        step, data position, schedule, optimizer hyperparameters, layout
@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import load_file
 
 from galaxy.models.build import CheckpointError
-from galaxy.train.export import classifier_config, hf_state_dict, write_hf_dir
-from galaxy.train.files import fsync_path, write_json_atomic, write_safetensors_atomic, write_text_atomic
+from galaxy.runtime.export import classifier_config, hf_state_dict, write_hf_dir
+from galaxy.files import fsync_path, write_json_atomic, write_safetensors_atomic, write_text_atomic
 from galaxy.train.optim_state import gather_optimizer_state
 from galaxy.train.rng_state import capture_rng
 

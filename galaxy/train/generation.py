@@ -13,8 +13,8 @@ import torch
 
 from galaxy.config import ConfigError, read_model_shape
 from galaxy.distributed.mesh import build_mesh
-from galaxy.models.build import build_model
-from galaxy.models.generate import greedy_generate
+from galaxy.runtime.assemble import build_model
+from galaxy.runtime.generate import greedy_generate
 from galaxy.train.checkpoint import Checkpoint, resolve_resume
 from galaxy.train.trainer import Job, check_task, plan_of, prepare_causal_lm, train
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from galaxy.distributed.collectives import all_gather_dim
-from galaxy.pipeline.stage_state import (in_writer_replica, stage_owns, stages_to_writer, tied_sources,
-                                         written_names)
+from galaxy.models.attached import written_names
+from galaxy.pipeline.stage_state import in_writer_replica, stage_owns, stages_to_writer, tied_sources
 
 
 def _full_shape(p: torch.Tensor, rule) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """Mixed precision for the forward pass.
 
-The optimizer step itself lives in Trainer.train_step: the runner (galaxy.pipeline.build_runner)
+The optimizer step itself lives in Trainer.train_step: the runner (galaxy.runtime.runners.build_runner)
 runs forward and backward of the global batch in micro-batches (grad_accum_steps, or a
 pipeline's num_microbatches), each micro-batch loss weighted by its share of the batch's loss
 units (rows for classification, label tokens for causal LMs), so the accumulated gradient is the

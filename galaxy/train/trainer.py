@@ -2,7 +2,7 @@
 
 prepare_classifier / prepare_causal_lm run before any process group starts (so a bad data file or
 checkpoint is a one-line exit 2); Trainer builds the mesh (pp x dp x Galaxy group), the runner
-(galaxy.pipeline.build_runner: a pipeline of Galaxy-group stages when pp_deg > 1, else Galaxy
+(galaxy.runtime.runners.build_runner: a pipeline of Galaxy-group stages when pp_deg > 1, else Galaxy
 replicas under DDP) and trains; the task (galaxy/train/tasks.py) brings data and evaluation.
 
 Per optimizer step k (1-based): one global batch of batch_size rows (each data-parallel replica
@@ -31,11 +31,11 @@ from galaxy.models.registry import families_for
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, peft_summary
-from galaxy.pipeline import build_runner
+from galaxy.runtime.runners import build_runner
 from galaxy.pipeline.split import stage_layer_ranges
 from galaxy.pipeline.stage_state import agree_on_load
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
-from galaxy.train.export import export_hf
+from galaxy.runtime.export import export_hf
 from galaxy.train.metrics import MetricsWriter
 from galaxy.train.optim import make_optimizer
 from galaxy.train.optim_state import load_optimizer_state
@@ -71,20 +71,10 @@ def check_resumable(ckpt: Checkpoint, cfg, task) -> None:
                                   f"config gives {given!r}; set {fix} as it was, or start afresh")
 
 
-def _check_mesh(cfg) -> None:
-    if cfg.batch_size % (cfg.dp_deg * cfg.num_microbatches if cfg.pp_deg > 1 else cfg.dp_deg):
-        what = "dp_deg x num_microbatches" if cfg.pp_deg > 1 else "dp_deg"
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by {what}; make it a multiple")
-    if cfg.pp_deg > 1 and cfg.grad_accum_steps > 1:
-        raise ConfigError("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
-                          "num_microbatches is its accumulation); remove it")
-
-
 def _prepare(cfg, kind: str) -> Job:
     from transformers import AutoTokenizer
     shape = read_model_shape(cfg.model_path)
     check_task(shape["model_type"], kind)
-    _check_mesh(cfg)
     try:
         peft = PeftOptions.from_config(cfg)
     except ValueError as e:

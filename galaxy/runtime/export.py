@@ -21,8 +21,9 @@ import torch
 from galaxy.models.build import load_hf_config
 from galaxy.models.registry import family_of_model
 from galaxy.parallel.full_state import gather_full
-from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer, written_names
-from galaxy.train.files import fsync_path, replace_with, write_safetensors_atomic, write_text_atomic
+from galaxy.models.attached import written_names
+from galaxy.pipeline.stage_state import in_writer_replica, stages_to_writer
+from galaxy.files import fsync_path, replace_with, write_safetensors_atomic, write_text_atomic
 
 
 def hf_state_dict(model, mesh=None) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from galaxy.pipeline.stage_state import written_names
+from galaxy.models.attached import written_names
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
@@ -39,14 +39,16 @@ def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
     """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_ does.
 
-    Returns the norm before clipping. The factor stays a tensor: no host sync on accelerators.
+    norm: the norm to clip by (a pipeline's, summed over its stages); default: this Galaxy
+    group's model's (global_grad_norm). Returns the norm before clipping. The factor stays a
+    tensor: no host sync on accelerators.
     """
-    norm = global_grad_norm(model)
+    norm = global_grad_norm(model) if norm is None else norm
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.mul_(scale)
+            p.grad.mul_(scale.to(p.grad.dtype))
     return norm

@@ -1,9 +1,11 @@
-"""Build this rank's pipeline stage, and the runner that fits any mesh."""
+"""Build this rank's part of the model (a pipeline stage, or a Galaxy replica) and the runner that fits
+any mesh."""
 from __future__ import annotations
 
 from contextlib import nullcontext
 
-from galaxy.models.build import build_model, load_hf_config
+from galaxy.models.build import load_hf_config
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.data_parallel import DataParallelRunner
 from galaxy.pipeline.runner import PipelineRunner
 from galaxy.pipeline.split import stage_layer_ranges
