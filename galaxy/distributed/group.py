@@ -7,8 +7,6 @@ A group of size 1 (serial training) has `pg=None`; every collective returns earl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-
 import torch.distributed as dist
 
 
@@ -29,14 +27,3 @@ class GalaxyGroup:
     def seq_offset(self) -> int:
         """Global position of this rank's first token."""
         return sum(self.seq[: self.rank])
-
-    def offsets(self, shares: tuple[int, ...]) -> list[int]:
-        return [0, *accumulate(shares)][:-1]
-
-    def head_range(self) -> tuple[int, int]:
-        start = sum(self.heads[: self.rank])
-        return start, start + self.heads[self.rank]
-
-    def intermediate_range(self) -> tuple[int, int]:
-        start = sum(self.intermediate[: self.rank])
-        return start, start + self.intermediate[self.rank]
