@@ -71,6 +71,8 @@ class GalaxyConfig:
     # Pipeline (pp_deg > 1): layers per stage (None: even split), micro-batches per step, schedule.
     stage_num_hidden_layers_list: list[int] | None = None
     num_microbatches: int = 1
+    # Activation checkpointing: "none", "full", a number of leading layers, or layer indices.
+    activation_checkpointing: str | int | list[int] = "none"
     pipeline_schedule: str = "1f1b"
     dropout: float | None = None  # None: keep the model config's dropout probabilities
     # Training loop (galaxy/train): schedule, clipping, accumulation, precision, eval, checkpoints.
@@ -137,6 +139,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "stage_num_hidden_layers_list": ("int_list", True),
     "num_microbatches": (int, False),
     "pipeline_schedule": (PIPELINE_SCHEDULES, False),
+    "activation_checkpointing": ("layers", False),
     "dropout": (float, True),
     "lr_schedule": (("constant", "linear", "cosine"), False),
     "warmup_steps": (int, False),
@@ -170,7 +173,8 @@ _POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg",
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                "int_list": "a list of integers", "str_list": "a list of strings",
-               "classes": "a list of strings or the path of a text file"}
+               "classes": "a list of strings or the path of a text file",
+               "layers": '"none", "full", a number of leading layers or a list of layer indices'}
 
 
 def _show(value) -> str:
@@ -221,6 +225,11 @@ def _check_type(key: str, value):
             if not isinstance(item, str):
                 raise ConfigError(f"{key}[{i}] must be a string, got {_show(item)}")
         return list(value)
+    elif kind == "layers" and (value in ("none", "full") or _is_int(value) or isinstance(value, list)):
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            if not _is_int(item):
+                raise ConfigError(f"{key}[{i}] must be a layer index (an integer), got {_show(item)}")
+        return value
     elif kind == "classes" and (isinstance(value, str) or isinstance(value, list)):
         for i, item in enumerate(value if isinstance(value, list) else []):
             if not isinstance(item, str):
@@ -487,10 +496,30 @@ def validate_for_world(cfg: GalaxyConfig, world: int, rank: int) -> None:
                           f"use a multiple of {cfg.dp_deg}")
     shape = read_model_shape(cfg.model_path)
     _validate_pipeline(cfg, shape)
+    recompute_layers(cfg.activation_checkpointing, shape["num_hidden_layers"])
     if cfg.pad_size > shape["max_position_embeddings"]:
         raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
                           f"{shape['max_position_embeddings']}; lower pad_size")
     resolve_splits(cfg, world // cells, shape)
+
+
+def recompute_layers(spec, num_layers: int) -> frozenset[int]:
+    """The layers activation checkpointing recomputes: spec "none", "full", a number of leading
+    layers or a list of layer indices (config key activation_checkpointing)."""
+    if spec == "none":
+        return frozenset()
+    if spec == "full":
+        return frozenset(range(num_layers))
+    if isinstance(spec, int):
+        if not 0 <= spec <= num_layers:
+            raise ConfigError(f"activation_checkpointing {spec} is not a number of layers of the model's "
+                              f"{num_layers}; use 0..{num_layers}, \"full\" or a list of layer indices")
+        return frozenset(range(spec))
+    bad = [i for i in spec if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"activation_checkpointing names layer {bad[0]}, but the model's layers are "
+                          f"0..{num_layers - 1}; fix the list")
+    return frozenset(spec)
 
 
 def _validate_pipeline(cfg: GalaxyConfig, shape: dict) -> None:

@@ -72,15 +72,18 @@ def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
         opt.zero_grad(), ref_opt.zero_grad()
 
 
-def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5):
+def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5,
+                      build=None):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
+
+    build: more build_model keywords (e.g. activation_checkpointing).
 
     Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
     """
     from galaxy.models.registry import family_of
     torch.manual_seed(0)
     group = world_group(*shares)
-    model = build_model(model_dir, plan, group, num_labels=3)
+    model = build_model(model_dir, plan, group, num_labels=3, **(build or {}))
     ref = HF_LOADERS[family](model_dir)
     to_hf = family_of(family).hf_names(model.config)
     report = {"loss": []}

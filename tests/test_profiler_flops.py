@@ -198,3 +198,17 @@ def test_recorder_is_removed_and_not_nested(bert_report):
         with pytest.raises(RuntimeError):
             CommRecorder().__enter__()
     assert collectives.comm_recorder is None
+
+
+def test_recomputed_layers_count_one_more_forward(tiny_bert_dir):
+    """Activation checkpointing: each recomputed layer's forward runs again inside backward, so
+    the backward counts 2x the whole forward plus 1x the recomputed layers' part."""
+    t = TINY_BERT
+    group = GalaxyGroup.serial(t["num_attention_heads"], t["intermediate_size"], TINY_SEQ)
+    model = build_model(tiny_bert_dir, ParallelPlan(), group, num_labels=t["num_labels"], dropout=0.0,
+                        activation_checkpointing=[1])
+    report = profile_model(model, tiny_batch(0, batch=B), repeats=0)
+    expected = bert_closed_form()
+    per_layer = sum(expected[k] for k in ("qkv", "attention", "out", "mlp")) // t["num_hidden_layers"]
+    assert report.totals.fwd_flops == expected["total"]
+    assert report.totals.bwd_flops == 2 * expected["total"] + per_layer

@@ -7,9 +7,11 @@ Transitions are identities until a plan sets them (serial training never pays fo
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from galaxy.distributed.transitions import Transition
+from galaxy.layers.recompute import run_checkpointed
 
 
 class TransformerBlock(nn.Module):
@@ -20,9 +22,21 @@ class TransformerBlock(nn.Module):
         self.from_att = Transition()   # ATT output layout -> CON layout
         self.to_mlp = Transition()
         self.from_mlp = Transition()
+        # Activation checkpointing (set_recompute): recompute this block in backward.
+        self.recompute, self.recompute_rng = False, None
+
+    def set_recompute(self, on: bool, rng=None) -> None:
+        """Keep only this block's inputs for backward and recompute the rest (galaxy.layers.
+        recompute); rng: the sharded dropout stream its sub-blocks draw from, if any."""
+        self.recompute, self.recompute_rng = on, rng
 
     def forward(self, stream, x, **att_kwargs):
         # stream, x: [b, s_con, h] in the CON layout (s_con = full or local sequence)
+        if self.recompute and torch.is_grad_enabled():
+            return run_checkpointed(self._forward, stream, x, rng=self.recompute_rng, **att_kwargs)
+        return self._forward(stream, x, **att_kwargs)
+
+    def _forward(self, stream, x, **att_kwargs):
         out, bias = self.att(self.to_att(x), **att_kwargs)
         stream, x = self.con1(self.from_att(out), bias, stream)
         out, bias = self.mlp(self.to_mlp(x))

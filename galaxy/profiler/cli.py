@@ -124,7 +124,7 @@ def run(job: ProfileJob, env) -> None:
     mesh = build_mesh(cfg, env.rank, env.world, job.shape)
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
-                        device=env.device, dropout=cfg.dropout)
+                        device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
     batch = synthetic_batch(job.task, cfg.batch_size, cfg.pad_size, job.hf.vocab_size, job.num_labels,
                             cfg.seed, env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if env.world > 1 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from galaxy.config import recompute_layers
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
 from galaxy.models.build import load_hf_config, load_hf_weights, locate_weights, model_class
@@ -16,7 +17,8 @@ from galaxy.pipeline.stage import keep_stage
 
 def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int | None = None,
                 seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None,
-                stage: tuple[range, bool, bool] | None = None, task: str | None = None) -> nn.Module:
+                stage: tuple[range, bool, bool] | None = None, task: str | None = None,
+                activation_checkpointing="none") -> nn.Module:
     """This rank's part of the model: its shard under `plan`, of its pipeline stage, loaded.
 
     The model is built on the meta device, sharded by the plan and pruned to the stage there
@@ -26,6 +28,8 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
     keeps the whole model.
     task: "classification" | "causal_lm"; None: the family's one task.
+    activation_checkpointing: which layers recompute their activations in backward ("none",
+    "full", a number of leading layers or a list of indices; galaxy.config.recompute_layers).
     """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
@@ -33,6 +37,8 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     with torch.device("meta"):
         model = model_class(family, task)(cfg, num_labels=num_labels)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
+    for i in recompute_layers(activation_checkpointing, len(model.layers)):
+        model.layers[i].set_recompute(True, model.attached.sharded_rng)
     with LazyCheckpoint(model_path) as checkpoint:
         # The whole model against the checkpoint's headers (no data) before pruning: a bad
         # checkpoint fails alike on every pipeline stage, with the first error the full model meets.

@@ -144,7 +144,8 @@ class Trainer:
                                    device=env.device, dropout=cfg.dropout, autocast=self.autocast, adapt=adapt,
                                    grad_accum_steps=cfg.grad_accum_steps,
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
-                                   num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule)
+                                   num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
+                                   activation_checkpointing=cfg.activation_checkpointing)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
