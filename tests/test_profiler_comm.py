@@ -100,8 +100,9 @@ def test_rank0_report_text(dist_pool, tiny_bert_dir):
     t = TINY_BERT
     expected = bert_plan_comm_bytes(plan, seq_shares=SHARES[2][2], batch=B, hidden=t["hidden_size"],
                                     layers=t["num_hidden_layers"], intermediate=t["intermediate_size"])
+    from galaxy.models.build import load_hf_config
     job = ProfileJob(SimpleNamespace(batch_size=B, pad_size=TINY_SEQ), Namespace(model="bert"), {},
-                     {k: t[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")}, t["num_labels"])
+                     load_hf_config(tiny_bert_dir), t["num_labels"])
     text = render(reports, job, 1, expected)
     assert "matches every rank" in text
     assert "plan ATT TP / CON SP / MLP TP" in text

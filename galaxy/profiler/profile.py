@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from galaxy.models.family import GalaxyModel
 from galaxy.profiler.activations import SavedActivations
 from galaxy.profiler.comm import CommRecorder
 from galaxy.profiler.formulas import FUSED_SOFTMAX, Formulas, elementwise_ops
@@ -229,7 +230,7 @@ def _assemble(model, batch, counting: _Counting, timings: list[_Timing], plan) -
     totals = Totals(params=root.params, fwd_flops=root.fwd_flops, bwd_flops=root.bwd_flops, macs=root.macs,
                     elementwise_flops=root.fwd_elementwise_flops, bwd_elementwise_flops=root.bwd_elementwise_flops,
                     act_bytes=root.act_bytes, fwd_latency_s=root.fwd_latency_s, bwd_latency_s=root.bwd_latency_s)
-    group = model.attached.group
+    group = model.attached.group if isinstance(model, GalaxyModel) else None   # or any nn.Module
     ids = next(v for v in batch.values() if isinstance(v, torch.Tensor))
     return ProfileReport(
         model=type(model).__name__, batch_size=ids.shape[0], seq_len=ids.shape[1],
@@ -244,7 +245,8 @@ def _notes(model, counting: _Counting) -> list[str]:
     notes = ["2 FLOPs per multiply-add; fwd/bwd FLOPs and MACs count matrix products only "
              "(linear layers, attention scores and attention-weighted values)",
              "attention backward = 2x its forward (dQ, dK, dV, dP); a flash kernel's recomputation is not counted"]
-    causal = counting.formulas.saw_causal or model.task == "causal_lm"
+    causal = counting.formulas.saw_causal or (model.task == "causal_lm" if isinstance(model, GalaxyModel)
+                                              else type(model).__name__.endswith("ForCausalLM"))
     if causal:
         notes.append("causal attention is counted dense (all s x s scores, the masked half included): "
                      "about twice the useful attention score/value work")
