@@ -22,6 +22,7 @@ import difflib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -92,6 +93,8 @@ class GalaxyConfig:
     side_reduction_factor: int = 8
     resume: str | None = None  # "latest" (in save_dir) or a checkpoint folder
     export_dir: str | None = None  # Hugging Face folder written at the end of training
+    # A classifier head in model_path sized for another label set: start a new one (HF's option).
+    ignore_mismatched_sizes: bool = False
     # Set by apply_preset, not read from JSON: which entry script runs this config.
     preset: str = "galaxy"
     # Keys the JSON set explicitly, so a preset can tell "left at default" from "asked for".
@@ -141,6 +144,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "keep_checkpoints": (int, True),
     "resume": (str, True),
     "export_dir": (str, True),
+    "ignore_mismatched_sizes": (bool, False),
     "full_model": (bool, False),
     "use_lora": (bool, False),
     "use_adapter": (bool, False),
@@ -298,10 +302,10 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
                               f"folder {where}")
         cfg.lora_path = path
     if cfg.resume not in (None, "latest"):
-        path = os.path.abspath(cfg.resume)
+        path = _checkpoint_folder(os.path.abspath(cfg.resume))
         if not os.path.isdir(path):
             raise ConfigError(f"resume {path!r} is not a folder; give a checkpoint folder (save_dir/"
-                              f"step-N), a save_dir, or \"latest\" {where}")
+                              f"step-N), a save_dir, or \"latest\" {where}{_steps_in(path)}")
         cfg.resume = path
     if isinstance(cfg.class_list, str):
         path = os.path.abspath(cfg.class_list)
@@ -317,6 +321,27 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
         dupes = sorted({c for c in cfg.class_list if cfg.class_list.count(c) > 1})
         if dupes:
             raise ConfigError(f"class_list names {dupes[0]!r} more than once; label names must be unique")
+
+
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+
+
+def _checkpoint_folder(path: str) -> str:
+    """save_dir/step-4 names the folder save_dir/step-00000004 (checkpoints are zero-padded so
+    that they sort by name; users write the step as a number)."""
+    m = _STEP_NAME.match(os.path.basename(path))
+    if os.path.isdir(path) or not m:
+        return path
+    padded = os.path.join(os.path.dirname(path), f"step-{int(m.group(1)):08d}")
+    return padded if os.path.isdir(padded) else path
+
+
+def _steps_in(path: str) -> str:
+    """'; <parent> holds step-2, step-4' when a missing step folder's parent holds others."""
+    parent = os.path.dirname(path)
+    steps = sorted(int(m.group(1)) for m in map(_STEP_NAME.match, os.listdir(parent)) if m) \
+        if _STEP_NAME.match(os.path.basename(path)) and os.path.isdir(parent) else []
+    return f"; {parent} holds " + ", ".join(f"step-{n}" for n in steps) if steps else ""
 
 
 def load_config(path) -> GalaxyConfig:
@@ -363,6 +388,7 @@ def read_model_shape(model_path) -> dict:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
+    _check_model_type(raw.get("model_type"), path)
     shape = {}
     for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
                 "max_position_embeddings"):
@@ -378,6 +404,15 @@ def read_model_shape(model_path) -> dict:
     shape["num_key_value_heads"] = kv
     shape["model_type"] = raw.get("model_type")
     return shape
+
+
+def _check_model_type(model_type, path: str) -> None:
+    """Name the model type and the supported ones before any size key is looked for: another
+    family's config.json spells its sizes differently (GPT-2: n_head), which says nothing useful."""
+    from galaxy.models.registry import FAMILIES   # imported here: it needs torch, this module does not
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_path config {path!r} has model_type {_show(model_type)}, which galaxy "
+                          f"does not train; supported model types: {', '.join(sorted(FAMILIES))}")
 
 
 def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
