@@ -3,8 +3,15 @@
 See README.md; run with --help for the arguments.
 """
 from galaxy.launch import main
+from galaxy.preflight import check_tokenizer_files
 from galaxy.train.generation import add_generation_arguments, prepare_llama, run_llama
 
+
+def prepare(cfg, args):
+    check_tokenizer_files(cfg.model_path)      # --generate needs the tokenizer as training does
+    return prepare_llama(cfg, args)
+
+
 if __name__ == "__main__":
-    main(preset="galaxy", prepare_fn=prepare_llama, train_fn=run_llama, add_arguments=add_generation_arguments,
+    main(preset="galaxy", prepare_fn=prepare, train_fn=run_llama, add_arguments=add_generation_arguments,
          script="finetune_llama.py")

@@ -121,7 +121,7 @@ def measure(args, runners: dict, batch_size: int) -> dict:
 def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    from galaxy.config import read_model_shape
+    from galaxy.models.shape import read_model_shape
     runners = build_runners(args, read_model_shape(args.model_path))
     rows = {}
     for b in args.batches:

@@ -22,6 +22,7 @@ import difflib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 
@@ -102,6 +103,8 @@ class GalaxyConfig:
     side_reduction_factor: int = 8
     resume: str | None = None  # "latest" (in save_dir) or a checkpoint folder
     export_dir: str | None = None  # Hugging Face folder written at the end of training
+    # A classifier head in model_path sized for another label set: start a new one (HF's option).
+    ignore_mismatched_sizes: bool = False
     # Set by apply_preset, not read from JSON: which entry script runs this config.
     preset: str = "galaxy"
     # Keys the JSON set explicitly, so a preset can tell "left at default" from "asked for".
@@ -152,6 +155,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "keep_checkpoints": (int, True),
     "resume": (str, True),
     "export_dir": (str, True),
+    "ignore_mismatched_sizes": (bool, False),
     "full_model": (bool, False),
     "use_lora": (bool, False),
     "use_adapter": (bool, False),
@@ -322,10 +326,10 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
                               f"folder {where}")
         cfg.lora_path = path
     if cfg.resume not in (None, "latest"):
-        path = os.path.abspath(cfg.resume)
+        path = _checkpoint_folder(os.path.abspath(cfg.resume))
         if not os.path.isdir(path):
             raise ConfigError(f"resume {path!r} is not a folder; give a checkpoint folder (save_dir/"
-                              f"step-N), a save_dir, or \"latest\" {where}")
+                              f"step-N), a save_dir, or \"latest\" {where}{_steps_in(path)}")
         cfg.resume = path
     if isinstance(cfg.class_list, str):
         path = os.path.abspath(cfg.class_list)
@@ -341,6 +345,27 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
         dupes = sorted({c for c in cfg.class_list if cfg.class_list.count(c) > 1})
         if dupes:
             raise ConfigError(f"class_list names {dupes[0]!r} more than once; label names must be unique")
+
+
+_STEP_NAME = re.compile(r"^step-(\d+)$")
+
+
+def _checkpoint_folder(path: str) -> str:
+    """save_dir/step-4 names the folder save_dir/step-00000004 (checkpoints are zero-padded so
+    that they sort by name; users write the step as a number)."""
+    m = _STEP_NAME.match(os.path.basename(path))
+    if os.path.isdir(path) or not m:
+        return path
+    padded = os.path.join(os.path.dirname(path), f"step-{int(m.group(1)):08d}")
+    return padded if os.path.isdir(padded) else path
+
+
+def _steps_in(path: str) -> str:
+    """'; <parent> holds step-2, step-4' when a missing step folder's parent holds others."""
+    parent = os.path.dirname(path)
+    steps = sorted(int(m.group(1)) for m in map(_STEP_NAME.match, os.listdir(parent)) if m) \
+        if _STEP_NAME.match(os.path.basename(path)) and os.path.isdir(parent) else []
+    return f"; {parent} holds " + ", ".join(f"step-{n}" for n in steps) if steps else ""
 
 
 def load_config(path) -> GalaxyConfig:
@@ -379,31 +404,6 @@ def load_config(path) -> GalaxyConfig:
     return cfg
 
 
-def read_model_shape(model_path) -> dict:
-    """The sizes in a model folder's config.json that the parallel splits depend on."""
-    path = os.path.join(os.fspath(model_path), "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
-    shape = {}
-    for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
-                "max_position_embeddings"):
-        if not _is_int(raw.get(key)) or raw[key] < 1:
-            raise ConfigError(f"model_path config {path!r} needs a positive integer '{key}', "
-                              f"got {_show(raw.get(key))}")
-        shape[key] = raw[key]
-    heads = shape["num_attention_heads"]
-    kv = raw.get("num_key_value_heads") or heads  # absent or null: plain multi-head attention
-    if not _is_int(kv) or kv < 1 or heads % kv:
-        raise ConfigError(f"model_path config {path!r} has num_key_value_heads {kv}, which must "
-                          f"divide num_attention_heads {heads}")
-    shape["num_key_value_heads"] = kv
-    shape["model_type"] = raw.get("model_type")
-    return shape
-
-
 def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
     """Split total into parts multiples of unit that differ by at most one unit, larger first.
 
@@ -421,7 +421,7 @@ def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
     return [(base + (i < extra)) * unit for i in range(parts)]
 
 
-def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict | None = None) -> dict:
+def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict) -> dict:
     """Concrete per-rank split lists, keyed like the config keys.
 
     A list given in the config is checked (length == group_size, right sum, whole KV groups
@@ -429,7 +429,6 @@ def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict | None = None
     the chosen methods do not use (heads when attention is SP, intermediate when MLP is SP,
     sequence when nothing is SP) is None if it cannot be made, instead of an error.
     """
-    shape = shape or read_model_shape(cfg.model_path)
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     kv_group = heads // kv
     att_tp = cfg.att_parallel_method == "TP"
@@ -476,8 +475,9 @@ def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict | None = None
     return out
 
 
-def validate_for_world(cfg: GalaxyConfig, world: int, rank: int) -> None:
-    """Check that cfg can run as `rank` of `world` processes; raises ConfigError."""
+def validate_for_world(cfg: GalaxyConfig, world: int, rank: int, shape: dict) -> None:
+    """Check that cfg can run as `rank` of `world` processes on a model of `shape`
+    (galaxy.models.shape.read_model_shape); raises ConfigError."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
     if not 0 <= rank < world:
@@ -494,7 +494,6 @@ def validate_for_world(cfg: GalaxyConfig, world: int, rank: int) -> None:
     if cfg.batch_size % cfg.dp_deg:
         raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp_deg {cfg.dp_deg}; "
                           f"use a multiple of {cfg.dp_deg}")
-    shape = read_model_shape(cfg.model_path)
     _validate_pipeline(cfg, shape)
     recompute_layers(cfg.activation_checkpointing, shape["num_hidden_layers"])
     if cfg.pad_size > shape["max_position_embeddings"]:

@@ -15,9 +15,16 @@ By hand, --init_method defaults to tcp://127.0.0.1:29500, i.e. all ranks on this
 give the address of rank 0's host to span machines. A single process (--world 1, the
 default) rendezvouses through an in-memory store, so two serial runs never share a port.
 
+Before any process group starts, the config, the data, the model's weights and tokenizer, the
+output paths and the plan are checked (galaxy.config, the script's prepare function,
+galaxy.preflight); --check stops there and prints what would run. The rendezvous then checks that
+every rank runs the same settings and world size and that the port is this job's
+(galaxy.distributed.agreement).
+
 Exit status: 0 success; 2 a config or argument error, reported as one line before any
-process group starts; 1 a failed rendezvous, a failed or timed-out collective (e.g. a peer
-died), or an error in training; 130 Ctrl-C. Waiting for peers, at rendezvous or in a
+process group starts, or ranks started with different settings; 1 a failed rendezvous (port in
+use, a rank that never came), a failed or timed-out collective (e.g. a peer died), or an error in
+training (a non-finite loss: one line); 130 Ctrl-C. Waiting for peers, at rendezvous or in a
 collective, is bounded by the config's timeout_s.
 """
 
@@ -30,13 +37,18 @@ import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
+from galaxy import preflight
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.data.errors import DataError
+from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
 from galaxy.models.build import CheckpointError
+from galaxy.models.shape import read_model_shape
+from galaxy.preflight.summary import summary as preflight_summary
 
 DEFAULT_INIT_METHOD = "tcp://127.0.0.1:29500"
 
@@ -76,6 +88,8 @@ def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, metavar="R", help="this process's rank (default 0)")
     p.add_argument("--init_method", metavar="URL",
                    help=f"rendezvous address (default {DEFAULT_INIT_METHOD} when --world > 1)")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, data, model, paths and plan, print what would run, and exit")
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args(argv)
@@ -105,11 +119,33 @@ def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
             args.init_method = DEFAULT_INIT_METHOD
     if args.init_method is not None and not args.init_method.startswith(("tcp://", "file://", "env://")):
         p.error(f"--init_method {args.init_method} must start with tcp://, file:// or env://")
+    if args.init_method is not None and args.init_method.startswith("tcp://"):
+        problem = _tcp_problem(args.init_method)
+        if problem:
+            p.error(f"--init_method {args.init_method} {problem}; give tcp://HOST:PORT with rank 0's address "
+                    f"(e.g. {DEFAULT_INIT_METHOD})")
     return args
 
 
-def init_distributed(cfg, args) -> DistEnv:
-    """Start the default process group (even for one process, so code paths stay the same)."""
+def _tcp_problem(url: str) -> str | None:
+    try:
+        parsed = urlparse(url)
+        port = parsed.port           # raises ValueError when not a number in 0..65535
+    except ValueError:
+        return "has a port that is not a number from 1 to 65535"
+    if not parsed.hostname:
+        return "has no host"
+    if port is None or port == 0:
+        return "has no port"
+    return None
+
+
+def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
+    """Start the default process group (even for one process, so code paths stay the same).
+
+    settings: this rank's fingerprint (galaxy.distributed.agreement); every rank's must be equal,
+    else Disagreement is raised before the process group starts.
+    """
     backend = cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -130,7 +166,10 @@ def init_distributed(cfg, args) -> DistEnv:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method=args.init_method, rank=args.rank,
+        store = open_store(args.init_method, args.rank, args.world, timeout)
+        agree(store, args.rank, args.world, settings or {"--world": args.world}, cfg.timeout_s, args.init_method)
+        # The prefix init_process_group itself puts on a store it creates.
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=args.rank,
                                 world_size=args.world, timeout=timeout)
     return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
                    timeout_s=cfg.timeout_s, local_rank=local_rank)
@@ -146,15 +185,22 @@ def _hard_exit(status: int, message: str | None = None) -> None:
     """Exit without Python teardown: with a live process group, destroy_process_group or
     interpreter shutdown can block on a peer that is gone."""
     if message:
-        sys.stderr.write(message + "\n")
+        # A progress bar leaves its line open (it redraws it with \r): start on a line of our own.
+        sys.stderr.write(("\n" if _bar_on_screen() else "") + message + "\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
 
 
+def _bar_on_screen() -> bool:
+    from tqdm import tqdm
+    return any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
+
+
 def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None) -> None:
-    """parse args -> load, preset and check the config -> prepare_fn -> init the process group
-    -> train_fn.
+    """parse args -> load, preset and check the config -> output paths -> prepare_fn -> model
+    checks (galaxy.preflight) -> [--check: print the summary, return] -> rendezvous and agreement
+    -> init the process group -> train_fn.
 
     prepare_fn(cfg) (optional) reads what the job needs from disk (data, tokenizer) before any
     process group starts, so a user's mistake there is also a one-line exit 2; its result is
@@ -167,22 +213,36 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     try:
         cfg = load_config(args.config_file)
         cfg = apply_preset(cfg, preset, script, args.world)
-        validate_for_world(cfg, args.world, args.rank)
+        validate_for_world(cfg, args.world, args.rank, read_model_shape(cfg.model_path))
+        preflight.check_output_paths(cfg)
         if prepare_fn is None:
             job = cfg
         else:
             job = prepare_fn(cfg, args) if add_arguments is not None else prepare_fn(cfg)
+        # A script with a prepare function builds a model: check it against its weights.
+        report = preflight.check_job(cfg, job) if prepare_fn is not None else preflight.Report()
+        settings = fingerprint(cfg, job, args, script)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         sys.stderr.write(f"{script}: error: {e}\n")
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    if args.rank == 0:
+        for line in report.warnings:
+            sys.stderr.write(f"{script}: {line}\n")
+    if args.check:
+        print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
+        return
 
     try:
-        env = init_distributed(cfg, args)
+        env = init_distributed(cfg, args, settings)
     except ConfigError as e:  # raised before init_process_group
         sys.stderr.write(f"{script}: error: {e}\n")
         sys.exit(2)
+    except Disagreement as e:  # every rank reaches it, before init_process_group
+        _hard_exit(2, f"{script}: rank {args.rank}: error: {e}")
+    except RendezvousError as e:
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous failed: {e}")
     except KeyboardInterrupt:
         _hard_exit(130)
     except Exception as e:
@@ -194,6 +254,8 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
         train_fn(job, env)
     except KeyboardInterrupt:
         _hard_exit(130)
+    except FloatingPointError as e:   # the loss diverged: what happened and the step, not a bug
+        _hard_exit(1, f"{script}: rank {env.rank}: training stopped: {_first_line(e)}")
     except Exception as e:
         if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _COMM_FAILURE.search(str(e))):
             _hard_exit(1, f"{script}: rank {env.rank}: a collective failed or timed out "

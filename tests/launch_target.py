@@ -1,24 +1,32 @@
 """A tiny entry script for tests/test_launch.py: galaxy.launch.main with a toy train_fn.
 
 LAUNCH_TARGET_DIE_RANK=<r> makes rank r exit abruptly between its two collectives, to
-stand in for a peer that crashes or is killed mid-training.
+stand in for a peer that crashes or is killed mid-training. LAUNCH_TARGET_BAR=1 shows a progress
+bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_SLEEP=<s> keeps every rank
+busy for s seconds after the rendezvous, to stand in for a job that is running.
 """
 
 import os
+import time
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from galaxy.launch import main
 
 
 def train(cfg, env):
+    bar = tqdm(total=10, desc="train", disable=env.rank != 0 or not os.environ.get("LAUNCH_TARGET_BAR"))
+    bar.update(1)
     t = torch.full((1,), float(env.rank + 1))
     dist.all_reduce(t)
     assert t.item() == env.world * (env.world + 1) / 2, t
+    time.sleep(float(os.environ.get("LAUNCH_TARGET_SLEEP", 0)))
     if os.environ.get("LAUNCH_TARGET_DIE_RANK") == str(env.rank):
         os._exit(9)
     dist.all_reduce(t)
+    bar.close()
     print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device}", flush=True)
 
 

@@ -4,8 +4,13 @@ import json
 
 import pytest
 
-from galaxy.config import (ConfigError, apply_preset, even_split, load_config, read_model_shape,
-                           resolve_splits, validate_for_world)
+from galaxy.config import ConfigError, apply_preset, even_split, load_config, resolve_splits, validate_for_world
+from galaxy.models.shape import read_model_shape
+
+
+def validate(cfg, world, rank):
+    """validate_for_world on the shape of the config's own model."""
+    return validate_for_world(cfg, world, rank, read_model_shape(cfg.model_path))
 
 BERT = {"model_type": "bert", "num_attention_heads": 6, "intermediate_size": 96,
         "hidden_size": 48, "num_hidden_layers": 2, "max_position_embeddings": 64}
@@ -132,40 +137,40 @@ def test_even_split():
 def test_resolve_splits_defaults_and_given(load, model_dir):
     assert read_model_shape(model_dir)["num_key_value_heads"] == 6
     cfg = load(seq_scatter_list=[20, 12])
-    assert resolve_splits(cfg, 2) == {"tp_num_attention_heads_list": [3, 3],
+    assert resolve_splits(cfg, 2, read_model_shape(cfg.model_path)) == {"tp_num_attention_heads_list": [3, 3],
                                       "tp_intermediate_size_list": [48, 48],
                                       "seq_scatter_list": [20, 12]}
 
 
 def test_rank_out_of_range(load):
-    assert error_of(validate_for_world, load(), 2, 2) == "--rank 2 is out of range for --world 2; use 0..1"
+    assert error_of(validate, load(), 2, 2) == "--rank 2 is out of range for --world 2; use 0..1"
 
 
 def test_world_not_divisible_by_pp_dp(load):
-    msg = error_of(validate_for_world, load(dp_deg=2), 3, 0)
+    msg = error_of(validate, load(dp_deg=2), 3, 0)
     assert "--world 3" in msg and "dp_deg 2" in msg
-    assert "batch_size" in error_of(validate_for_world, load(dp_deg=3, batch_size=8), 3, 0)
+    assert "batch_size" in error_of(validate, load(dp_deg=3, batch_size=8), 3, 0)
 
 
 def test_split_list_wrong_length(load):
-    msg = error_of(validate_for_world, load(seq_scatter_list=[10, 10, 12]), 2, 0)
+    msg = error_of(validate, load(seq_scatter_list=[10, 10, 12]), 2, 0)
     assert msg == ("seq_scatter_list has 3 entries but the Galaxy group has 2 ranks "
                    "(world 2 / (pp_deg 1 x dp_deg 1))")
 
 
 def test_split_list_wrong_sum(load):
-    msg = error_of(validate_for_world, load(tp_num_attention_heads_list=[4, 3]), 2, 0)
+    msg = error_of(validate, load(tp_num_attention_heads_list=[4, 3]), 2, 0)
     assert "tp_num_attention_heads_list sums to 7" in msg and "6" in msg
 
 
 def test_default_head_split_impossible(load):
-    msg = error_of(validate_for_world, load(), 8, 0)  # 6 heads over 8 ranks
+    msg = error_of(validate, load(), 8, 0)  # 6 heads over 8 ranks
     assert msg.startswith("tp_num_attention_heads_list is omitted") and "at most 6 ranks" in msg
-    validate_for_world(load(att_parallel_method="SP"), 8, 0)  # SP attention does not split heads
+    validate(load(att_parallel_method="SP"), 8, 0)  # SP attention does not split heads
 
 
 def test_pad_size_beyond_positions(load):
-    assert "pad_size" in error_of(validate_for_world, load(pad_size=65), 1, 0)
+    assert "pad_size" in error_of(validate, load(pad_size=65), 1, 0)
 
 
 def test_gqa_heads_must_be_whole_kv_groups(tmp_path):
@@ -177,11 +182,11 @@ def test_gqa_heads_must_be_whole_kv_groups(tmp_path):
     path.write_text(json.dumps({"model_path": str(model), "pad_size": 32,
                                 "tp_num_attention_heads_list": [3, 5]}))
     assert "tp_num_attention_heads_list[0] is 3, not a multiple of 2" in error_of(
-        validate_for_world, load_config(path), 2, 0)
+        validate, load_config(path), 2, 0)
     path.write_text(json.dumps({"model_path": str(model), "pad_size": 32}))
     cfg = load_config(path)
-    assert resolve_splits(cfg, 3)["tp_num_attention_heads_list"] == [4, 2, 2]
-    assert "4 KV groups" in error_of(validate_for_world, cfg, 5, 0)
+    assert resolve_splits(cfg, 3, read_model_shape(cfg.model_path))["tp_num_attention_heads_list"] == [4, 2, 2]
+    assert "4 KV groups" in error_of(validate, cfg, 5, 0)
 
 
 # --- presets ------------------------------------------------------------------------------
@@ -202,5 +207,5 @@ def test_preset_conflict_names_key(load):
 
 def test_serial_preset_needs_world_one(load):
     cfg = apply_preset(load(), "serial", "pretrain_serial.py")
-    validate_for_world(cfg, 1, 0)
-    assert "pretrain_serial.py runs on one process" in error_of(validate_for_world, cfg, 2, 0)
+    validate(cfg, 1, 0)
+    assert "pretrain_serial.py runs on one process" in error_of(validate, cfg, 2, 0)

@@ -128,3 +128,79 @@ def test_rendezvous_timeout_when_peer_never_starts(config):
     code, _, err = finish(proc, timeout=30)
     assert code == 1 and time.monotonic() - t0 < 20
     assert "launch_target.py: rank 0: rendezvous at tcp://127.0.0.1" in err
+
+
+# --- the rendezvous: arguments, agreement between ranks, one job per port (issue 16) --------
+
+def test_init_method_without_port_is_an_argument_error(config):
+    t0 = time.monotonic()
+    code, _, err = finish(start(["--config_file", config(), "--world", "2", "--init_method", "tcp://127.0.0.1"]))
+    assert code == 2 and time.monotonic() - t0 < 15
+    assert err.splitlines() == ["launch_target.py: error: --init_method tcp://127.0.0.1 has no port; give "
+                                "tcp://HOST:PORT with rank 0's address (e.g. tcp://127.0.0.1:29500)"]
+
+
+def lines_of(err: str) -> list[str]:
+    """stderr without c10d's own warnings (lines starting with "[W")."""
+    return [line for line in err.splitlines() if line.strip() and not line.startswith("[W")]
+
+
+def test_ranks_with_different_settings_all_exit_2_naming_the_key(config, tmp_path):
+    url = f"tcp://127.0.0.1:{free_port()}"
+    configs = [config(tp_num_attention_heads_list=[3, 3])]
+    other = tmp_path / "other.json"
+    other.write_text(Path(configs[0]).read_text().replace("[3, 3]", "[4, 2]"))
+    t0 = time.monotonic()
+    procs = [start(["--config_file", c, "--world", "2", "--rank", str(r), "--init_method", url])
+             for r, c in enumerate([configs[0], str(other)])]
+    for r, proc in enumerate(procs):
+        code, _, err = finish(proc, timeout=40)
+        assert code == 2, err
+        assert lines_of(err) == [f"launch_target.py: rank {r}: error: rank 1's settings differ from rank 0's at "
+                                 "tp_num_attention_heads_list: [3, 3] on rank 0, [4, 2] on rank 1; start every rank "
+                                 "with the same config and arguments"]
+    assert time.monotonic() - t0 < 20      # no wait for timeout_s (20): they disagree at once
+
+
+def test_ranks_with_different_world_sizes_stop_at_once(config):
+    cfg, url = config(timeout_s=10), f"tcp://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    procs = [start(["--config_file", cfg, "--world", str(w), "--rank", str(r), "--init_method", url])
+             for r, w in ((0, 2), (1, 3), (2, 3))]
+    for proc in procs:
+        code, _, err = finish(proc, timeout=40)
+        assert code == 2 and "ranks disagree on the world size: rank 0 has --world 2" in err, err
+        assert len(lines_of(err)) == 1
+    assert time.monotonic() - t0 < 10 + 5
+
+
+def test_a_second_job_on_a_busy_port_stops_at_once_and_the_first_goes_on(config):
+    cfg, port = config(timeout_s=10), free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    first = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url],
+                   LAUNCH_TARGET_SLEEP="8") for r in range(2)]
+    time.sleep(5)         # the first job is past its rendezvous (started, importing and joining take ~3 s)
+    t0 = time.monotonic()
+    second = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url])
+              for r in range(2)]
+    results = [finish(proc, timeout=40) for proc in second]
+    assert time.monotonic() - t0 < 10 + 5
+    (code0, _, err0), (code1, _, err1) = results
+    assert code0 == 1 and lines_of(err0) == [
+        f"launch_target.py: rank 0: rendezvous failed: port {port} on 127.0.0.1 is in use (by another job?); give "
+        "this job a free port in --init_method, the same on every rank"]
+    assert code1 == 1 and "rank 1 has already joined the rendezvous" in err1 and len(lines_of(err1)) == 1
+    for r, proc in enumerate(first):
+        code, out, err = finish(proc)
+        assert code == 0 and f"rank {r}/2 ok" in out, err
+
+
+def test_after_a_peer_dies_the_message_starts_a_line_of_its_own(config):
+    cfg, url = config(timeout_s=5), f"tcp://127.0.0.1:{free_port()}"
+    procs = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url],
+                   LAUNCH_TARGET_DIE_RANK="1", LAUNCH_TARGET_BAR="1") for r in range(2)]
+    code, _, err = finish(procs[0], timeout=30)
+    finish(procs[1])
+    assert code == 1
+    assert "train:" in err                                  # the bar was drawn
+    assert any(line.startswith("launch_target.py: rank 0: a collective failed") for line in err.splitlines()), err

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from galaxy.config import GalaxyConfig
 from galaxy.distributed.mesh import build_mesh, global_rank, make_mesh, pipeline_ends_group
+from galaxy.models.shape import read_model_shape
 
 FACTORINGS = [(1, 1, 4), (1, 4, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
@@ -48,7 +49,7 @@ def test_serial_mesh(dist_pool):
 
 def _from_config(model_dir):
     cfg = GalaxyConfig(model_path=model_dir, pad_size=12, pp_deg=2, seq_scatter_list=[7, 5])
-    mesh = build_mesh(cfg, dist.get_rank(), dist.get_world_size())
+    mesh = build_mesh(cfg, dist.get_rank(), dist.get_world_size(), read_model_shape(cfg.model_path))
     return mesh.pp_rank, mesh.galaxy.size, mesh.galaxy.seq, mesh.galaxy.heads
 
 

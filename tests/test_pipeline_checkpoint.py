@@ -298,10 +298,11 @@ def first_step_dropout_masks(config_path):
     import torch.nn.functional as F
 
     from galaxy.config import apply_preset, load_config, validate_for_world
+    from galaxy.models.shape import read_model_shape
     from galaxy.launch import DistEnv
     from galaxy.train.trainer import Trainer, prepare_classifier
     cfg = apply_preset(load_config(config_path), "tp")
-    validate_for_world(cfg, dist.get_world_size(), dist.get_rank())
+    validate_for_world(cfg, dist.get_world_size(), dist.get_rank(), read_model_shape(cfg.model_path))
     env = DistEnv(rank=dist.get_rank(), world=dist.get_world_size(), backend="gloo", device=torch.device("cpu"),
                   timeout_s=cfg.timeout_s, local_rank=dist.get_rank())
     trainer = Trainer(prepare_classifier(cfg), env)

@@ -59,3 +59,13 @@ def test_a_bad_row_in_the_test_file_stops_before_training(ws, tmp_path):
         assert code == 2, out + err
         assert f"{bad}:2: missing tab" in err
         assert "Traceback" not in err
+
+
+def test_a_diverging_loss_stops_with_one_line_naming_the_step(ws):
+    config = write_config(ws, "nan", max_steps=3, optimizer="sgd", learning_rate=1e30)
+    ((code, out, err),) = launch(config, 1)
+    assert code == 1, out + err
+    assert "Traceback" not in err
+    # On a line of its own, after the progress bar's.
+    assert ("pretrain_galaxy.py: rank 0: training stopped: the loss became nan at step 2; lower learning_rate, "
+            "set clip_grad, or check the data") in err.splitlines()

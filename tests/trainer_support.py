@@ -63,11 +63,12 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     """
     import torch
     from galaxy.config import apply_preset, load_config, validate_for_world
+    from galaxy.models.shape import read_model_shape
     from galaxy.launch import DistEnv
     from galaxy.train.trainer import ClassifierTrainer, prepare_causal_lm, prepare_classifier
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = apply_preset(load_config(config_path), preset)
-    validate_for_world(cfg, world, rank)
+    validate_for_world(cfg, world, rank, read_model_shape(cfg.model_path))
     job = (prepare_classifier if task == "classification" else prepare_causal_lm)(cfg)
     env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
                   timeout_s=cfg.timeout_s, local_rank=rank)

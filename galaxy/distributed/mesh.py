@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from galaxy.config import read_model_shape, resolve_splits
+from galaxy.config import resolve_splits
 from galaxy.distributed.group import GalaxyGroup
 
 AXES = ("pp", "dp", "mp")
@@ -107,12 +107,12 @@ def pipeline_ends_group(mesh: Mesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def build_mesh(cfg, rank: int, world: int, shape: dict | None = None) -> Mesh:
-    """The mesh a run config asks for: pp_deg x dp_deg x (what remains) Galaxy ranks."""
+def build_mesh(cfg, rank: int, world: int, shape: dict) -> Mesh:
+    """The mesh a run config asks for: pp_deg x dp_deg x (what remains) Galaxy ranks, on a
+    model of `shape` (galaxy.models.shape.read_model_shape)."""
     if rank != dist.get_rank() or world != dist.get_world_size():
         raise ValueError(f"rank {rank} / world {world} disagree with the process group "
                          f"({dist.get_rank()} / {dist.get_world_size()})")
-    shape = shape or read_model_shape(cfg.model_path)
     size = world // (cfg.pp_deg * cfg.dp_deg)
     splits = resolve_splits(cfg, size, shape)
     # A split the plan does not use may be None (it cannot be made): any placeholder will do.

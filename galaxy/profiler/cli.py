@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from galaxy.config import ConfigError, read_model_shape
+from galaxy.config import ConfigError
+from galaxy.models.shape import read_model_shape
 from galaxy.launch import main as launch_main
 from galaxy.models.closed_form import human_check
 from galaxy.models.registry import FAMILIES, family_of

@@ -7,6 +7,11 @@
         optimizer.safetensors     full-shape optimizer state by parameter name (optim_state.py)
         rng.safetensors           random states (rng_state.py)
         trainer_state.json        step, data position, schedule, optimizer hyperparameters, layout
+        manifest.json             every file's size and SHA-256 (manifest.py), written last
+
+Resuming verifies the manifest first: a damaged checkpoint named by path or save_dir/step-N is an
+error naming the bad file; resume "latest" (or a save_dir) skips damaged checkpoints and takes
+the newest one that verifies, and the Checkpoint's notes say which were skipped.
 
 Atomicity: rank 0 writes the whole folder under a hidden temporary name, fsyncs it, renames it
 to step-N, and only then replaces `latest` (itself written to a temp file and renamed). A process
@@ -25,7 +30,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors.torch import load_file
@@ -33,6 +38,7 @@ from safetensors.torch import load_file
 from galaxy.models.build import CheckpointError
 from galaxy.runtime.export import classifier_config, hf_state_dict, write_hf_dir
 from galaxy.files import fsync_path, write_json_atomic, write_safetensors_atomic, write_text_atomic
+from galaxy.train.manifest import verify, write_manifest
 from galaxy.train.optim_state import gather_optimizer_state
 from galaxy.train.rng_state import capture_rng
 
@@ -50,6 +56,7 @@ def step_dir_name(step: int) -> str:
 class Checkpoint:
     path: str       # the step-N folder
     state: dict     # trainer_state.json
+    notes: list[str] = field(default_factory=list)     # newer checkpoints skipped as damaged
 
     @property
     def step(self) -> int:
@@ -66,7 +73,8 @@ class Checkpoint:
         return load_file(os.path.join(self.path, "rng.safetensors"))
 
 
-def read_checkpoint(path: str) -> Checkpoint:
+def read_checkpoint(path: str, verified: bool = False) -> Checkpoint:
+    """The checkpoint in folder `path`, verified against its manifest (unless the caller did)."""
     try:
         with open(os.path.join(path, STATE_FILE), encoding="utf-8") as f:
             state = json.load(f)
@@ -74,6 +82,10 @@ def read_checkpoint(path: str) -> Checkpoint:
         raise CheckpointError(f"{path} is not a complete checkpoint ({STATE_FILE}: {e})") from None
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {state.get('format')!r}, this galaxy reads {FORMAT}")
+    problem = None if verified else verify(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; resume from another checkpoint "
+                              f"(save_dir/step-N, or \"latest\" for the newest one that verifies)")
     return Checkpoint(path, state)
 
 
@@ -88,16 +100,30 @@ def _complete_steps(save_dir: str) -> list[tuple[int, str]]:
 
 
 def latest_checkpoint(save_dir: str) -> Checkpoint | None:
-    """The checkpoint `latest` names; if that is missing or broken, the newest complete one."""
+    """The checkpoint `latest` names, else the newest complete one; one that fails verification
+    is skipped for the next newest (the result's notes say so). None: no checkpoint at all."""
+    candidates = [path for _, path in reversed(_complete_steps(save_dir))]
     try:
         with open(os.path.join(save_dir, POINTER), encoding="utf-8") as f:
             named = os.path.join(save_dir, f.read().strip())
-        if os.path.isfile(os.path.join(named, STATE_FILE)):
-            return read_checkpoint(named)
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
     except OSError:
         pass
-    steps = _complete_steps(save_dir)
-    return read_checkpoint(steps[-1][1]) if steps else None
+    skipped = []
+    for path in candidates:
+        problem = verify(path)
+        if problem:
+            skipped.append(f"resume: {os.path.basename(path)} in {save_dir} is damaged ({problem}); skipped it")
+            continue
+        ckpt = read_checkpoint(path, verified=True)
+        if skipped:
+            ckpt.notes = skipped + [f"resume: using {os.path.basename(path)}, the newest checkpoint that verifies"]
+        return ckpt
+    if skipped:
+        raise CheckpointError(f"no checkpoint in {save_dir} verifies; the newest: {skipped[0].split(': ', 1)[1]}")
+    return None
 
 
 def resolve_resume(resume: str | None, save_dir: str | None) -> Checkpoint | None:
@@ -159,6 +185,7 @@ def save_checkpoint(save_dir: str, step: int, *, model, optimizer, trainer_state
     write_safetensors_atomic(os.path.join(temp, "rng.safetensors"), rng)
     write_json_atomic(os.path.join(temp, STATE_FILE),
                       {"format": FORMAT, "step": step, **trainer_state, "optimizer_groups": opt_groups})
+    write_manifest(temp)            # last: it lists every file above
     fsync_path(os.path.join(temp, "model"))
     fsync_path(temp)
     if os.path.exists(final):      # the same step saved by an earlier, abandoned run: replace it

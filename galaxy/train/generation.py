@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from galaxy.config import ConfigError, read_model_shape
+from galaxy.config import ConfigError
+from galaxy.models.shape import read_model_shape
 from galaxy.distributed.mesh import build_mesh
 from galaxy.runtime.assemble import build_model
 from galaxy.runtime.generate import greedy_generate

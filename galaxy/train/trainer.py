@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from galaxy.config import ConfigError, read_model_shape
+from galaxy.config import ConfigError
+from galaxy.models.shape import read_model_shape
 from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
 from galaxy.models.registry import families_for
@@ -34,8 +35,10 @@ from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, 
 from galaxy.runtime.runners import build_runner
 from galaxy.pipeline.split import stage_layer_ranges
 from galaxy.pipeline.stage_state import agree_on_load
+from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
 from galaxy.runtime.export import export_hf
+from galaxy.train.head import checkpoint_head_rows, replace_classifier
 from galaxy.train.metrics import MetricsWriter
 from galaxy.train.optim import make_optimizer
 from galaxy.train.optim_state import load_optimizer_state
@@ -72,14 +75,13 @@ def check_resumable(ckpt: Checkpoint, cfg, task) -> None:
 
 
 def _prepare(cfg, kind: str) -> Job:
-    from transformers import AutoTokenizer
     shape = read_model_shape(cfg.model_path)
     check_task(shape["model_type"], kind)
     try:
         peft = PeftOptions.from_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+    tokenizer = load_tokenizer(cfg.model_path)
     task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
     if len(task.train_set) < cfg.batch_size:
         raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(task.train_set)} training "
@@ -137,10 +139,17 @@ class Trainer:
         # PEFT weights resume from the checkpoint's folder (its weights hold them under HF names).
         peft_state = read_hf_state_dict(source) if job.resume and self.peft.method != "full" else None
 
+        # ignore_mismatched_sizes: build with the checkpoint's head (so that it loads), then replace it.
+        num_labels = build_labels = self.task.num_labels
+        if cfg.ignore_mismatched_sizes and num_labels is not None and job.resume is None:
+            build_labels = checkpoint_head_rows(source) or num_labels
+
         def adapt(model):   # after the model (or stage) is built, before DDP / gradient sync wrap it
+            if build_labels != num_labels:
+                replace_classifier(model, num_labels, cfg.seed)
             apply_peft(model, self.peft, seed=cfg.seed, state=peft_state)
 
-        self.runner = build_runner(source, plan_of(cfg), mesh, num_labels=self.task.num_labels, seed=cfg.seed,
+        self.runner = build_runner(source, plan_of(cfg), mesh, num_labels=build_labels, seed=cfg.seed,
                                    device=env.device, dropout=cfg.dropout, autocast=self.autocast, adapt=adapt,
                                    grad_accum_steps=cfg.grad_accum_steps,
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
@@ -308,7 +317,8 @@ class Trainer:
                 loss, norm = self.train_step(batch, self.step + 1)
                 loss_value = loss.item()               # the global-batch mean, the same on every rank
                 if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss became {loss_value} at step {self.step + 1}")
+                    raise FloatingPointError(f"the loss became {loss_value} at step {self.step + 1}; lower "
+                                             "learning_rate, set clip_grad, or check the data")
                 self.step += 1
                 tokens = self.global_tokens(batch)
                 dt = time.perf_counter() - t0

@@ -1,0 +1,43 @@
+"""The sizes in a model folder's config.json that plans, splits and meshes depend on, read before
+any model is built (and before any process group starts): one-line errors name the file."""
+from __future__ import annotations
+
+import json
+import os
+
+from galaxy.config import ConfigError, _is_int, _show
+from galaxy.models.registry import supported_model_types
+
+
+def read_model_shape(model_path) -> dict:
+    """The sizes in a model folder's config.json that the parallel splits depend on."""
+    path = os.path.join(os.fspath(model_path), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
+    _check_model_type(raw.get("model_type"), path)
+    shape = {}
+    for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
+                "max_position_embeddings"):
+        if not _is_int(raw.get(key)) or raw[key] < 1:
+            raise ConfigError(f"model_path config {path!r} needs a positive integer '{key}', "
+                              f"got {_show(raw.get(key))}")
+        shape[key] = raw[key]
+    heads = shape["num_attention_heads"]
+    kv = raw.get("num_key_value_heads") or heads  # absent or null: plain multi-head attention
+    if not _is_int(kv) or kv < 1 or heads % kv:
+        raise ConfigError(f"model_path config {path!r} has num_key_value_heads {kv}, which must "
+                          f"divide num_attention_heads {heads}")
+    shape["num_key_value_heads"] = kv
+    shape["model_type"] = raw.get("model_type")
+    return shape
+
+
+def _check_model_type(model_type, path: str) -> None:
+    """Name the model type and the supported ones before any size key is looked for: another
+    family's config.json spells its sizes differently (GPT-2: n_head), which says nothing useful."""
+    if model_type not in supported_model_types():
+        raise ConfigError(f"model_path config {path!r} has model_type {_show(model_type)}, which galaxy "
+                          f"does not train; supported model types: {', '.join(supported_model_types())}")

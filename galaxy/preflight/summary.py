@@ -1,0 +1,58 @@
+"""--check's one paragraph: what the run would do, from the checked config, job and model."""
+from __future__ import annotations
+
+from galaxy.config import resolve_splits
+from galaxy.models.shape import read_model_shape
+
+
+def _plan(cfg, world: int) -> str:
+    group = world // (cfg.pp_deg * cfg.dp_deg)
+    if world == 1:
+        return "serially on 1 process"
+    splits = resolve_splits(cfg, group, read_model_shape(cfg.model_path))
+    plan = (f"plan ATT {cfg.att_parallel_method} / CON {cfg.con_parallel_method} / MLP {cfg.mlp_parallel_method} "
+            f"on world {world} = pp {cfg.pp_deg} x dp {cfg.dp_deg} x Galaxy group {group}")
+    shares = [f"{what} {splits[key]}" for key, what in (("tp_num_attention_heads_list", "heads"),
+                                                        ("tp_intermediate_size_list", "MLP columns"),
+                                                        ("seq_scatter_list", "tokens")) if splits[key] and group > 1]
+    return plan + (f" ({', '.join(shares)})" if shares else "")
+
+
+def _model(report) -> str:
+    m = report.model
+    return f"{m.model_type} ({m.layers} layers, hidden {m.hidden_size}, {m.parameters:,} parameters) from {m.source}"
+
+
+def summary(cfg, job, report, script: str, rank: int, world: int) -> str:
+    """One paragraph; ends by saying that nothing ran."""
+    who = f"{script} (rank {rank} of {world})" if world > 1 else script
+    parts = []
+    if report.model is None:                       # a script that builds no model (tests' launch target)
+        parts.append(f"{who} would start {_plan(cfg, world)} with model_path {cfg.model_path}")
+    elif getattr(job, "prompt", None) is not None:
+        parts.append(f"{who} would generate {job.max_new_tokens} tokens after the prompt {job.prompt!r} with "
+                     f"{_model(report)}, {_plan(cfg, world)}")
+    elif getattr(job, "task", None) is None:
+        parts.append(f"{who} would profile one training step of {_model(report)} on a batch of "
+                     f"{cfg.batch_size} x {cfg.pad_size} tokens, {_plan(cfg, world)}")
+    else:
+        task = job.task
+        data = f"{len(task.train_set):,} training examples"
+        if task.class_names:
+            data += f" in {len(task.class_names)} classes"
+        held = [f"{name} {len(s):,}" for name, s in (("dev", task.dev_set), ("test", task.test_set)) if s]
+        data += f" ({', '.join(held)} held out)" if held else ""
+        schedule = cfg.lr_schedule + (f", {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+        method = job.peft.method if job.peft.method != "full" else "full fine-tuning"
+        parts.append(f"{who} would train {_model(report)} on {data}: {report.steps} steps of global batch "
+                     f"{cfg.batch_size} x {cfg.pad_size} tokens, {cfg.optimizer} at learning rate "
+                     f"{cfg.learning_rate:g} ({schedule}), {method}, {_plan(cfg, world)}")
+        if report.model.new_head:
+            parts.append(f"a new classifier of {task.num_labels} outputs is initialised")
+    if getattr(job, "resume", None) is not None:
+        parts.append(f"resuming from {job.resume.path} (step {job.resume.step})")
+    for key, what in (("save_dir", "checkpoints go to"), ("export_dir", "the model is exported to"),
+                      ("metrics_file", "metrics go to")):
+        if getattr(cfg, key, None):
+            parts.append(f"{what} {getattr(cfg, key)}")
+    return "check: " + "; ".join(parts) + ". Every check passed; nothing was run (no process group, no files written)."
