@@ -34,6 +34,8 @@ class _AsLlamaConfig:
         self._cfg = cfg
 
     def __getattr__(self, name):
+        if name == "_cfg":       # not set yet (e.g. copy's bare instance): no recursion
+            raise AttributeError(name)
         return getattr(self._cfg, name)
 
 
