@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dist_pool import DistPool  # noqa: E402
-from tiny_models import make_tiny_bert  # noqa: E402
+from tiny_models import MAKE_TINY_LM, make_tiny_bert  # noqa: E402
 
 _pools: dict[int, DistPool] = {}
 
@@ -27,3 +27,17 @@ def dist_pool():
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory):
     return make_tiny_bert(str(tmp_path_factory.mktemp("tiny_bert")))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory):
+    """tiny_lm_dir(family, **overrides) -> a tiny causal LM of that family (tiny_models.MAKE_TINY_LM),
+    written once per session for each (family, overrides)."""
+    made: dict = {}
+
+    def get(family: str, **overrides) -> str:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = MAKE_TINY_LM[family](str(tmp_path_factory.mktemp(f"tiny_{family}")), **overrides)
+        return made[key]
+    return get

@@ -102,7 +102,12 @@ def hf_llama(model_dir):
     return LlamaForCausalLM.from_pretrained(model_dir).train()
 
 
-HF_LOADERS = {"bert": hf_bert, "llama": hf_llama}
+def hf_qwen2(model_dir):
+    from transformers import Qwen2ForCausalLM
+    return Qwen2ForCausalLM.from_pretrained(model_dir).train()
+
+
+HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2}
 
 
 def check_report(report, rank, tol=1e-5):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from parity import hf_bert, hf_llama, lockstep_sgd, rel_err, world_group
+from parity import HF_LOADERS, lockstep_sgd, rel_err, world_group
 from parity_runners import replica_rows
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.mesh import make_mesh
+from galaxy.models.build import model_class
 from galaxy.runtime.assemble import build_model
 from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
@@ -22,16 +23,13 @@ from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
 from galaxy.runtime.runners import build_runner
 
-HF = {"bert": hf_bert, "llama": hf_llama}
-
-
 def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[str], r: int = 4,
                        alpha: float = 8.0, seed: int = 1) -> str:
     """A peft adapter directory with random, non-zero A and B (and classifier, for BERT)."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    task = {"bert": "SEQ_CLS", "llama": "CAUSAL_LM"}[family]
-    model = get_peft_model(HF[family](model_dir), LoraConfig(task_type=task, r=r, lora_alpha=alpha,
+    task = model_class(family_of(family), None).peft_task_type
+    model = get_peft_model(HF_LOADERS[family](model_dir), LoraConfig(task_type=task, r=r, lora_alpha=alpha,
                                                              target_modules=targets))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -43,7 +41,7 @@ def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[
 
 def peft_reference(family: str, model_dir: str, adapter_dir: str):
     from peft import PeftModel
-    return PeftModel.from_pretrained(HF[family](model_dir), adapter_dir, is_trainable=True).train()
+    return PeftModel.from_pretrained(HF_LOADERS[family](model_dir), adapter_dir, is_trainable=True).train()
 
 
 def reference_tensors(ref) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ gradients. 5 SGD steps against the serial Hugging Face model within 1e-5 relativ
 each step's global-batch mean loss (the same on every rank), step-0 gradients and final weights
 gathered over Galaxy shards. BERT at world 2, dp 2 x Galaxy 2 at world 4, and Llama, whose
 replicas and micro-batches hold very different numbers of label tokens (the loss is weighted by
-tokens, as HF's mean over the global batch's tokens is). DDP's bucket bytes reach the recorder.
+tokens, as HF's mean over the global batch's tokens is), and Qwen2 (Llama with q/k/v biases) alike.
+DDP's bucket bytes reach the recorder.
 """
 import pytest
 import torch
@@ -13,17 +14,12 @@ import torch.distributed as dist
 
 from parity import check_report
 from parity_runners import train_runner_and_compare
-from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
+from tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.parallel.data_parallel import split_rows
 from galaxy.parallel.plan import ParallelPlan
 
 GALAXY = ParallelPlan.preset("galaxy")
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_dp")))
 
 
 def run_case(pool, family, model_dir, plan, dp, shares, batch_fn, **options):
@@ -42,9 +38,10 @@ def test_dp2_x_galaxy2_matches_hf(dist_pool, tiny_bert_dir):
              ((4, 2), (64, 32), (7, 5)), tiny_batch)
 
 
-def test_llama_dp2_with_accumulation_matches_hf(dist_pool, llama_dir):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_dp2_with_accumulation_matches_hf(dist_pool, tiny_lm_dir, family):
     """Replica 0 holds rows of 12, 8, 4, 2 tokens, replica 1 rows of 2 tokens; 2 micro-batches each."""
-    run_case(dist_pool(2), "llama", llama_dir, GALAXY, 2, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
+    run_case(dist_pool(2), family, tiny_lm_dir(family), GALAXY, 2, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
              grad_accum_steps=2)
 
 

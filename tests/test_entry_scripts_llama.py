@@ -5,17 +5,21 @@ A tiny Llama (grouped-query attention, a BPE tokenizer trained by galaxy.models.
 trains 3 SGD steps on a .txt file: serial, the Galaxy plan at world 2 (uneven shares, whole K/V
 groups), and a 2-stage pipeline with 4 micro-batches. The losses in metrics_file must equal HF
 LlamaForCausalLM trained on the same batches (mean over the global batch's label tokens).
---generate under the Galaxy plan must print HF generate's greedy tokens.
+--generate under the Galaxy plan must print HF generate's greedy tokens. A tiny Qwen2
+(galaxy.models.tiny_qwen2: q/k/v biases, tied embeddings) trains with finetune_llama.py under the
+Galaxy plan at world 2 and reports HF Qwen2ForCausalLM's losses.
 """
 import json
 
 import pytest
 import torch
 
+from parity import HF_LOADERS
 from script_runner import run_script
 
 from galaxy.data.causal_lm import encode_lm_sample
 from galaxy.models.tiny_llama import write_tiny_llama
+from galaxy.models.tiny_qwen2 import write_tiny_qwen2
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, LR = 3, 8, 24, 0.5
@@ -24,14 +28,28 @@ GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_m
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def jobs(tmp_path_factory):
+    """jobs(family) -> its tiny model (galaxy.models.tiny_*) and a .txt training file, written once."""
     import pydoc_data.topics
-    tmp = tmp_path_factory.mktemp("llama_entry")
-    model_dir = write_tiny_llama(str(tmp / "model"), vocab_size=512, seed=1)
-    lines = [" ".join(t.split()[:max(4, 28 - i)]) for i, t in enumerate(list(pydoc_data.topics.topics.values())[:BATCH * STEPS])]
-    train = tmp / "train.txt"
-    train.write_text("\n".join(lines) + "\n")
-    return dict(tmp=tmp, model_dir=model_dir, train=str(train), lines=lines)
+    made = {}
+
+    def get(family):
+        if family not in made:
+            tmp = tmp_path_factory.mktemp(f"{family}_entry")
+            write = {"llama": write_tiny_llama, "qwen2": write_tiny_qwen2}[family]
+            model_dir = write(str(tmp / "model"), vocab_size=512, seed=1)
+            lines = [" ".join(t.split()[:max(4, 28 - i)])
+                     for i, t in enumerate(list(pydoc_data.topics.topics.values())[:BATCH * STEPS])]
+            train = tmp / "train.txt"
+            train.write_text("\n".join(lines) + "\n")
+            made[family] = dict(tmp=tmp, model_dir=model_dir, train=str(train), lines=lines, family=family)
+        return made[family]
+    return get
+
+
+@pytest.fixture(scope="module")
+def job(jobs):
+    return jobs("llama")
 
 
 def write_config(job, name, **extra):
@@ -45,8 +63,8 @@ def write_config(job, name, **extra):
 
 
 def hf_losses(job):
-    from transformers import AutoTokenizer, LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(job["model_dir"])
+    from transformers import AutoTokenizer
+    model = HF_LOADERS[job["family"]](job["model_dir"])
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -61,12 +79,14 @@ def hf_losses(job):
     return losses
 
 
-@pytest.mark.parametrize("script,world,extra", [
-    ("finetune_llama.py", 1, {}),
-    ("finetune_llama.py", 2, GALAXY),
-    ("finetune_pp_llama.py", 2, dict(stage_num_hidden_layers_list=[3, 1], num_microbatches=4)),
-], ids=["serial", "galaxy-w2", "pp-w2"])
-def test_llama_script_reports_hf_losses(job, script, world, extra):
+@pytest.mark.parametrize("family,script,world,extra", [
+    ("llama", "finetune_llama.py", 1, {}),
+    ("llama", "finetune_llama.py", 2, GALAXY),
+    ("llama", "finetune_pp_llama.py", 2, dict(stage_num_hidden_layers_list=[3, 1], num_microbatches=4)),
+    ("qwen2", "finetune_llama.py", 2, GALAXY),
+], ids=["serial", "galaxy-w2", "pp-w2", "qwen2-galaxy-w2"])
+def test_llama_script_reports_hf_losses(jobs, family, script, world, extra):
+    job = jobs(family)
     config, metrics_file = write_config(job, f"{script[:-3]}-{world}", **extra)
     run_script(script, config, world)
     steps = [r for r in read_metrics(metrics_file) if "event" not in r]

@@ -1,61 +1,82 @@
-"""Llama under every per-sub-block plan trains exactly like HF LlamaForCausalLM.
+"""Llama-shaped causal LMs under per-sub-block plans train exactly like Hugging Face's model.
 
-Tiny Llama with grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group), right
-padding and labels that ignore it. All 8 ATT x MLP x CON combinations at world 2 with uneven
-shares (whole K/V groups per TP rank; SP attention causal across shards with global rotary
-positions), world 3, tied embeddings, and serial: logits, loss, every gathered gradient, 5 SGD
-steps' losses and the final gathered weights within 1e-5 relative (fp32).
+Llama (HF LlamaForCausalLM) and Qwen2 (HF Qwen2ForCausalLM: Llama with non-zero q/k/v biases,
+sharded with their query heads / K/V groups under TP and summed under SP), tiny, with
+grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group), right padding and
+labels that ignore it. Llama: all 8 ATT x MLP x CON combinations at world 2 with uneven shares
+(whole K/V groups per TP rank; SP attention causal across shards with global rotary positions),
+three plans at world 3, tied embeddings under both CON methods, and serial. Qwen2, whose
+difference is in ATT only: four plans at world 2 that pair each ATT and each MLP method with both
+CON methods, the galaxy and sp plans at world 3, tied embeddings and serial. Each: logits, loss,
+every gathered gradient, 5 SGD steps' losses and the final gathered weights within 1e-5
+relative (fp32). Qwen2's sliding-window layers are refused.
 """
 import itertools
 
 import pytest
+import torch
 
-from parity import check_report, train_and_compare
-from tiny_models import TINY_SEQ, make_tiny_llama, tiny_lm_batch
+from parity import check_report, hf_qwen2, rel_err, train_and_compare
+from tiny_models import TINY_SEQ, tiny_lm_batch
 
+from galaxy.distributed.group import GalaxyGroup
+from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
+QWEN2_COMBOS = [("TP", "SP", "SP"), ("SP", "TP", "SP"), ("TP", "TP", "None"), ("SP", "SP", "None")]
 UNEVEN_2 = ((6, 2), (64, 32), (7, 5))          # query heads, MLP columns, tokens
 UNEVEN_3 = ((4, 2, 2), (40, 32, 24), (5, 4, 3))
+WORLD2 = [("llama", *c) for c in COMBOS] + [("qwen2", *c) for c in QWEN2_COMBOS]
+WORLD3 = [("llama", "TP", "TP", "SP"), ("llama", "SP", "SP", "SP"), ("llama", "TP", "SP", "None"),
+          ("qwen2", "TP", "TP", "SP"), ("qwen2", "SP", "SP", "SP")]
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+def plan_id(family, att, mlp, con):
+    return f"{family}-att{att}-mlp{mlp}-con{con}"
 
 
-@pytest.fixture(scope="module")
-def tied_llama_dir(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama_tied")), tie_word_embeddings=True)
-
-
-@pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
-def test_plan_matches_hf_world2_uneven(dist_pool, llama_dir, att, mlp, con):
-    reports = dist_pool(2).run(train_and_compare, "llama", llama_dir, ParallelPlan(att, mlp, con), UNEVEN_2,
-                               tiny_lm_batch)
+def check(reports):
     for rank, report in enumerate(reports):
         check_report(report, rank)
 
 
-@pytest.mark.parametrize("att,mlp,con", [("TP", "TP", "SP"), ("SP", "SP", "SP"), ("TP", "SP", "None")],
-                         ids=["galaxy", "sp", "attTP-mlpSP-conNone"])
-def test_plan_matches_hf_world3(dist_pool, llama_dir, att, mlp, con):
-    reports = dist_pool(3).run(train_and_compare, "llama", llama_dir, ParallelPlan(att, mlp, con), UNEVEN_3,
-                               tiny_lm_batch)
-    for rank, report in enumerate(reports):
-        check_report(report, rank)
+@pytest.mark.parametrize("family,att,mlp,con", WORLD2, ids=[plan_id(*c) for c in WORLD2])
+def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con):
+    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con), UNEVEN_2,
+                           tiny_lm_batch))
 
 
-@pytest.mark.parametrize("con", ["SP", "None"])
-def test_tied_embeddings_match_hf(dist_pool, tied_llama_dir, con):
-    reports = dist_pool(2).run(train_and_compare, "llama", tied_llama_dir, ParallelPlan("TP", "TP", con),
-                               UNEVEN_2, tiny_lm_batch)
-    for rank, report in enumerate(reports):
-        check_report(report, rank)
+@pytest.mark.parametrize("family,att,mlp,con", WORLD3, ids=[plan_id(*c) for c in WORLD3])
+def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
+    check(dist_pool(3).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con), UNEVEN_3,
+                           tiny_lm_batch))
 
 
-def test_serial_matches_hf(dist_pool, llama_dir):
-    report = dist_pool(1).run(train_and_compare, "llama", llama_dir, ParallelPlan(),
-                              ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch)[0]
-    check_report(report, 0)
+@pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])
+def test_tied_embeddings_match_hf(dist_pool, tiny_lm_dir, family, con):
+    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family, tie_word_embeddings=True),
+                           ParallelPlan("TP", "TP", con), UNEVEN_2, tiny_lm_batch))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
+    check(dist_pool(1).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(),
+                           ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch))
+
+
+def _serial_qwen2(model_dir):
+    return build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
+
+
+def test_qwen2_sliding_window_layers_are_refused(tiny_lm_dir):
+    """use_sliding_window slides the layers from max_window_layers on (HF's layer_types): refused.
+    With max_window_layers past the last layer no layer slides, and HF computes full attention."""
+    sliding = tiny_lm_dir("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    with pytest.raises(ValueError, match=r"sliding-window attention on layers \[1\].*use_sliding_window"):
+        _serial_qwen2(sliding)
+    full = tiny_lm_dir("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)
+    batch = tiny_lm_batch(0)
+    with torch.no_grad():
+        ours = _serial_qwen2(full)(**batch)[0]
+        assert rel_err(ours, hf_qwen2(full)(**batch).logits) < 1e-5

@@ -3,7 +3,8 @@
 Both start from one peft adapter directory (random non-zero A and B, a trained classifier; r 4,
 alpha 8 on query, value and every "dense": column-parallel, row-parallel and replicated
 projections). Under all 8 per-sub-block plans at world 2 with uneven shares, serially, under DP
-(dp 2) and PP (pp 2, 1f1b), for BERT and Llama, the loss of each of 5 SGD steps and, at the end, every tensor peft
+(dp 2) and PP (pp 2, 1f1b), for BERT and Llama (Qwen2, Llama with q/k/v biases: the Galaxy
+plan and pp 2), the loss of each of 5 SGD steps and, at the end, every tensor peft
 would save (lora_A, lora_B, the classifier; gathered to full shape) match peft within 1e-5
 relative. Frozen weights get no gradient and no optimizer state. The exported directory loads
 with PeftModel.from_pretrained and gives galaxy's logits; merge_lora gives a plain HF checkpoint
@@ -17,7 +18,7 @@ import torch
 
 from parity import hf_bert, rel_err, world_group
 from peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, write_peft_adapter
-from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
+from tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
@@ -66,25 +67,34 @@ def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp):
 
 
 @pytest.fixture(scope="module")
-def llama_lora(tmp_path_factory):
-    """(tiny Llama directory, a peft adapter on every attention and MLP projection but gate)."""
-    root = tmp_path_factory.mktemp("llama_lora")
-    model_dir = make_tiny_llama(str(root / "llama"), num_hidden_layers=3)
-    return model_dir, write_peft_adapter("llama", model_dir, str(root / "lora"),
-                                         ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+def llama_lora(tiny_lm_dir, tmp_path_factory):
+    """llama_lora(family) -> (tiny 3-layer model of that Llama-shaped family, a peft adapter on
+    every attention and MLP projection but gate), written once per family."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            model_dir = tiny_lm_dir(family, num_hidden_layers=3)
+            made[family] = model_dir, write_peft_adapter(
+                family, model_dir, str(tmp_path_factory.mktemp(f"{family}_lora")),
+                ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+        return made[family]
+    return get
 
 
-def test_llama_galaxy_matches_peft(dist_pool, llama_lora):
-    reports = dist_pool(2).run(lora_plan_vs_peft, "llama", *llama_lora, ParallelPlan.preset("galaxy"),
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_galaxy_matches_peft(dist_pool, llama_lora, family):
+    reports = dist_pool(2).run(lora_plan_vs_peft, family, *llama_lora(family), ParallelPlan.preset("galaxy"),
                                ((6, 2), (64, 32), (7, 5)), tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 
 
-@pytest.mark.parametrize("pp,dp", [(1, 2), (2, 1)], ids=["dp2", "pp2"])
-def test_llama_mesh_matches_peft(dist_pool, llama_lora, pp, dp):
+@pytest.mark.parametrize("family,pp,dp", [("llama", 1, 2), ("llama", 2, 1), ("qwen2", 2, 1)],
+                         ids=["llama-dp2", "llama-pp2", "qwen2-pp2"])
+def test_llama_mesh_matches_peft(dist_pool, llama_lora, family, pp, dp):
     """Causal LM: the loss weighted by label tokens across replicas and micro-batches."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, "llama", *llama_lora, ParallelPlan(), pp, dp,
+    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *llama_lora(family), ParallelPlan(), pp, dp,
                                ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)

@@ -5,7 +5,8 @@ the evaluation forward, each step's loss (the global-batch mean, which every sta
 gathered over stages and Galaxy shards, the step-0 gradients and the final weights with the
 serial Hugging Face model within 1e-5 relative (fp32, dropout 0): world 2 and 3 with uneven
 stages under both schedules, pp 2 x Galaxy 2 (world 4), Llama (token-weighted loss over
-micro-batches of very different token counts) at world 2, and Llama at pp 2 x dp 2 (world 4);
+micro-batches of very different token counts) at world 2 (and Qwen2, Llama with q/k/v biases),
+and Llama at pp 2 x dp 2 (world 4);
 Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2, pp 3). The stage split and
 pruning are checked alone.
 """
@@ -38,8 +39,8 @@ def bert4_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama3_dir(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("llama3")), num_hidden_layers=3)
+def llama3_dir(tiny_lm_dir):
+    return tiny_lm_dir("llama", num_hidden_layers=3)
 
 
 def run_case(pool, family, model_dir, plan, pp, shares, batch_fn, dp=1, **options):
@@ -69,11 +70,11 @@ def test_pp2_x_galaxy2_matches_hf(dist_pool, bert3_dir):
     assert [r["stage"] for r in reports] == [[0, 1], [0, 1], [2], [2]]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_llama_world2_matches_hf(dist_pool, llama3_dir, schedule):
+@pytest.mark.parametrize("family,schedule", [("llama", "gpipe"), ("llama", "1f1b"), ("qwen2", "1f1b")])
+def test_llama_world2_matches_hf(dist_pool, tiny_lm_dir, family, schedule):
     """Micro-batches hold 20, 6, 4 and 4 label tokens: the loss is weighted by tokens, not averaged."""
-    run_case(dist_pool(2), "llama", llama3_dir, GALAXY, 2, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
-             schedule=schedule, stage_layers=[2, 1])
+    run_case(dist_pool(2), family, tiny_lm_dir(family, num_hidden_layers=3), GALAXY, 2, ((8,), (96,), (TINY_SEQ,)),
+             tiny_lm_batch, schedule=schedule, stage_layers=[2, 1])
 
 
 @pytest.fixture(scope="module")

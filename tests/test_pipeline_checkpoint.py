@@ -11,7 +11,8 @@ boundary after step 5), then resumes from step 3:
   - a pp2 checkpoint folder holds the files, tensor names and shapes of a serial one.
 Exports under pp2 load in transformers (full weights, merged LoRA) and peft (LoRA adapter) and
 give the trained pipeline's logits; adapter / side exports equal a serial run's. Llama (untied
-embeddings) as a pipeline resumes exactly and exports an HF folder with the pipeline's logits.
+embeddings) and Qwen2 (q/k/v biases, tied embeddings) as pipelines resume exactly and export HF
+folders that give the pipeline's logits in transformers' LlamaForCausalLM / Qwen2ForCausalLM.
 Dropout: the two stages draw different masks, and the ranks of one stage's Galaxy group the same.
 """
 import json
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from parity import rel_err
+from parity import HF_LOADERS, rel_err
 from trainer_support import make_workspace, step_losses, train_on_rank, write_config
 
 from galaxy.train.checkpoint import step_dir_name
@@ -275,18 +276,22 @@ def llama_logits(trainer):
     return logits                                       # [2, 24, vocab]
 
 
-def test_llama_pipeline_resumes_exactly_and_exports_an_hf_folder(dist_pool, llama_ws):
-    from transformers import LlamaForCausalLM
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_pipeline_resumes_exactly_and_exports_an_hf_folder(dist_pool, llama_ws, family):
+    from galaxy.models.tiny_qwen2 import write_tiny_qwen2
     ws, pool = llama_ws, dist_pool(2)
-    save, export = os.path.join(ws["root"], "full", "ck"), os.path.join(ws["root"], "full", "export")
-    results = pool.run(train_on_rank, llama_config(ws, "full", save_dir=save, save_interval=2, export_dir=export),
-                       "galaxy", None, llama_logits, "causal_lm")
-    pool.run(train_on_rank, llama_config(ws, "resumed", resume=os.path.join(save, step_dir_name(2))), "galaxy", None,
-             None, "causal_lm")
-    full, resumed = (step_losses(os.path.join(ws["root"], n, "metrics.jsonl")) for n in ("full", "resumed"))
+    model = ws["model_dir"] if family == "llama" else \
+        write_tiny_qwen2(os.path.join(ws["root"], "qwen2-model"), vocab_size=512, seed=1)   # tied embeddings
+    full_run, resumed_run = f"{family}-full", f"{family}-resumed"
+    save, export = os.path.join(ws["root"], full_run, "ck"), os.path.join(ws["root"], full_run, "export")
+    results = pool.run(train_on_rank, llama_config(ws, full_run, model_path=model, save_dir=save, save_interval=2,
+                                                   export_dir=export), "galaxy", None, llama_logits, "causal_lm")
+    pool.run(train_on_rank, llama_config(ws, resumed_run, model_path=model, resume=os.path.join(save, step_dir_name(2))),
+             "galaxy", None, None, "causal_lm")
+    full, resumed = (step_losses(os.path.join(ws["root"], n, "metrics.jsonl")) for n in (full_run, resumed_run))
     assert sorted(resumed) == [3] and resumed[3] == full[3]
     with torch.no_grad():
-        ours = LlamaForCausalLM.from_pretrained(export).eval()(LLAMA_IDS).logits
+        ours = HF_LOADERS[family](export).eval()(LLAMA_IDS).logits
     for rank, (_, _, theirs) in enumerate(results):
         assert rel_err(ours, theirs) < 1e-5, rank
 

@@ -5,6 +5,8 @@ backward, gradient sync); galaxy.models.closed_form.llama_plan_comm_bytes derive
 shapes and the plan alone. They must agree byte for byte, per collective kind, on every rank:
 all 8 ATT x MLP x CON plans at world 2 with uneven shares, the galaxy / tp / sp presets at world 3,
 tied embeddings, attention and MLP biases. Two plans are also written out by hand, per phase.
+Qwen2 (q/k/v biases without an o_proj bias: a "sum" count no Llama config has) under three plans
+at world 2, against its registry entry's closed form, read from the checkpoint's config.
 
 The tiny Llama has hidden size 48, grouped-query attention, 12 query heads sharing 4 K/V heads
 (3 per group), and head_dim 10 (not hidden / heads = 4): the K/V width SP attention gathers,
@@ -20,6 +22,8 @@ import torch.distributed as dist
 from tiny_models import TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.models.build import load_hf_config
+from galaxy.models.registry import family_of
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
@@ -89,6 +93,24 @@ def test_biases(dist_pool, tmp_path_factory, plan):
     cfg = dict(attention_bias=True, mlp_bias=True)
     path = make_tiny_llama(str(tmp_path_factory.mktemp("llama_bias")), **GQA, **cfg)
     check(dist_pool, path, plan, 2, **cfg)
+
+
+@pytest.mark.parametrize("plan", [ParallelPlan("SP", "SP", "SP"), ParallelPlan("SP", "TP", "None"),
+                                  ParallelPlan("TP", "SP", "SP")],
+                         ids=["sp", "attSP-mlpTP-conNone", "attTP-mlpSP-conSP"])
+def test_qwen2(dist_pool, tiny_lm_dir, plan):
+    """Every kind against the spec's closed form; the gradient sync also by hand: the RMSNorm
+    weights under CON SP (no o_proj bias), under ATT SP the q/k/v weights and biases
+    (q_proj [120, H] + [120], k_proj and v_proj [40, H] + [40], o_proj [H, 120]), under MLP SP
+    gate, up and down."""
+    H, L, I = T["hidden_size"], T["num_hidden_layers"], T["intermediate_size"]
+    path = tiny_lm_dir("qwen2", **GQA)
+    expected = family_of("qwen2").plan_comm_bytes(plan, load_hf_config(path), B, SHARES[2][2])
+    summed = (2 * L + 1) * H * (plan.con == "SP") + L * (2 * 120 * H + 2 * 40 * H + 120 + 2 * 40) * (plan.att == "SP") \
+        + L * 3 * H * I * (plan.mlp == "SP")
+    for r in dist_pool(2).run(profile_rank, path, plan, SHARES[2]):
+        assert r.comm["by_kind"] == expected, f"rank {r.rank}"
+        assert r.comm["by_phase"]["grad_sync"]["all_reduce"]["sent"] == 2 * -(-summed // 2) * 4
 
 
 def test_galaxy_plan_by_hand(dist_pool, llama_dir):

@@ -1,5 +1,5 @@
-"""The profiler's counts, serial: closed forms for BERT and Llama (grouped-query attention), the
-attention formula torch lacks on CPU, attribution per module, saved bytes, latency nesting, JSON.
+"""The profiler's counts, serial: closed forms for BERT, Llama (grouped-query attention) and Qwen2,
+the attention formula torch lacks on CPU, attribution per module, saved bytes, latency nesting, JSON.
 
 Every FLOP figure is compared exactly (integers), with 2 FLOPs per multiply-add.
 """
@@ -126,15 +126,20 @@ def test_llama_gqa_matches_closed_form_hf(tiny_llama_dir):
     assert any("causal attention is counted dense" in n for n in report.notes)
 
 
-# Galaxy's own Llama, for each model family the registry has: runs once galaxy.models.registry
-# registers "llama" (an empty parameter set, reported as a skip, before that).
-@pytest.mark.parametrize("family", [f for f in ("llama",) if f in FAMILIES])
-def test_llama_gqa_matches_closed_form_galaxy(tiny_llama_dir, family):
-    t = TINY_LLAMA_GQA
-    model = build_model(tiny_llama_dir, ParallelPlan(), GalaxyGroup.serial(
+# Galaxy's own model, for each Llama-shaped family (Qwen2: q/k/v biases add no matrix product),
+# against the family's closed form in the registry.
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_gqa_matches_closed_form_galaxy(tiny_llama_dir, tmp_path, family):
+    from transformers import AutoConfig, Qwen2Config, Qwen2ForCausalLM
+    t, model_dir = TINY_LLAMA_GQA, tiny_llama_dir
+    if family == "qwen2":
+        model_dir = str(tmp_path)
+        Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA_GQA)).save_pretrained(model_dir)
+    model = build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(
         t["num_attention_heads"], t["intermediate_size"], 16), dropout=0.0)
     report = profile_model(model, lm_batch(16), repeats=0)
-    expected = llama_closed_form(16)
+    expected = FAMILIES[family].matmul_flops(AutoConfig.from_pretrained(model_dir), B, 16)
+    assert expected == llama_closed_form(16)
     assert report.totals.fwd_flops == expected["total"]
     assert report.totals.bwd_flops == 2 * expected["total"]
     per_layer = {k: v // t["num_hidden_layers"] for k, v in expected.items()}

@@ -44,14 +44,30 @@ TINY_LLAMA = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_atten
 def make_tiny_llama(path: str, seed: int = 0, **overrides) -> str:
     """8 query heads sharing 4 K/V heads (grouped-query attention, 2 query heads per group)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    return _save_tiny_lm(lambda: LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides})), path, seed)
+
+
+def make_tiny_qwen2(path: str, seed: int = 0, **overrides) -> str:
+    """Llama's tiny shape as HF Qwen2ForCausalLM: biases on q/k/v (none on o_proj or the MLP)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _save_tiny_lm(lambda: Qwen2ForCausalLM(Qwen2Config(**{**TINY_LLAMA, **overrides})), path, seed)
+
+
+def _save_tiny_lm(make_model, path: str, seed: int) -> str:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, **overrides}))
-    with torch.no_grad():   # norm weights away from 1, so every gradient rule is exercised
+    model = make_model()
+    # Norm weights away from 1 and biases away from 0 (HF initialises them to 1 and 0), so that
+    # every gradient rule is exercised.
+    with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
+
+
+# The causal LMs of the Llama family's shape (galaxy.models.llama and the families reusing it).
+MAKE_TINY_LM = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2}
 
 
 def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128):

@@ -147,26 +147,29 @@ def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: i
 
 def llama_sum_param_numel(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                           intermediate: int, attention_bias: bool = False, mlp_bias: bool = False,
-                          group_size: int) -> int:
+                          qkv_bias: bool | None = None, group_size: int) -> int:
     """Elements of Llama's gradients summed over the group (GradientSync's one all-reduce).
 
+    attention_bias: q/k/v and o_proj have biases (Llama's key); qkv_bias: q/k/v have biases
+    (None: as attention_bias; Qwen2: True with attention_bias False, no o_proj bias).
     CON SP: the RMSNorm weights, [H] each: the first layer's input norm before the first block
     (`first_norm`) plus CON1's and CON2's per layer (CON2 of the last layer holds the final norm),
     (2L + 1) x H; and the deferred output biases, H per layer for each of o_proj / down_proj
     that has one (attention_bias / mlp_bias).
     ATT SP: q_proj [heads*d, H], k_proj and v_proj [kv_heads*d, H], o_proj [H, heads*d];
-    with attention_bias, q/k/v biases (heads*d + 2 kv_heads*d; o_proj's is deferred, above).
+    with qkv_bias, q/k/v biases (heads*d + 2 kv_heads*d; o_proj's is deferred, above).
     MLP SP: gate_proj and up_proj [I, H], down_proj [H, I]; with mlp_bias, gate and up biases (2I).
     The LM head and the embeddings are not summed here (see llama_plan_comm_bytes).
     """
     if group_size == 1:
         return 0
+    qkv_bias = attention_bias if qkv_bias is None else qkv_bias
     h, i, q, kv = hidden, intermediate, heads * head_dim, kv_heads * head_dim
     n = 0
     if plan.con == "SP":
         n += (2 * layers + 1) * h + layers * h * (int(attention_bias) + int(mlp_bias))
     if plan.att == "SP":
-        n += layers * (2 * q * h + 2 * kv * h + (q + 2 * kv if attention_bias else 0))
+        n += layers * (2 * q * h + 2 * kv * h + (q + 2 * kv if qkv_bias else 0))
     if plan.mlp == "SP":
         n += layers * (3 * h * i + (2 * i if mlp_bias else 0))
     return n
@@ -174,7 +177,8 @@ def llama_sum_param_numel(plan, *, hidden: int, layers: int, heads: int, kv_head
 
 def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
                           intermediate: int, vocab: int, head_dim: int | None = None,
-                          attention_bias: bool = False, mlp_bias: bool = False, element_size: int = 4) -> dict:
+                          attention_bias: bool = False, mlp_bias: bool = False, qkv_bias: bool | None = None,
+                          element_size: int = 4) -> dict:
     """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
 
     N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
@@ -195,7 +199,8 @@ def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: 
     all-reduced in backward (tied or not: the head's contribution is what is summed, same size),
     and the loss, a scalar of this rank's tokens, is all-reduced in forward. Under CON None the
     head runs on R: no collective.
-    Gradient sync: one all-reduce of the "sum" parameters (llama_sum_param_numel).
+    Gradient sync: one all-reduce of the "sum" parameters (llama_sum_param_numel; the bias flags
+    are its own).
     """
     d = head_dim or hidden // heads
     n = len(seq_shares)
@@ -205,7 +210,7 @@ def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: 
                            sum_param_numel=llama_sum_param_numel(
                                plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
                                intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
-                               group_size=n),
+                               qkv_bias=qkv_bias, group_size=n),
                            element_size=element_size)
 
 
@@ -243,3 +248,9 @@ def llama_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
     return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg),
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
                                  mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def qwen2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+    """Qwen2 is Llama with q/k/v biases and no o_proj or MLP bias (galaxy.models.qwen2); its
+    matmul FLOPs are Llama's (llama_flops_of: a bias adds no matrix product)."""
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True)

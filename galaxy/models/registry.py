@@ -6,7 +6,7 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 """
 from __future__ import annotations
 
-from galaxy.models import bert, closed_form, llama
+from galaxy.models import bert, closed_form, llama, qwen2
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
@@ -24,6 +24,13 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         hf_names=llama.hf_names,
         lora_targets=("q_proj", "v_proj"),
         matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.llama_comm_of),
+    FamilySpec(     # Llama with q/k/v biases: Llama's names, FLOPs; its own "sum" parameters
+        name="qwen2", model_types=("qwen2",),
+        tasks={"causal_lm": qwen2.Qwen2ForCausalLM},
+        hf_names=llama.hf_names,
+        lora_targets=("q_proj", "v_proj"),
+        matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.qwen2_comm_of,
+        notes=("sliding-window attention (use_sliding_window) is refused",)),
 )}
 
 _BY_MODEL_TYPE = {t: spec for spec in FAMILIES.values() for t in spec.model_types}

@@ -31,24 +31,41 @@ def train_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def write_tiny_llama(path: str, vocab_size: int = 2048, seed: int = 0) -> str:
+# The tiny shape every tiny causal LM shares (galaxy.models.tiny_qwen2 too), with the ids of SPECIAL.
+TINY_SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+
+
+def write_tiny_model(path: str, make_model, vocab_size: int = 2048, seed: int = 0) -> str:
+    """Train the tokenizer, seed torch, save make_model(**config keys) and the tokenizer to `path`.
+
+    make_model gets TINY_SHAPE and the tokenizer's vocab_size, and returns a Hugging Face model.
+    """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
     tokenizer = train_tokenizer(vocab_size)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     torch.manual_seed(seed)
     os.makedirs(path, exist_ok=True)
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    make_model(vocab_size=len(tokenizer), **TINY_SHAPE).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_tiny_llama(path: str, vocab_size: int = 2048, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return write_tiny_model(path, lambda **keys: LlamaForCausalLM(LlamaConfig(**keys, tie_word_embeddings=False)),
+                            vocab_size, seed)
+
+
+def main(write, doc: str) -> None:
+    """The command line of a tiny-model module: PATH [--vocab_size N] [--seed S]."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("--vocab_size", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(write_tiny_llama(args.path, args.vocab_size, args.seed))
+    print(write(args.path, args.vocab_size, args.seed))
+
+
+if __name__ == "__main__":
+    main(write_tiny_llama, __doc__)
