@@ -167,7 +167,7 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
                                 timeout=timeout)
     else:
         store = open_store(args.init_method, args.rank, args.world, timeout)
-        agree(store, args.rank, args.world, settings or {"--world": args.world}, cfg.timeout_s, args.init_method)
+        agree(store, args.rank, args.world, settings or {"--world": args.world}, cfg.timeout_s)
         # The prefix init_process_group itself puts on a store it creates.
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=args.rank,
                                 world_size=args.world, timeout=timeout)
@@ -242,7 +242,7 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     except Disagreement as e:  # every rank reaches it, before init_process_group
         _hard_exit(2, f"{script}: rank {args.rank}: error: {e}")
     except RendezvousError as e:
-        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous failed: {e}")
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method} failed: {e}")
     except KeyboardInterrupt:
         _hard_exit(130)
     except Exception as e:

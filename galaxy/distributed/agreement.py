@@ -118,7 +118,7 @@ def open_store(init_method: str, rank: int, world: int, timeout: timedelta):
         raise
 
 
-def agree(store, rank: int, world: int, mine: dict, timeout_s: float, where: str) -> None:
+def agree(store, rank: int, world: int, mine: dict, timeout_s: float) -> None:
     """Raise Disagreement (every rank) or RendezvousError unless every rank has the same fingerprint."""
     prefix = f"galaxy/agree/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"   # torchrun restarts
     deadline = time.monotonic() + timeout_s
@@ -130,9 +130,8 @@ def agree(store, rank: int, world: int, mine: dict, timeout_s: float, where: str
     if rank != 0:
         # A rank number claimed before means another job's rank holds it: this store is not ours.
         if store.add(f"{prefix}slot/{rank}", 1) > 1:
-            raise RendezvousError(f"rank {rank} has already joined the rendezvous at {where}: the port is in use "
-                                  f"by another job (or two processes were given --rank {rank}); give this job a "
-                                  "free port in --init_method")
+            raise RendezvousError(f"rank {rank} has already joined it: the port is in use by another job (or two "
+                                  f"processes were given --rank {rank}); give this job a free port in --init_method")
         lead = json.loads(get("info/0"))
         store.set(f"{prefix}info/{rank}", json.dumps(mine))
         line = compare(lead, mine, rank)
@@ -150,8 +149,8 @@ def agree(store, rank: int, world: int, mine: dict, timeout_s: float, where: str
         try:
             other = json.loads(get(f"info/{r}"))
         except dist.DistError:
-            raise RendezvousError(f"rank {r} did not join the rendezvous at {where} within timeout_s={timeout_s:g} "
-                                  f"({'ranks 1-' + str(r - 1) if r > 1 else 'no other rank'} did); start all "
+            joined_ranks = f"ranks 0-{r - 1} did" if r > 1 else "only rank 0 did"
+            raise RendezvousError(f"rank {r} did not join within timeout_s={timeout_s:g} ({joined_ranks}); start all "
                                   f"{world} ranks with the same --world and --init_method") from None
         joined += 1
         line = compare(mine, other, r)
