@@ -15,6 +15,9 @@ from galaxy.models.tiny_llama import main, write_tiny_model
 def _tiny_qwen2(**keys):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+    # AutoTokenizer loads a qwen2 folder with Qwen2's tokenizer class, which appends <|endoftext|>
+    # after the trained vocabulary: the embedding needs that one more row.
+    keys["vocab_size"] += 1
     model = Qwen2ForCausalLM(Qwen2Config(**keys, tie_word_embeddings=True))
     with torch.no_grad():
         for name, p in model.named_parameters():
