@@ -407,11 +407,14 @@ def test_state_for_a_parameter_no_stage_has_is_refused_on_every_stage(dist_pool,
     import shutil
 
     from safetensors.torch import save_file
+
+    from galaxy.train.manifest import write_manifest
     layouts(dist_pool, ws)
     broken = str(tmp_path / "broken")
     shutil.copytree(checkpoint(ws, "x-pp2"), broken)
     path = os.path.join(broken, "optimizer.safetensors")
     save_file({**load_file(path), f"{bogus}/exp_avg": torch.zeros(3)}, path)
+    write_manifest(broken)      # a well-formed checkpoint (not a damaged one) that holds too much
     errors = dist_pool(2).run(resume_error, write_config(ws, f"broken-{owner}", resume=broken, **RESUMED, **PP2))
     lacks = f"checkpoint has optimizer state for parameters the model lacks: ['{bogus}']"
     if owner is None:       # left by both stages
