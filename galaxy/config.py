@@ -363,6 +363,7 @@ def read_model_shape(model_path) -> dict:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
+    raw = _family_shape_keys(raw)
     shape = {}
     for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
                 "max_position_embeddings"):
@@ -378,6 +379,26 @@ def read_model_shape(model_path) -> dict:
     shape["num_key_value_heads"] = kv
     shape["model_type"] = raw.get("model_type")
     return shape
+
+
+_SHAPE_KEYS = ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
+               "max_position_embeddings")
+
+
+def _family_shape_keys(raw: dict) -> dict:
+    """raw, plus the shape keys its family names otherwise (FamilySpec.config_shape: GPT-2's
+    n_embd, n_head, ...). The registry (and torch) is imported only for such a config, so that
+    reading the others stays json-only."""
+    if not isinstance(raw, dict) or all(k in raw for k in _SHAPE_KEYS):
+        return raw
+    from galaxy.models.registry import FAMILIES
+    for spec in FAMILIES.values():
+        if raw.get("model_type") in spec.model_types and spec.config_shape is not None:
+            try:
+                return {**raw, **spec.config_shape(raw)}
+            except ValueError as e:
+                raise ConfigError(f"model_path config: {e}") from None
+    return raw
 
 
 def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
