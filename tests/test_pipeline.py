@@ -6,15 +6,16 @@ gathered over stages and Galaxy shards, the step-0 gradients and the final weigh
 serial Hugging Face model within 1e-5 relative (fp32, dropout 0): world 2 and 3 with uneven
 stages under both schedules, pp 2 x Galaxy 2 (world 4), Llama (token-weighted loss over
 micro-batches of very different token counts) at world 2, and Llama at pp 2 x dp 2 (world 4);
-Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2, pp 3). The stage split and
-pruning are checked alone.
+Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2, pp 3), and GPT-2 (its LM head
+always tied to wte) at pp 2. The stage split and pruning are checked alone.
 """
 import pytest
 import torch
 
 from parity import check_report
 from parity_runners import train_runner_and_compare
-from tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
+from tiny_models import (GPT2_INTERMEDIATE, TINY_SEQ, make_tiny_bert, make_tiny_gpt2, make_tiny_llama, tiny_batch,
+                         tiny_lm_batch)
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import build_model
@@ -82,16 +83,25 @@ def tied_llama3_dir(tmp_path_factory):
                            tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("pp,dp,stages", [(2, 1, [2, 1]), (2, 2, [2, 1]), (3, 1, [1, 1, 1])])
-def test_tied_embeddings_across_stages_match_hf(dist_pool, tied_llama3_dir, pp, dp, stages):
+@pytest.fixture(scope="module")
+def gpt2_3_dir(tmp_path_factory):
+    return make_tiny_gpt2(str(tmp_path_factory.mktemp("gpt2_3")), n_layer=3)
+
+
+@pytest.mark.parametrize("family,pp,dp,stages", [("llama", 2, 1, [2, 1]), ("llama", 2, 2, [2, 1]),
+                                                 ("llama", 3, 1, [1, 1, 1]), ("gpt2", 2, 1, [1, 2])],
+                         ids=["llama-pp2", "llama-pp2-dp2", "llama-pp3", "gpt2-pp2"])
+def test_tied_embeddings_across_stages_match_hf(request, dist_pool, family, pp, dp, stages):
     """The embedding (stage 0) and LM head (last stage) copies of the tied weight get the sum of
     both gradients, so they step as HF's one weight does.
 
     lr 0.1, not the suite's 0.5: at 0.5 SGD on the tied tiny Llama amplifies fp32 rounding, so
     that even galaxy's single-process model (no pipeline, one tied tensor) ends 5 steps 5e-5 away
     from HF. At 0.1 pipeline and single-process runs alike stay near 2e-7."""
-    run_case(dist_pool(pp * dp), "llama", tied_llama3_dir, GALAXY, pp, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
-             dp=dp, stage_layers=stages, lr=0.1)
+    model_dir = request.getfixturevalue({"llama": "tied_llama3_dir", "gpt2": "gpt2_3_dir"}[family])
+    serial = {"llama": ((8,), (96,), (TINY_SEQ,)), "gpt2": ((4,), (GPT2_INTERMEDIATE,), (TINY_SEQ,))}[family]
+    run_case(dist_pool(pp * dp), family, model_dir, GALAXY, pp, serial, tiny_lm_batch, dp=dp, stage_layers=stages,
+             lr=0.1)
 
 
 def test_pp2_x_dp2_llama_matches_hf(dist_pool, llama3_dir):
