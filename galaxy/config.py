@@ -363,7 +363,7 @@ def read_model_shape(model_path) -> dict:
             raw = json.load(f)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
-    raw = _family_shape_keys(raw)
+    raw = _family_shape_keys(raw, path)
     shape = {}
     for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
                 "max_position_embeddings"):
@@ -385,7 +385,7 @@ _SHAPE_KEYS = ("num_attention_heads", "intermediate_size", "hidden_size", "num_h
                "max_position_embeddings")
 
 
-def _family_shape_keys(raw: dict) -> dict:
+def _family_shape_keys(raw: dict, path: str) -> dict:
     """raw, plus the shape keys its family names otherwise (FamilySpec.config_shape: GPT-2's
     n_embd, n_head, ...). The registry (and torch) is imported only for such a config, so that
     reading the others stays json-only."""
@@ -397,7 +397,7 @@ def _family_shape_keys(raw: dict) -> dict:
             try:
                 return {**raw, **spec.config_shape(raw)}
             except ValueError as e:
-                raise ConfigError(f"model_path config: {e}") from None
+                raise ConfigError(f"model_path config {path!r}: {e}") from None
     return raw
 
 

@@ -6,8 +6,9 @@ LayerNorms away from their initial values, LM head tied to wte) against GPT2LMHe
 padding and labels that ignore it. All 8 ATT x MLP x CON combinations at world 2 with uneven
 shares (Llama: whole K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three
 column ranges of HF's tensor; SP attention causal across shards), world 3, tied embeddings, and
-serial: logits, loss, every gathered gradient, 5 SGD steps' losses and the final gathered
-weights within 1e-5 relative (fp32).
+serial (and GPT-2 with scale_attn_by_inverse_layer_idx under the Galaxy plan): logits, loss,
+every gathered gradient, 5 SGD steps' losses and the final gathered weights within 1e-5 relative
+(fp32).
 """
 import itertools
 
@@ -71,3 +72,14 @@ def test_tied_embeddings_match_hf(dist_pool, tied_llama_dir, con):
 def test_serial_matches_hf(dist_pool, lm):
     family, model_dir, _, _, shares = lm
     check_report(dist_pool(1).run(train_and_compare, family, model_dir, ParallelPlan(), shares, tiny_lm_batch)[0], 0)
+
+
+def test_gpt2_attention_scaled_by_inverse_layer_index_matches_hf(dist_pool, tmp_path):
+    """scale_attn_by_inverse_layer_idx: layer i's scores also divided by i + 1, as HF does.
+    initializer_range 0.2: scores large enough that the scaling moves the logits ~10%."""
+    model_dir = make_tiny_gpt2(str(tmp_path), scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
+    reports = dist_pool(2).run(train_and_compare, "gpt2", model_dir, ParallelPlan.preset("galaxy"),
+                               FAMILIES["gpt2"][1], tiny_lm_batch)
+    for rank, report in enumerate(reports):
+        check_report(report, rank)
+
