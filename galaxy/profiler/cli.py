@@ -43,8 +43,10 @@ class ProfileJob:
         return family_of(self.hf.model_type)
 
     @property
-    def task(self) -> str:
-        (task,) = self.family.tasks       # the profiler builds a family's one task
+    def task_name(self) -> str:
+        """The family's one task ("classification", "causal_lm"), which the profiler builds. Not
+        `task`: galaxy.preflight reads a job's `task` as a training task (data, classes)."""
+        (task,) = self.family.tasks
         return task
 
 
@@ -126,7 +128,7 @@ def run(job: ProfileJob, env) -> None:
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
-    batch = synthetic_batch(job.task, cfg.batch_size, cfg.pad_size, job.hf.vocab_size, job.num_labels,
+    batch = synthetic_batch(job.task_name, cfg.batch_size, cfg.pad_size, job.hf.vocab_size, job.num_labels,
                             cfg.seed, env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if env.world > 1 else None
     report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),
