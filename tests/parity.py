@@ -72,16 +72,19 @@ def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
         opt.zero_grad(), ref_opt.zero_grad()
 
 
-def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5):
+def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5,
+                      task=None):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
 
+    task: the model's task (None: the family's primary one); the reference is HF_LOADERS[family]
+    or, with a task, HF_LOADERS[f"{family}/{task}"].
     Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
     """
     from galaxy.models.registry import family_of
     torch.manual_seed(0)
     group = world_group(*shares)
-    model = build_model(model_dir, plan, group, num_labels=3)
-    ref = HF_LOADERS[family](model_dir)
+    model = build_model(model_dir, plan, group, num_labels=3, task=task)
+    ref = HF_LOADERS[family if task is None else f"{family}/{task}"](model_dir)
     to_hf = family_of(family).hf_names(model.config)
     report = {"loss": []}
     for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
@@ -99,7 +102,12 @@ def hf_llama(model_dir):
     return LlamaForCausalLM.from_pretrained(model_dir).train()
 
 
-HF_LOADERS = {"bert": hf_bert, "llama": hf_llama}
+def hf_llama_classifier(model_dir):
+    from transformers import LlamaForSequenceClassification
+    return LlamaForSequenceClassification.from_pretrained(model_dir).train()
+
+
+HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "llama/classification": hf_llama_classifier}
 
 
 def check_report(report, rank, tol=1e-5):

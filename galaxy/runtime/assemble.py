@@ -25,7 +25,7 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     num_labels: classifier outputs (classification families); ignored by causal LMs.
     stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
     keeps the whole model.
-    task: "classification" | "causal_lm"; None: the family's one task.
+    task: "classification" | "causal_lm"; None: the family's first (primary) task.
     """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
