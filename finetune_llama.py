@@ -7,4 +7,5 @@ from galaxy.train.generation import add_generation_arguments, prepare_llama, run
 
 if __name__ == "__main__":
     main(preset="galaxy", prepare_fn=prepare_llama, train_fn=run_llama, add_arguments=add_generation_arguments,
-         script="finetune_llama.py")
+         script="finetune_llama.py",
+         default_config="train_config/llama/full.json", model_type="llama")

@@ -137,6 +137,12 @@ class FamilySpec:
     matmul_flops: Callable[..., dict] | None = None
     plan_comm_bytes: Callable[..., dict] | None = None
     notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors
+    # A config with shape keys and no model_path builds a randomly initialised model of the family
+    # (galaxy.models.random_init): transformers' auto class whose model is written (its own seeded
+    # init), and a tokenizer to ship with it () -> tokenizer, described for the note line.
+    random_init_class: str = "AutoModelForCausalLM"
+    default_tokenizer: Callable[[], object] | None = None
+    default_tokenizer_name: str = ""
 
     def model_class(self, task: str) -> type[GalaxyModel]:
         try:

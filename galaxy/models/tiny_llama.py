@@ -31,6 +31,11 @@ def train_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def default_tokenizer():
+    """The tiny Llama's tokenizer (2048 tokens, deterministic): randomly initialised Llamas ship it."""
+    return train_tokenizer(2048)
+
+
 def write_tiny_llama(path: str, vocab_size: int = 2048, seed: int = 0) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
