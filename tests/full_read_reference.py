@@ -45,10 +45,11 @@ def _copy_whole(model, state, family, seed) -> None:
                 missing_head.append(param)
                 continue
             raise CheckpointError(f"checkpoint has no tensor {hf!r} (for {name})")
-        if tuple(tensor.shape) != tuple(param.shape):
+        if tuple(family.from_hf(hf, tensor).shape) != tuple(param.shape):
+            need = tuple(family.from_hf(hf, param).shape)      # in the checkpoint's layout
             raise CheckpointError(f"checkpoint tensor {hf!r} has shape {tuple(tensor.shape)}, "
-                                  f"the model needs {tuple(param.shape)} (check num_labels / class_list)")
-        param.copy_(tensor)
+                                  f"the model needs {need} (check num_labels / class_list)")
+        param.copy_(family.from_hf(hf, tensor))
     gen = torch.Generator().manual_seed(seed)
     std = getattr(model.config, "initializer_range", 0.02)
     for param in missing_head:

@@ -6,12 +6,11 @@ import torch.distributed as dist
 
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.bert import HF_NAMES
-from galaxy.runtime.assemble import build_model
-from galaxy.models.weights import NameMap
+from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan
+from galaxy.runtime.assemble import build_model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -30,8 +29,11 @@ def hf_bert(model_dir):
     return BertForSequenceClassification.from_pretrained(model_dir, attn_implementation="eager").train()
 
 
-def worst_param_error(galaxy_full: dict, hf_model, grads: bool, to_hf=None) -> tuple[float, str]:
-    """Largest relative error over all parameters (or gradients), and where it is.
+def worst_param_error(galaxy_full: dict, hf_model, grads: bool, family: str = "bert") -> tuple[float, str]:
+    """Largest relative error over all parameters (or gradients), and where it is (galaxy's name).
+
+    galaxy_full: whole tensors by galaxy name, compared by Hugging Face name in Hugging Face's
+    layout (FamilySpec.hf_state: GPT-2's Conv1D weights transposed).
 
     Some gradients are exactly zero in exact arithmetic (the key bias: softmax ignores a shift
     shared by all keys), so the reference holds only rounding noise there. Each tensor's error is
@@ -40,12 +42,14 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool, to_hf=None) -> t
     1e-8 of the model's largest value (on all-MiniLM-L6-v2 the key-bias gradient is ~1e-10
     against a largest gradient of ~0.16).
     """
-    to_hf = to_hf or NameMap(HF_NAMES)
+    spec = family_of(family)
+    to_hf = spec.hf_names(hf_model.config)
     ref = {n: (p.grad if grads else p.detach()) for n, p in hf_model.named_parameters()}
     floor = 1e-3 * max(t.abs().max().item() for t in ref.values())
     worst, where = 0.0, ""
     for name, t in galaxy_full.items():
-        r = ref[to_hf(name)]
+        hf = to_hf(name)
+        t, r = spec.hf_state(hf_model.config, {name: t})[hf], ref[hf]
         err = ((t - r).abs().max() / max(r.abs().max().item(), floor)).item()
         if err > worst:
             worst, where = err, name
@@ -80,20 +84,18 @@ def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_
 
     Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
     """
-    from galaxy.models.registry import family_of
     torch.manual_seed(0)
     group = world_group(*shares)
     model = build_model(model_dir, plan, group, num_labels=3, **(build or {}))
     ref = HF_LOADERS[family](model_dir)
-    to_hf = family_of(family).hf_names(model.config)
     report = {"loss": []}
     for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
                                                 batch_fn, steps, lr):
         if step == 0:
             report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
-            report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, to_hf)
+            report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, family)
         report["loss"].append(rel_err(loss, out.loss))
-    report["weights"] = worst_param_error(gather_full(model), ref, False, to_hf)
+    report["weights"] = worst_param_error(gather_full(model), ref, False, family)
     return report
 
 
@@ -107,7 +109,12 @@ def hf_qwen2(model_dir):
     return Qwen2ForCausalLM.from_pretrained(model_dir).train()
 
 
-HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2}
+def hf_gpt2(model_dir):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(model_dir).train()
+
+
+HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2}
 
 
 def check_report(report, rank, tol=1e-5):

@@ -10,7 +10,6 @@ import torch
 from parity import HF_LOADERS, rel_err, worst_param_error
 
 from galaxy.distributed.mesh import make_mesh
-from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.runtime.runners import build_runner
 
@@ -41,7 +40,6 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
                           grad_accum_steps=o["grad_accum_steps"],
                           activation_checkpointing=o["activation_checkpointing"])
     ref = HF_LOADERS[family](model_dir)
-    to_hf = family_of(family).hf_names(ref.config)
     opt = torch.optim.SGD(runner.parameters(), lr=o["lr"])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=o["lr"])
     report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else [])}
@@ -57,12 +55,12 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
             report["logits"] = rel_err(full_sequence_logits(runner.model, logits), rows)
         loss = runner.step(local)
         if step == 0:
-            report["grad"] = worst_param_error(runner.full_state(grads=True), ref, True, to_hf)
+            report["grad"] = worst_param_error(runner.full_state(grads=True), ref, True, family)
             # HF's parameters() yields a tied weight once: the norm counts it once, as ours must.
             ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
             report["grad_norm"] = rel_err(runner.grad_norm(), ref_norm)
         report["loss"].append(rel_err(loss, out.loss))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    report["weights"] = worst_param_error(runner.full_state(), ref, False, to_hf)
+    report["weights"] = worst_param_error(runner.full_state(), ref, False, family)
     return report

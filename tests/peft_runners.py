@@ -18,10 +18,11 @@ from galaxy.runtime.assemble import build_model
 from galaxy.models.registry import family_of
 from galaxy.parallel.full_state import full_sequence_logits, gather_full
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.peft import PeftOptions, apply_peft
+from galaxy.peft import PeftOptions, apply_peft, export_peft
 from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
 from galaxy.runtime.runners import build_runner
+
 
 def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[str], r: int = 4,
                        alpha: float = 8.0, seed: int = 1) -> str:
@@ -83,6 +84,24 @@ def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_f
         report["loss"].append(rel_err(loss, out.loss))
     report["tensors"] = compare_tensors(lora_adapter_state(model), reference_tensors(ref))
     return report
+
+
+def lora_train_and_export(model_dir, adapter_dir, out_dir, merge, plan, shares, batch_fn, class_names):
+    """2 SGD steps of LoRA (from adapter_dir) under `plan`, export_peft to out_dir (merged or as a
+    peft directory); returns the logits of a held-out batch (seed 9), gathered to full length."""
+    torch.manual_seed(0)
+    group = world_group(*shares)
+    model = build_model(model_dir, plan, group, num_labels=3)
+    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
+    sync, opt = GradientSync(model, group.pg), torch.optim.SGD(trainable.values(), lr=0.1)
+    for step in range(2):
+        model(**batch_fn(seed=step))[1].backward()
+        sync()
+        opt.step(), opt.zero_grad()
+    export_peft(model, out_dir, base_model_path=model_dir, lead=group.rank == 0, merge=merge,
+                class_names=class_names)
+    with torch.no_grad():
+        return full_sequence_logits(model, model.eval()(**batch_fn(seed=9))[0])
 
 
 def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbatches: int):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainer_support import GALAXY_W2, make_workspace, step_losses, train_on_rank, write_config
+from trainer_support import GALAXY_W2, make_workspace, probe_optimizer_state, step_losses, train_on_rank, write_config
 
 from galaxy.models.build import CheckpointError
 from galaxy.train.checkpoint import latest_checkpoint, step_dir_name
@@ -53,12 +53,6 @@ def test_resume_is_exact_under_the_same_plan(dist_pool, ws, world, plan, dropout
                   **{**EXACT, "save_interval": None}, **plan)
     assert sorted(resumed) == [4, 5, 6]
     assert max_diff(full, resumed) <= 1e-6      # with dropout too: the random streams are restored
-
-
-def probe_optimizer_state(trainer):
-    """Right after a cross-plan resume: the sliced optimizer state gathers back to the saved tensors."""
-    from galaxy.train.optim_state import gather_optimizer_state
-    return trainer.job.resume.optimizer_tensors(), gather_optimizer_state(trainer.model, trainer.optimizer)[0]
 
 
 def test_galaxy_w2_checkpoint_resumes_serial_and_sp_w3(dist_pool, ws):

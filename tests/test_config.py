@@ -142,6 +142,22 @@ def test_resolve_splits_defaults_and_given(load, model_dir):
                                       "seq_scatter_list": [20, 12]}
 
 
+def test_model_shape_of_a_family_with_its_own_key_names(tmp_path):
+    """GPT-2's config.json says n_embd, n_head, n_layer, n_positions, n_inner (None: 4 x n_embd);
+    the plan checks read them under the standard names, and unsupported options fail in one line."""
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    gpt2 = {"model_type": "gpt2", "n_embd": 48, "n_head": 4, "n_layer": 2, "n_positions": 64, "n_inner": None}
+    (d / "config.json").write_text(json.dumps(gpt2))
+    shape = read_model_shape(d)
+    assert {k: shape[k] for k in ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+                                  "max_position_embeddings", "num_key_value_heads")} == \
+        {"hidden_size": 48, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 192,
+         "max_position_embeddings": 64, "num_key_value_heads": 4}
+    (d / "config.json").write_text(json.dumps({**gpt2, "reorder_and_upcast_attn": True}))
+    assert "reorder_and_upcast_attn" in error_of(read_model_shape, d)
+
+
 def test_rank_out_of_range(load):
     assert error_of(validate, load(), 2, 2) == "--rank 2 is out of range for --world 2; use 0..1"
 

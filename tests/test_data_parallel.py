@@ -3,10 +3,10 @@
 Every replica trains on its own rows only (batch 8 over dp 2: 4 rows each); DDP averages the
 gradients. 5 SGD steps against the serial Hugging Face model within 1e-5 relative: step-0 logits,
 each step's global-batch mean loss (the same on every rank), step-0 gradients and final weights
-gathered over Galaxy shards. BERT at world 2, dp 2 x Galaxy 2 at world 4, and Llama, whose
-replicas and micro-batches hold very different numbers of label tokens (the loss is weighted by
-tokens, as HF's mean over the global batch's tokens is), and Qwen2 (Llama with q/k/v biases) alike.
-DDP's bucket bytes reach the recorder.
+gathered over Galaxy shards. BERT at world 2, dp 2 x Galaxy 2 at world 4, and the causal LMs
+(Llama, Qwen2: Llama with q/k/v biases, and GPT-2), whose replicas and micro-batches hold very
+different numbers of label tokens (the loss is weighted by tokens, as HF's mean over the global
+batch's tokens is). DDP's bucket bytes reach the recorder.
 """
 import pytest
 import torch
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from parity import check_report
 from parity_runners import train_runner_and_compare
-from tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
+from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.parallel.data_parallel import split_rows
 from galaxy.parallel.plan import ParallelPlan
@@ -38,10 +38,14 @@ def test_dp2_x_galaxy2_matches_hf(dist_pool, tiny_bert_dir):
              ((4, 2), (64, 32), (7, 5)), tiny_batch)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_llama_dp2_with_accumulation_matches_hf(dist_pool, tiny_lm_dir, family):
+SERIAL = {"llama": ((8,), (96,), (TINY_SEQ,)), "qwen2": ((8,), (96,), (TINY_SEQ,)),
+          "gpt2": ((4,), (GPT2_INTERMEDIATE,), (TINY_SEQ,))}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_causal_lm_dp2_with_accumulation_matches_hf(dist_pool, tiny_lm_dir, family):
     """Replica 0 holds rows of 12, 8, 4, 2 tokens, replica 1 rows of 2 tokens; 2 micro-batches each."""
-    run_case(dist_pool(2), family, tiny_lm_dir(family), GALAXY, 2, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
+    run_case(dist_pool(2), family, tiny_lm_dir(family), GALAXY, 2, SERIAL[family], tiny_lm_batch,
              grad_accum_steps=2)
 
 

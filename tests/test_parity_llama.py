@@ -1,15 +1,19 @@
-"""Llama-shaped causal LMs under per-sub-block plans train exactly like Hugging Face's model.
+"""The decoder families (Llama, Qwen2, GPT-2) under per-sub-block plans train exactly like HF.
 
 Llama (HF LlamaForCausalLM) and Qwen2 (HF Qwen2ForCausalLM: Llama with non-zero q/k/v biases,
 sharded with their query heads / K/V groups under TP and summed under SP), tiny, with
-grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group), right padding and
-labels that ignore it. Llama: all 8 ATT x MLP x CON combinations at world 2 with uneven shares
-(whole K/V groups per TP rank; SP attention causal across shards with global rotary positions),
-three plans at world 3, tied embeddings under both CON methods, and serial. Qwen2, whose
-difference is in ATT only: four plans at world 2 that pair each ATT and each MLP method with both
-CON methods, the galaxy and sp plans at world 3, tied embeddings and serial. Each: logits, loss,
-every gathered gradient, 5 SGD steps' losses and the final gathered weights within 1e-5
-relative (fp32). Qwen2's sliding-window layers are refused.
+grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group); tiny GPT-2 (4 heads,
+fused Q/K/V c_attn stored as Conv1D [in, out], biases and LayerNorms away from their initial
+values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels that ignore it.
+Llama and GPT-2: all 8 ATT x MLP x CON combinations at world 2 with uneven shares (Llama: whole
+K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three column ranges of
+HF's tensor; SP attention causal across shards with global positions), three plans at world 3,
+and serial; Llama's tied embeddings under both CON methods (GPT-2's are always tied); GPT-2 with
+scale_attn_by_inverse_layer_idx under the Galaxy plan. Qwen2, whose difference is in ATT only:
+four plans at world 2 that pair each ATT and each MLP method with both CON methods, the galaxy
+and sp plans at world 3, tied embeddings and serial. Each: logits, loss, every gathered
+gradient, 5 SGD steps' losses and the final gathered weights within 1e-5 relative (fp32).
+Qwen2's sliding-window layers are refused.
 """
 import itertools
 
@@ -17,19 +21,29 @@ import pytest
 import torch
 
 from parity import check_report, hf_qwen2, rel_err, train_and_compare
-from tiny_models import TINY_SEQ, tiny_lm_batch
+from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
+from galaxy.runtime.assemble import build_model
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 QWEN2_COMBOS = [("TP", "SP", "SP"), ("SP", "TP", "SP"), ("TP", "TP", "None"), ("SP", "SP", "None")]
 UNEVEN_2 = ((6, 2), (64, 32), (7, 5))          # query heads, MLP columns, tokens
 UNEVEN_3 = ((4, 2, 2), (40, 32, 24), (5, 4, 3))
-WORLD2 = [("llama", *c) for c in COMBOS] + [("qwen2", *c) for c in QWEN2_COMBOS]
-WORLD3 = [("llama", "TP", "TP", "SP"), ("llama", "SP", "SP", "SP"), ("llama", "TP", "SP", "None"),
-          ("qwen2", "TP", "TP", "SP"), ("qwen2", "SP", "SP", "SP")]
+SERIAL = ((8,), (96,), (TINY_SEQ,))
+# family -> shares at world 2, at world 3, serial (GPT-2: 4 heads, MLP 4 x 48)
+SHARES = {
+    "llama": (UNEVEN_2, UNEVEN_3, SERIAL),
+    "qwen2": (UNEVEN_2, UNEVEN_3, SERIAL),
+    "gpt2": (((3, 1), (120, 72), (7, 5)), ((2, 1, 1), (64, 64, 64), (5, 4, 3)),
+             ((4,), (GPT2_INTERMEDIATE,), (TINY_SEQ,))),
+}
+WORLD3_PLANS = [("TP", "TP", "SP"), ("SP", "SP", "SP"), ("TP", "SP", "None")]
+WORLD2 = ([("llama", *c) for c in COMBOS] + [("qwen2", *c) for c in QWEN2_COMBOS]
+          + [("gpt2", *c) for c in COMBOS])
+WORLD3 = ([("llama", *c) for c in WORLD3_PLANS] + [("qwen2", "TP", "TP", "SP"), ("qwen2", "SP", "SP", "SP")]
+          + [("gpt2", *c) for c in WORLD3_PLANS])
 
 
 def plan_id(family, att, mlp, con):
@@ -43,14 +57,14 @@ def check(reports):
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD2, ids=[plan_id(*c) for c in WORLD2])
 def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con):
-    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con), UNEVEN_2,
-                           tiny_lm_batch))
+    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+                           SHARES[family][0], tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD3, ids=[plan_id(*c) for c in WORLD3])
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
-    check(dist_pool(3).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con), UNEVEN_3,
-                           tiny_lm_batch))
+    check(dist_pool(3).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+                           SHARES[family][1], tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])
@@ -59,10 +73,18 @@ def test_tied_embeddings_match_hf(dist_pool, tiny_lm_dir, family, con):
                            ParallelPlan("TP", "TP", con), UNEVEN_2, tiny_lm_batch))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
     check(dist_pool(1).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(),
-                           ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch))
+                           SHARES[family][2], tiny_lm_batch))
+
+
+def test_gpt2_attention_scaled_by_inverse_layer_index_matches_hf(dist_pool, tiny_lm_dir):
+    """scale_attn_by_inverse_layer_idx: layer i's scores also divided by i + 1, as HF does.
+    initializer_range 0.2: scores large enough that the scaling moves the logits ~10%."""
+    model_dir = tiny_lm_dir("gpt2", scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
+    check(dist_pool(2).run(train_and_compare, "gpt2", model_dir, ParallelPlan.preset("galaxy"),
+                           SHARES["gpt2"][0], tiny_lm_batch))
 
 
 def _serial_qwen2(model_dir):

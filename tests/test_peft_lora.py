@@ -6,9 +6,11 @@ projections). Under all 8 per-sub-block plans at world 2 with uneven shares, ser
 (dp 2) and PP (pp 2, 1f1b), for BERT and Llama (Qwen2, Llama with q/k/v biases: the Galaxy
 plan and pp 2), the loss of each of 5 SGD steps and, at the end, every tensor peft
 would save (lora_A, lora_B, the classifier; gathered to full shape) match peft within 1e-5
-relative. Frozen weights get no gradient and no optimizer state. The exported directory loads
-with PeftModel.from_pretrained and gives galaxy's logits; merge_lora gives a plain HF checkpoint
-with the same logits.
+relative. GPT-2 likewise under the Galaxy plan with heads 3 / 1, LoRA on its Conv1D projections
+(c_attn: B's rows sharded per q, k and v block; c_proj; c_fc) from a peft directory peft wrote
+(fan_in_fan_out true). Frozen weights get no gradient and no optimizer state. The exported
+directory loads with PeftModel.from_pretrained and gives galaxy's logits; merge_lora gives a plain
+HF checkpoint with the same logits (BERT, and GPT-2 with its weights transposed back to Conv1D).
 """
 import itertools
 import json
@@ -16,14 +18,14 @@ import json
 import pytest
 import torch
 
-from parity import hf_bert, rel_err, world_group
-from peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, write_peft_adapter
+from parity import HF_LOADERS, rel_err
+from peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, lora_train_and_export, write_peft_adapter
 from tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan
-from galaxy.peft import PeftOptions, apply_peft, export_peft
+from galaxy.peft import PeftOptions, apply_peft
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 UNEVEN_2 = ((4, 2), (64, 32), (7, 5))          # tiny BERT: 6 heads, 96 columns, 12 tokens
@@ -66,75 +68,89 @@ def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp):
         check(report, rank)
 
 
+# Decoder families: (tiny model overrides, LoRA targets: every attention and MLP projection but
+# Llama's gate, so that column-parallel, fused and row-parallel ones are all adapted, uneven
+# Galaxy shares at world 2).
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+DECODERS = {
+    "llama": (dict(num_hidden_layers=3), LLAMA_TARGETS, ((6, 2), (64, 32), (7, 5))),
+    "qwen2": (dict(num_hidden_layers=3), LLAMA_TARGETS, ((6, 2), (64, 32), (7, 5))),
+    "gpt2": ({}, ["c_attn", "c_proj", "c_fc"], ((3, 1), (120, 72), (7, 5))),
+}
+
+
 @pytest.fixture(scope="module")
-def llama_lora(tiny_lm_dir, tmp_path_factory):
-    """llama_lora(family) -> (tiny 3-layer model of that Llama-shaped family, a peft adapter on
-    every attention and MLP projection but gate), written once per family."""
+def decoder_lora(tiny_lm_dir, tmp_path_factory):
+    """decoder_lora(family) -> (tiny model directory, a peft adapter on DECODERS' targets), made
+    once per family."""
     made = {}
 
     def get(family):
         if family not in made:
-            model_dir = tiny_lm_dir(family, num_hidden_layers=3)
+            overrides, targets, _ = DECODERS[family]
+            model_dir = tiny_lm_dir(family, **overrides)
             made[family] = model_dir, write_peft_adapter(
-                family, model_dir, str(tmp_path_factory.mktemp(f"{family}_lora")),
-                ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
+                family, model_dir, str(tmp_path_factory.mktemp(f"{family}_lora")), targets)
         return made[family]
     return get
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_llama_galaxy_matches_peft(dist_pool, llama_lora, family):
-    reports = dist_pool(2).run(lora_plan_vs_peft, family, *llama_lora(family), ParallelPlan.preset("galaxy"),
-                               ((6, 2), (64, 32), (7, 5)), tiny_lm_batch)
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
+    reports = dist_pool(2).run(lora_plan_vs_peft, family, *decoder_lora(family), ParallelPlan.preset("galaxy"),
+                               DECODERS[family][2], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 
 
 @pytest.mark.parametrize("family,pp,dp", [("llama", 1, 2), ("llama", 2, 1), ("qwen2", 2, 1)],
                          ids=["llama-dp2", "llama-pp2", "qwen2-pp2"])
-def test_llama_mesh_matches_peft(dist_pool, llama_lora, family, pp, dp):
+def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp):
     """Causal LM: the loss weighted by label tokens across replicas and micro-batches."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *llama_lora(family), ParallelPlan(), pp, dp,
+    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *decoder_lora(family), ParallelPlan(), pp, dp,
                                ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 
 
-def train_and_export(model_dir, adapter_dir, out_dir, merge):
-    """2 SGD steps under the Galaxy plan, export; returns the logits of a held-out batch."""
-    torch.manual_seed(0)
-    group = world_group(*UNEVEN_2)
-    model = build_model(model_dir, ParallelPlan.preset("galaxy"), group, num_labels=3)
-    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
-    from galaxy.parallel.grad_sync import GradientSync
-    sync, opt = GradientSync(model, group.pg), torch.optim.SGD(trainable.values(), lr=0.1)
-    for step in range(2):
-        model(**tiny_batch(seed=step))[1].backward()
-        sync()
-        opt.step(), opt.zero_grad()
-    export_peft(model, out_dir, base_model_path=model_dir, lead=group.rank == 0, merge=merge,
-                class_names=["a", "b", "c"])
-    with torch.no_grad():
-        return model.eval()(**tiny_batch(seed=9))[0]
+@pytest.fixture
+def exported(request, dist_pool, decoder_lora, tiny_bert_dir, tmp_path):
+    """export(family, merge) -> (model directory, export directory, galaxy's held-out logits,
+    held-out batch): 2 LoRA steps under the Galaxy plan at world 2, exported by export_peft."""
+    def export(family, merge):
+        if family == "bert":
+            model_dir, adapter = tiny_bert_dir, request.getfixturevalue("adapter_dir")
+            shares, batch_fn, classes = UNEVEN_2, tiny_batch, ["a", "b", "c"]
+        else:
+            model_dir, adapter = decoder_lora(family)
+            shares, batch_fn, classes = DECODERS[family][2], tiny_lm_batch, None
+        out = str(tmp_path / family)
+        logits = dist_pool(2).run(lora_train_and_export, model_dir, adapter, out, merge, ParallelPlan.preset("galaxy"),
+                                  shares, batch_fn, classes)[0]
+        return model_dir, out, logits, {k: v for k, v in batch_fn(seed=9).items() if k != "labels"}
+    return export
 
 
-def test_export_loads_in_peft(dist_pool, tiny_bert_dir, adapter_dir, tmp_path):
+@pytest.mark.parametrize("family,task", [("bert", "SEQ_CLS"), ("gpt2", "CAUSAL_LM")])
+def test_export_loads_in_peft(exported, family, task):
     from peft import PeftModel
-    logits = dist_pool(2).run(train_and_export, tiny_bert_dir, adapter_dir, str(tmp_path / "out"), False)[0]
-    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
-    assert (config["peft_type"], config["task_type"], config["r"]) == ("LORA", "SEQ_CLS", 4)
-    ref = PeftModel.from_pretrained(hf_bert(tiny_bert_dir), str(tmp_path / "out")).eval()
+    model_dir, out, logits, batch = exported(family, False)
+    config = json.loads(open(f"{out}/adapter_config.json").read())
+    assert (config["peft_type"], config["task_type"], config["r"]) == ("LORA", task, 4)
+    assert config["fan_in_fan_out"] == (family == "gpt2")       # GPT-2's projections are Conv1D
+    ref = PeftModel.from_pretrained(HF_LOADERS[family](model_dir), out).eval()
     with torch.no_grad():
-        assert rel_err(logits, ref(**tiny_batch(seed=9)).logits) < TOL
+        assert rel_err(logits, ref(**batch).logits) < TOL
 
 
-def test_merged_export_is_a_plain_hf_checkpoint(dist_pool, tiny_bert_dir, adapter_dir, tmp_path):
-    from transformers import BertForSequenceClassification
-    logits = dist_pool(2).run(train_and_export, tiny_bert_dir, adapter_dir, str(tmp_path / "merged"), True)[0]
-    assert not (tmp_path / "merged" / "adapter_config.json").exists()
-    ref = BertForSequenceClassification.from_pretrained(str(tmp_path / "merged")).eval()
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_merged_export_is_a_plain_hf_checkpoint(exported, family):
+    import os
+    _, out, logits, batch = exported(family, True)
+    assert not os.path.exists(f"{out}/adapter_config.json")
+    ref = HF_LOADERS[family](out).eval()
     with torch.no_grad():
-        assert rel_err(logits, ref(**tiny_batch(seed=9)).logits) < TOL
+        assert rel_err(logits, ref(**batch).logits) < TOL
 
 
 def serial_model(model_dir, **options):
@@ -174,6 +190,10 @@ def test_refuses_adapters_it_cannot_compute(tiny_bert_dir, adapter_dir, tmp_path
     config = json.loads((bad / "adapter_config.json").read_text())
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora"):
+        serial_model(tiny_bert_dir, lora_path=str(bad))
+    # fan_in_fan_out is for projections stored [in, out] (GPT-2's Conv1D); BERT's are [out, in].
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}))
+    with pytest.raises(ValueError, match="fan_in_fan_out = true"):
         serial_model(tiny_bert_dir, lora_path=str(bad))
     with pytest.raises(ValueError, match="match no projection"):
         serial_model(tiny_bert_dir, lora_target_modules=["q_proj"])

@@ -6,8 +6,8 @@ gathered over stages and Galaxy shards, the step-0 gradients and the final weigh
 serial Hugging Face model within 1e-5 relative (fp32, dropout 0): world 2 and 3 with uneven
 stages under both schedules, pp 2 x Galaxy 2 (world 4), Llama (token-weighted loss over
 micro-batches of very different token counts) at world 2 (and Qwen2, Llama with q/k/v biases),
-and Llama at pp 2 x dp 2 (world 4);
-Llama with tied embeddings split across the ends (pp 2, pp 2 x dp 2, pp 3). The stage split and
+and Llama at pp 2 x dp 2 (world 4); Llama with tied embeddings split across the ends (pp 2,
+pp 2 x dp 2, pp 3), and GPT-2 (its LM head always tied to wte) at pp 2. The stage split and
 pruning are checked alone.
 """
 import pytest
@@ -15,7 +15,7 @@ import torch
 
 from parity import check_report
 from parity_runners import train_runner_and_compare
-from tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
+from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
@@ -77,22 +77,24 @@ def test_llama_world2_matches_hf(dist_pool, tiny_lm_dir, family, schedule):
              tiny_lm_batch, schedule=schedule, stage_layers=[2, 1])
 
 
-@pytest.fixture(scope="module")
-def tied_llama3_dir(tmp_path_factory):
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tied_llama3")), num_hidden_layers=3,
-                           tie_word_embeddings=True)
+# family -> (tiny 3-layer model with its LM head tied to the embeddings, serial shares)
+TIED = {"llama": (dict(num_hidden_layers=3, tie_word_embeddings=True), ((8,), (96,), (TINY_SEQ,))),
+        "gpt2": (dict(n_layer=3), ((4,), (GPT2_INTERMEDIATE,), (TINY_SEQ,)))}
 
 
-@pytest.mark.parametrize("pp,dp,stages", [(2, 1, [2, 1]), (2, 2, [2, 1]), (3, 1, [1, 1, 1])])
-def test_tied_embeddings_across_stages_match_hf(dist_pool, tied_llama3_dir, pp, dp, stages):
+@pytest.mark.parametrize("family,pp,dp,stages", [("llama", 2, 1, [2, 1]), ("llama", 2, 2, [2, 1]),
+                                                 ("llama", 3, 1, [1, 1, 1]), ("gpt2", 2, 1, [1, 2])],
+                         ids=["llama-pp2", "llama-pp2-dp2", "llama-pp3", "gpt2-pp2"])
+def test_tied_embeddings_across_stages_match_hf(dist_pool, tiny_lm_dir, family, pp, dp, stages):
     """The embedding (stage 0) and LM head (last stage) copies of the tied weight get the sum of
     both gradients, so they step as HF's one weight does.
 
     lr 0.1, not the suite's 0.5: at 0.5 SGD on the tied tiny Llama amplifies fp32 rounding, so
     that even galaxy's single-process model (no pipeline, one tied tensor) ends 5 steps 5e-5 away
     from HF. At 0.1 pipeline and single-process runs alike stay near 2e-7."""
-    run_case(dist_pool(pp * dp), "llama", tied_llama3_dir, GALAXY, pp, ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch,
-             dp=dp, stage_layers=stages, lr=0.1)
+    overrides, serial = TIED[family]
+    run_case(dist_pool(pp * dp), family, tiny_lm_dir(family, **overrides), GALAXY, pp, serial, tiny_lm_batch, dp=dp,
+             stage_layers=stages, lr=0.1)
 
 
 def test_pp2_x_dp2_llama_matches_hf(dist_pool, llama3_dir):

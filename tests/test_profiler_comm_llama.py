@@ -1,4 +1,5 @@
-"""Llama's communication under parallel plans, measured by the profiler, against its closed form.
+"""Llama's and GPT-2's communication under parallel plans, measured by the profiler, against their
+closed forms.
 
 The CommRecorder counts the collectives each rank really issues in one training step (forward,
 backward, gradient sync); galaxy.models.closed_form.llama_plan_comm_bytes derives them from the
@@ -12,6 +13,9 @@ The tiny Llama has hidden size 48, grouped-query attention, 12 query heads shari
 (3 per group), and head_dim 10 (not hidden / heads = 4): the K/V width SP attention gathers,
 2 x 4 x 10 = 80, differs from the hidden size, the query width (12 x 10 = 120), 2 x hidden (96)
 and the ungrouped 2 x 12 x 10 = 240, so a closed form that used any of those would fail.
+
+The tiny GPT-2 (4 heads of 12, hidden 48, LayerNorms with biases, fused c_attn, tied LM head) under
+four plans at world 2, heads 3 / 1: galaxy.models.closed_form.gpt2_plan_comm_bytes.
 """
 import itertools
 import json
@@ -19,10 +23,11 @@ import json
 import pytest
 import torch.distributed as dist
 
-from tiny_models import TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
+from tiny_models import GPT2_INTERMEDIATE, TINY_GPT2, TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config
+from galaxy.models.closed_form import gpt2_plan_comm_bytes
 from galaxy.models.registry import family_of
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
@@ -171,3 +176,23 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
     reports = dist_pool(2).run(profile_rank, llama_dir, plan, SHARES[2])
     text = render(reports, job, 1, expected)
     assert "matches every rank" in text and "DIFFERS" not in text
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tiny_lm_dir):
+    return tiny_lm_dir("gpt2")
+
+
+@pytest.mark.parametrize("plan", [ParallelPlan("TP", "TP", "SP"), ParallelPlan("SP", "SP", "SP"),
+                                  ParallelPlan("TP", "TP", "None"), ParallelPlan("SP", "TP", "None")],
+                         ids=["galaxy", "sp", "tp", "attSP-mlpTP-conNone"])
+def test_gpt2_world2_uneven(dist_pool, gpt2_dir, plan):
+    """SP attention gathers K and V, [b, s, 2 x 48]; the sum rule covers LayerNorm biases too."""
+    shares = ((3, 1), (120, 72), (7, 5))
+    expected = gpt2_plan_comm_bytes(plan, seq_shares=shares[2], batch=B, hidden=TINY_GPT2["n_embd"],
+                                    layers=TINY_GPT2["n_layer"], intermediate=GPT2_INTERMEDIATE,
+                                    vocab=TINY_GPT2["vocab_size"])
+    assert expected
+    for r in dist_pool(2).run(profile_rank, gpt2_dir, plan, shares):
+        assert r.comm["by_kind"] == expected, f"rank {r.rank}"
+

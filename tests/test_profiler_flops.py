@@ -1,5 +1,6 @@
-"""The profiler's counts, serial: closed forms for BERT, Llama (grouped-query attention) and Qwen2,
-the attention formula torch lacks on CPU, attribution per module, saved bytes, latency nesting, JSON.
+"""The profiler's counts, serial: closed forms for BERT, Llama (grouped-query attention), Qwen2 and
+GPT-2, the attention formula torch lacks on CPU, attribution per module, saved bytes, latency
+nesting, JSON.
 
 Every FLOP figure is compared exactly (integers), with 2 FLOPs per multiply-add.
 """
@@ -11,15 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
+from tiny_models import GPT2_INTERMEDIATE, TINY_BERT, TINY_GPT2, TINY_SEQ, make_tiny_gpt2, tiny_batch
 
 from galaxy.distributed import collectives
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.runtime.assemble import build_model
+from galaxy.models.closed_form import gpt2_matmul_flops
 from galaxy.models.registry import FAMILIES
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.profiler import CommRecorder, bert_matmul_flops, llama_matmul_flops, profile_model
 from galaxy.profiler.formulas import Formulas
+from galaxy.runtime.assemble import build_model
 
 B = 4
 TINY_LLAMA_GQA = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -147,6 +149,23 @@ def test_llama_gqa_matches_closed_form_galaxy(tiny_llama_dir, tmp_path, family):
     mlp = [s for s in report.sub_blocks if s.kind == "MLP"]
     assert {s.fwd_flops for s in att} == {per_layer["q"] + per_layer["kv"] + per_layer["attention"] + per_layer["o"]}
     assert {s.fwd_flops for s in mlp} == {per_layer["mlp"]}
+
+
+def test_gpt2_matches_closed_form_galaxy(tmp_path):
+    """Fused c_attn counts as Llama's q + kv (K/V heads = heads); the tied LM head scores every position."""
+    t = TINY_GPT2
+    model_dir = make_tiny_gpt2(str(tmp_path))
+    model = build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(t["n_head"], GPT2_INTERMEDIATE, 16), dropout=0.0)
+    report = profile_model(model, lm_batch(16), repeats=0)
+    expected = gpt2_matmul_flops(batch=B, seq=16, hidden=t["n_embd"], layers=t["n_layer"], heads=t["n_head"],
+                                 intermediate=GPT2_INTERMEDIATE, vocab=t["vocab_size"])
+    assert report.totals.fwd_flops == expected["total"]
+    assert report.totals.bwd_flops == 2 * expected["total"]
+    assert FAMILIES["gpt2"].matmul_flops(model.config, B, 16) == expected      # what profile_flops.py checks
+    per_layer = {k: v // t["n_layer"] for k, v in expected.items()}
+    assert {s.fwd_flops for s in report.sub_blocks if s.kind == "ATT"} == {
+        per_layer["q"] + per_layer["kv"] + per_layer["attention"] + per_layer["o"]}
+    assert {s.fwd_flops for s in report.sub_blocks if s.kind == "MLP"} == {per_layer["mlp"]}
 
 
 class _ThreeOps(nn.Module):

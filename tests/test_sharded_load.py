@@ -2,10 +2,12 @@
 
 Against tests/full_read_reference.py (full model, whole checkpoint, then plan slicing and stage
 pruning): every parameter and buffer torch.equal, same gradient rules, the default random stream
-untouched, for BERT and Llama (grouped-query attention, untied and tied) under the tp, sp, galaxy
-and galaxy2 presets at world 2 with uneven shares, whole and as either stage of a 2-stage split
-([2, 1] of 3 layers); from a bare base-model checkpoint (new head), from sharded safetensors and
-pytorch_model.bin checkpoints (*.index.json) and a legacy .bin. Error messages are the old
+untouched, for BERT, Llama (grouped-query attention, untied and tied) and GPT-2 (fused Q/K/V
+stored as Conv1D [in, out]: a rank's c_attn share is three column ranges of the checkpoint's
+tensor, read transposed) under the tp, sp, galaxy and galaxy2 presets at world 2 with uneven
+shares, whole and as either stage of a 2-stage split ([2, 1] of 3 layers); from a bare base-model
+checkpoint (new head), from sharded safetensors and pytorch_model.bin checkpoints (*.index.json)
+and a legacy .bin. Error messages are the old
 ones, on every pipeline stage. A recording safe_open shows each rank asks for its share plus
 the replicated tensors, a stage for its own layers, a tied weight once, in row chunks.
 """
@@ -23,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from full_read_reference import full_read_build
 from parity import world_group
-from tiny_models import TINY_BERT, TINY_SEQ, make_tiny_bert, make_tiny_llama
+from tiny_models import TINY_BERT, TINY_SEQ, make_tiny_bert, make_tiny_gpt2, make_tiny_llama
 
 import galaxy.models.weights as weights
 from galaxy.distributed.group import GalaxyGroup
@@ -68,8 +70,8 @@ def _compare(model_dir, plan, group, num_labels, stage):
             "buffer_names_equal": sorted(ref_buffers) == sorted(dict(new.named_buffers())),
             "rules_equal": new.attached.rules == ref.attached.rules,
             "rng_untouched": torch.equal(rng, torch.get_rng_state()),
-            "tied": hasattr(new, "lm_head") and hasattr(new, "embed_tokens")
-            and new.lm_head.weight is new.embed_tokens.weight}
+            "tied": hasattr(new, "lm_head") and any(new.lm_head.weight is m.weight for m in new.modules()
+                                                    if isinstance(m, torch.nn.Embedding))}
 
 
 def check(reports, expect_shapes=None):
@@ -170,6 +172,43 @@ def test_tied_llama_matches_full_read(dist_pool, tmp_path):
     reports = dist_pool(2).run(compare_builds, model_dir, ("galaxy",), LLAMA_SHARES, None, (WHOLE, FIRST, LAST))
     check(reports)
     assert all(r[0]["tied"] for r in reports)
+
+
+GPT2_SHARES = ((3, 1), (120, 72), (7, 5))       # 4 heads of 12, 192 MLP columns, 12 tokens
+
+
+@pytest.fixture(scope="module")
+def gpt2_3_dir(tmp_path_factory):
+    return make_tiny_gpt2(str(tmp_path_factory.mktemp("gpt2_3")), n_layer=3)
+
+
+def test_gpt2_fused_conv1d_matches_full_read(dist_pool, gpt2_3_dir):
+    """The tied LM head on the last stage reads wte; c_attn rows are each rank's q, k and v rows."""
+    reports = dist_pool(2).run(compare_builds, gpt2_3_dir, PRESETS, GPT2_SHARES, None, (WHOLE, FIRST, LAST))
+    check(reports, {0: {"layers.0.att.c_attn.weight": (3 * 36, 48), "layers.0.att.c_attn.bias": (108,),
+                        "layers.0.att.c_proj.weight": (48, 36), "layers.1.mlp.c_fc.weight": (120, 48),
+                        "layers.1.mlp.c_proj.weight": (48, 120)},
+                    1: {"layers.2.att.c_attn.weight": (3 * 12, 48), "layers.2.mlp.c_fc.bias": (72,)}})
+    assert all(r[0]["tied"] for r in reports)
+    assert stage_names(reports[0][:3])[1:] == [
+        ["first_norm", "layers.0", "layers.1", "wpe", "wte"], ["layers.2", "lm_head"]]
+
+
+def test_gpt2_rank_reads_its_heads_of_each_block(monkeypatch, gpt2_3_dir):
+    """c_attn [48, 144] on disk: a rank reads its heads' columns of the q, k and v thirds (3 reads);
+    the two ranks' reads partition every sharded tensor; galaxy's rows are HF's columns."""
+    full = load_file(os.path.join(gpt2_3_dir, "model.safetensors"))
+    plan = ParallelPlan.preset("galaxy")
+    builds = [recorded_build(monkeypatch, gpt2_3_dir, plan, fake_group(r, GPT2_SHARES)) for r in (0, 1)]
+    key = "transformer.h.1.attn.c_attn.weight"
+    assert [rec.reads[key] for _, rec in builds] == [3, 3]
+    assert [rec.elements[key] for _, rec in builds] == [48 * 3 * 36, 48 * 3 * 12]
+    for model, rec in builds:
+        assert sum(rec.elements.values()) == sum(p.numel() for p in model.parameters())
+    (m0, _), (m1, _) = builds
+    w = full[key].t()                                                # [q; k; v] rows, 48 each
+    assert torch.equal(m0.layers[1].att.c_attn.weight, torch.cat([w[0:36], w[48:84], w[96:132]]))
+    assert torch.equal(m1.layers[1].att.c_attn.weight, torch.cat([w[36:48], w[84:96], w[132:144]]))
 
 
 def test_new_head_from_base_checkpoint_matches_full_read(dist_pool, bare_bert3_dir):

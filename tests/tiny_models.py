@@ -66,8 +66,6 @@ def _save_tiny_lm(make_model, path: str, seed: int) -> str:
     return path
 
 
-# The causal LMs of the Llama family's shape (galaxy.models.llama and the families reusing it).
-MAKE_TINY_LM = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2}
 
 
 def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128):
@@ -80,3 +78,28 @@ def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 1
     ids[mask == 0] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+TINY_GPT2 = dict(vocab_size=128, n_embd=48, n_layer=2, n_head=4, n_inner=None, n_positions=64,
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+GPT2_INTERMEDIATE = 4 * TINY_GPT2["n_embd"]     # n_inner None: 4 x n_embd
+
+
+def make_tiny_gpt2(path: str, seed: int = 0, **overrides) -> str:
+    """4 heads of 12 (hidden 48), MLP 192, LM head tied to wte (GPT-2's default)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**{**TINY_GPT2, **overrides}))
+    # Non-trivial biases (HF initialises them to 0) and LayerNorm weights, so that every gradient
+    # rule and every fused Q/K/V bias slice is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+# The tiny causal LMs by family (conftest's tiny_lm_dir). Llama and Qwen2 share TINY_LLAMA's shape
+# (and key names, so overrides such as num_hidden_layers serve both); GPT-2's is TINY_GPT2.
+MAKE_TINY_LM = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gpt2": make_tiny_gpt2}

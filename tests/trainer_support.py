@@ -78,6 +78,13 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     return summary, early, (after(trainer) if after is not None else None)
 
 
+def probe_optimizer_state(trainer):
+    """Right after a cross-plan resume: (the saved optimizer tensors, the sliced state gathered
+    back); a `before` function for train_on_rank."""
+    from galaxy.train.optim_state import gather_optimizer_state
+    return trainer.job.resume.optimizer_tensors(), gather_optimizer_state(trainer.model, trainer.optimizer)[0]
+
+
 def step_losses(metrics_file: str) -> dict[int, float]:
     """{step: loss} of the step records (later records win, as after a resume)."""
     from galaxy.train.metrics import read_metrics

@@ -42,10 +42,12 @@ def bert_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, interme
 
 
 def llama_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                       intermediate: int, vocab: int, head_dim: int | None = None) -> dict[str, int]:
+                       intermediate: int, vocab: int, head_dim: int | None = None,
+                       mlp_matrices: int = 3) -> dict[str, int]:
     """Llama causal LM (grouped-query attention, SwiGLU, LM head on every position).
 
     Attention is dense: causal masking does not reduce the count (the report says so).
+    mlp_matrices: the MLP's [H, I] products, 3 for SwiGLU (gate, up, down), 2 for GPT-2's.
     """
     d = head_dim or hidden // heads
     bs = batch * seq
@@ -54,12 +56,20 @@ def llama_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads:
         "kv": 2 * 2 * bs * hidden * kv_heads * d,
         "attention": 2 * 2 * batch * heads * seq * seq * d,   # query heads: K/V are shared, not fewer products
         "o": 2 * bs * heads * d * hidden,
-        "mlp": 3 * 2 * bs * hidden * intermediate,            # gate, up, down
+        "mlp": mlp_matrices * 2 * bs * hidden * intermediate,  # gate, up, down (or up, down)
     }
     parts = {k: layers * v for k, v in per_layer.items()}
     parts["lm_head"] = 2 * bs * hidden * vocab
     parts["total"] = sum(parts.values())
     return parts
+
+
+def gpt2_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, intermediate: int,
+                      vocab: int) -> dict[str, int]:
+    """GPT-2 causal LM: Llama's count with plain multi-head attention (c_attn's Q third is "q",
+    its K and V thirds "kv", c_proj "o") and a two-matrix MLP (c_fc, c_proj)."""
+    return llama_matmul_flops(batch=batch, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=heads,
+                              intermediate=intermediate, vocab=vocab, mlp_matrices=2)
 
 
 def bert_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> int:
@@ -214,6 +224,37 @@ def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: 
                            element_size=element_size)
 
 
+def gpt2_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> int:
+    """Elements of GPT-2's gradients summed over the group (GradientSync's one all-reduce).
+
+    Per layer the sub-blocks hold what BERT's do (bert_sum_param_numel): CON SP: two LayerNorms
+    (ln_2 in CON1, the next ln_1 or ln_f in CON2, weight and bias: 2 x 2H) and the two deferred
+    c_proj biases (2H); ATT SP: c_attn [3H, H] and its bias 3H, c_proj [H, H]; MLP SP: c_fc [I, H]
+    and its bias I, c_proj [H, I]. Plus, under CON SP, the first layer's ln_1 before the first
+    block (`first_norm`, 2H). The embeddings and the tied LM head are not summed here.
+    """
+    n = bert_sum_param_numel(plan, hidden=hidden, layers=layers, intermediate=intermediate, group_size=group_size)
+    return n + (2 * hidden if plan.con == "SP" and group_size > 1 else 0)
+
+
+def gpt2_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int, vocab: int,
+                         element_size: int = 4) -> dict:
+    """GPT-2 causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    The same transitions as Llama's (llama_plan_comm_bytes: the residual stream never leaves the
+    CON layout; the head runs on it, so under CON SP the LM head weight's gradient [vocab, H] and
+    the loss are all-reduced instead of gathering activations), with plain multi-head attention:
+    SP attention gathers K and V as one tensor [b, s, 2H] (kv_features = 2H). Gradient sync:
+    gpt2_sum_param_numel.
+    """
+    n = len(seq_shares)
+    return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                           kv_features=2 * hidden, exit_tokens=None, head_all_reduces=(vocab * hidden, 1),
+                           sum_param_numel=gpt2_sum_param_numel(plan, hidden=hidden, layers=layers,
+                                                                intermediate=intermediate, group_size=n),
+                           element_size=element_size)
+
+
 def human_check(measured: int, expected: int) -> str:
     """'exact' or the relative difference, for printing."""
     if measured == expected:
@@ -254,3 +295,16 @@ def qwen2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
     """Qwen2 is Llama with q/k/v biases and no o_proj or MLP bias (galaxy.models.qwen2); its
     matmul FLOPs are Llama's (llama_flops_of: a bias adds no matrix product)."""
     return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True)
+
+
+def _gpt2_shape(cfg) -> dict:
+    from galaxy.models.gpt2 import inner_size
+    return dict(hidden=cfg.n_embd, layers=cfg.n_layer, intermediate=inner_size(cfg), vocab=cfg.vocab_size)
+
+
+def gpt2_flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return gpt2_matmul_flops(batch=batch, seq=seq, heads=cfg.n_head, **_gpt2_shape(cfg))
+
+
+def gpt2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+    return gpt2_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_gpt2_shape(cfg))

@@ -121,6 +121,9 @@ class FamilySpec:
 
     hf_names(cfg) returns a function galaxy parameter name -> Hugging Face name; the same map
     reads checkpoints, writes exports and checkpoints, and names LoRA tensors in peft's format.
+    Galaxy holds every projection as nn.Linear, weight [out, in]; a Hugging Face tensor named in
+    hf_transposed is stored [in, out] (GPT-2's Conv1D), and every read and write of Hugging Face
+    tensors goes through hf_layout / hf_state, which transpose exactly those.
     """
     name: str
     model_types: tuple[str, ...]                 # Hugging Face config.model_type values it reads
@@ -128,7 +131,7 @@ class FamilySpec:
     hf_names: Callable[[object], Callable[[str], str]]
     hf_base_prefix: str = ""                     # prefix a bare base-model checkpoint lacks
     hf_head_params: tuple[str, ...] = ()         # galaxy names a checkpoint may lack (new task head)
-    hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): name suffixes
+    hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): HF-name suffixes
     lora_targets: tuple[str, ...] = ()           # peft's default target_modules for the family
     padding_side: str = "right"                  # the tokenizer's padding side galaxy trains with
     # The profiler's closed forms (galaxy.models.closed_form): matmul FLOPs of one forward pass,
@@ -137,6 +140,36 @@ class FamilySpec:
     matmul_flops: Callable[..., dict] | None = None
     plan_comm_bytes: Callable[..., dict] | None = None
     notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors
+    # The sizes galaxy.config's plan checks read, from the raw config.json dict, for a family
+    # whose config names them otherwise (GPT-2's n_embd, n_head, n_inner, ...): raw -> {hidden_size,
+    # num_attention_heads, intermediate_size, num_hidden_layers, max_position_embeddings} (the
+    # keys it knows; a missing one is reported by the check). None: config.json uses those names.
+    config_shape: Callable[[dict], dict] | None = None
+
+    def hf_layout(self, hf_name: str) -> bool:
+        """Whether Hugging Face stores tensor `hf_name` transposed against galaxy ([in, out])."""
+        return any(hf_name == s or hf_name.endswith("." + s) for s in self.hf_transposed)
+
+    def hf_state(self, cfg, full: dict) -> dict:
+        """Whole tensors by galaxy name -> the same by Hugging Face name, in Hugging Face's layout
+        (what exports, checkpoints and peft files hold)."""
+        to_hf = self.hf_names(cfg)
+        out = {}
+        for name, tensor in full.items():
+            hf = to_hf(name)
+            out[hf] = tensor.t().contiguous() if self.hf_layout(hf) else tensor
+        return out
+
+    def from_hf(self, hf_name: str, tensor):
+        """A Hugging Face tensor -> galaxy's layout (a transposed view where hf_layout says so)."""
+        return tensor.t() if self.hf_layout(hf_name) else tensor
+
+    @property
+    def lora_fan_in_fan_out(self) -> bool:
+        """peft's fan_in_fan_out for the family's projections: True when Hugging Face stores them
+        [in, out] (Conv1D). peft's LoRA tensors are [r, in] and [out, r] either way; the flag only
+        tells peft how to merge into the base weight."""
+        return bool(self.hf_transposed)
 
     def model_class(self, task: str) -> type[GalaxyModel]:
         try:

@@ -18,15 +18,13 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from galaxy.distributed.transitions import (Layout, Transition, copy_for_sharded_consumer,
-                                            reduce_to_replicated)
+from galaxy.distributed.transitions import Transition
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap
-
-IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
@@ -157,13 +155,10 @@ class LlamaConnector(nn.Module):
         return stream, self.norm(stream)
 
 
-class LlamaForCausalLM(GalaxyModel):
-    task, peft_task_type = "causal_lm", "CAUSAL_LM"
-    output_heads = ("lm_head",)     # applied through its weight (tied, sharded loss): no LoRA
+class LlamaForCausalLM(CausalLMHead, GalaxyModel):
+    """The head, loss and plan_head are the decoders' shared ones (galaxy.models.causal_lm_head)."""
     con_params = ("first_norm",)
     first_stage_modules = ("embed_tokens", "first_norm")
-    last_stage_modules = ("lm_head",)
-    carry_size = 2           # (residual stream, normalised input of the next sub-block)
 
     def __init__(self, cfg, **_):
         super().__init__()
@@ -185,11 +180,6 @@ class LlamaForCausalLM(GalaxyModel):
         if self.config.tie_word_embeddings and hasattr(self, "embed_tokens") and hasattr(self, "lm_head"):
             self.lm_head.weight = self.embed_tokens.weight
 
-    def plan_head(self, con_layout, group) -> dict:
-        """The LM head and loss run on the CON layout: under S each rank scores its own tokens."""
-        self.head_group = group if con_layout == Layout.S and group.size > 1 else None
-        return {}     # the head weight's gradient is all-reduced in backward (see forward)
-
     # `carry` is (residual stream, normalised input of the next block), both [b, s_con, h],
     # plus the side state under side-tuning (galaxy.models.family).
 
@@ -210,50 +200,6 @@ class LlamaForCausalLM(GalaxyModel):
         # the embeddings).
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
-
-    def head(self, carry: tuple, labels=None):
-        _, x, *side = carry
-        if side:
-            x = self.side_out(x, side[0])
-        weight, rows = self.lm_head.weight, slice(None)
-        if self.head_group is not None:
-            # Each rank scores its own tokens: the replicated head weight gets partial gradients.
-            g = self.head_group
-            weight = copy_for_sharded_consumer(weight, g)
-            rows = slice(g.seq_offset, g.seq_offset + g.seq[g.rank])
-        logits = F.linear(x, weight)                                     # [b, s_con, vocab]
-        if labels is None:
-            return logits, None
-        # Shift inside the model, as HF does: position t predicts token t + 1.
-        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]      # [b, S]
-        count = (targets != IGNORE_INDEX).sum().clamp_min(1)
-        local = F.cross_entropy(logits.float().flatten(0, 1), targets[:, rows].flatten(),
-                                ignore_index=IGNORE_INDEX, reduction="sum") / count
-        loss = reduce_to_replicated(local, self.head_group) if self.head_group is not None else local
-        return logits, loss
-
-    def loss_units(self, labels) -> torch.Tensor:
-        """How many terms `head`'s loss averages over: the label tokens after the shift."""
-        return (labels[:, 1:] != IGNORE_INDEX).sum()
-
-    def forward(self, input_ids, attention_mask=None, labels=None):
-        # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        return super().forward(input_ids, attention_mask, labels=labels)
-
-
-def causal_padding_mask(keep):
-    """[b, S] bool (True = real token) -> [b, 1, S, S]: key k visible to query q if k <= q and real.
-
-    A query that would see no key at all (a sample that is all padding) sees itself, so that
-    attention stays finite; such rows carry no loss.
-    """
-    S = keep.shape[1]
-    causal = torch.ones(S, S, dtype=torch.bool, device=keep.device).tril()
-    mask = causal & keep[:, None, None, :]
-    blind = ~mask.any(-1, keepdim=True)
-    return mask | (blind & torch.eye(S, dtype=torch.bool, device=keep.device))
 
 
 def hf_names(cfg):

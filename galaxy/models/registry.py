@@ -6,7 +6,7 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 """
 from __future__ import annotations
 
-from galaxy.models import bert, closed_form, llama, qwen2
+from galaxy.models import bert, closed_form, gpt2, llama, qwen2
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
@@ -31,6 +31,14 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         lora_targets=("q_proj", "v_proj"),
         matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.qwen2_comm_of,
         notes=("sliding-window attention (use_sliding_window) is refused",)),
+    FamilySpec(
+        name="gpt2", model_types=("gpt2",),
+        tasks={"causal_lm": gpt2.GPT2ForCausalLM},
+        hf_names=gpt2.hf_names,
+        hf_base_prefix=gpt2.HF_BASE_PREFIX, hf_transposed=gpt2.HF_TRANSPOSED,
+        lora_targets=("c_attn",),
+        matmul_flops=closed_form.gpt2_flops_of, plan_comm_bytes=closed_form.gpt2_comm_of,
+        config_shape=gpt2.config_shape),
 )}
 
 _BY_MODEL_TYPE = {t: spec for spec in FAMILIES.values() for t in spec.model_types}

@@ -6,7 +6,7 @@ import json
 import os
 
 from galaxy.config import ConfigError, _is_int, _show
-from galaxy.models.registry import supported_model_types
+from galaxy.models.registry import FAMILIES, supported_model_types
 
 
 def read_model_shape(model_path) -> dict:
@@ -18,9 +18,9 @@ def read_model_shape(model_path) -> dict:
     except (OSError, ValueError) as e:
         raise ConfigError(f"model_path config {path!r} cannot be read as JSON: {e}") from None
     _check_model_type(raw.get("model_type"), path)
+    raw = with_shape_keys(raw, path)
     shape = {}
-    for key in ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
-                "max_position_embeddings"):
+    for key in _SHAPE_KEYS:
         if not _is_int(raw.get(key)) or raw[key] < 1:
             raise ConfigError(f"model_path config {path!r} needs a positive integer '{key}', "
                               f"got {_show(raw.get(key))}")
@@ -33,6 +33,24 @@ def read_model_shape(model_path) -> dict:
     shape["num_key_value_heads"] = kv
     shape["model_type"] = raw.get("model_type")
     return shape
+
+
+_SHAPE_KEYS = ("num_attention_heads", "intermediate_size", "hidden_size", "num_hidden_layers",
+               "max_position_embeddings")
+
+
+def with_shape_keys(raw: dict, path: str) -> dict:
+    """A config.json dict, plus the shape keys its family names otherwise (FamilySpec.config_shape:
+    GPT-2's n_embd, n_head, ...), so that every family's sizes read under the standard names."""
+    if all(k in raw for k in _SHAPE_KEYS):
+        return raw
+    for spec in FAMILIES.values():
+        if raw.get("model_type") in spec.model_types and spec.config_shape is not None:
+            try:
+                return {**raw, **spec.config_shape(raw)}
+            except ValueError as e:
+                raise ConfigError(f"model_path config {path!r}: {e}") from None
+    return raw
 
 
 def _check_model_type(model_type, path: str) -> None:

@@ -15,17 +15,28 @@ import os
 SPECIAL = ["<pad>", "<s>", "</s>"]     # ids 0, 1, 2
 
 
-def train_tokenizer(vocab_size: int):
+def train_bpe(vocab_size: int, special_tokens: list[str]):
+    """A tokenizers.Tokenizer every tiny checkpoint shares (tiny_llama, tiny_qwen2, tiny_gpt2):
+    byte-level pre-tokenizer and decoder (no prefix space), BPE merges learnt from
+    pydoc_data.topics; the special tokens take ids 0, 1, ... in the order given."""
     import pydoc_data.topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = [t for t in pydoc_data.topics.topics.values()]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def train_tokenizer(vocab_size: int):
+    """Llama's (and Qwen2's) tiny tokenizer: SPECIAL, a BOS added before every text."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_bpe(vocab_size, SPECIAL)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
@@ -37,16 +48,19 @@ TINY_SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, n
                   eos_token_id=2)
 
 
-def write_tiny_model(path: str, make_model, vocab_size: int = 2048, seed: int = 0) -> str:
+def write_tiny_model(path: str, make_model, vocab_size: int = 2048, seed: int = 0, *,
+                     tokenizer=train_tokenizer, shape: dict = TINY_SHAPE) -> str:
     """Train the tokenizer, seed torch, save make_model(**config keys) and the tokenizer to `path`.
 
-    make_model gets TINY_SHAPE and the tokenizer's vocab_size, and returns a Hugging Face model.
+    make_model gets `shape` (TINY_SHAPE unless a family names its sizes otherwise: tiny_gpt2) and
+    the tokenizer's vocab_size, and returns a Hugging Face model. tokenizer(vocab_size) builds the
+    tokenizer (train_tokenizer: Llama's special tokens).
     """
     import torch
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = tokenizer(vocab_size)
     torch.manual_seed(seed)
     os.makedirs(path, exist_ok=True)
-    make_model(vocab_size=len(tokenizer), **TINY_SHAPE).save_pretrained(path)
+    make_model(vocab_size=len(tokenizer), **shape).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

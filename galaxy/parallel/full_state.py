@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
+from galaxy.layers.sharding import rank_major_to_blocks
 
 
 @torch.no_grad()
@@ -18,9 +19,19 @@ def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict
         t = p.grad if grads else p
         if t is None or (names is not None and name not in names):
             continue
-        rule = model.attached.rules[name]
-        out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()
+        out[name] = gather_param(t, model.attached.rules[name], pg)
     return out
+
+
+@torch.no_grad()
+def gather_param(t: torch.Tensor, rule, pg) -> torch.Tensor:
+    """A rank's share of a tensor shaped like a parameter (the parameter, its gradient, its
+    optimizer state) -> the whole tensor, under the parameter's ParamRule. Collective over pg
+    for a sharded one; a copy of anything else."""
+    if rule.kind != "sharded":
+        return t.detach().clone()
+    gathered = all_gather_dim(t, [rule.parts * s for s in rule.sizes], rule.dim, pg)
+    return rank_major_to_blocks(gathered, rule.dim, rule.sizes, rule.parts)
 
 
 @torch.no_grad()

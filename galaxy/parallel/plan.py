@@ -20,6 +20,7 @@ from galaxy.config import PLAN_METHODS
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
 from galaxy.layers.rng import ShardedRNG
+from galaxy.layers.sharding import block_spans, shard_offset, slice_like
 
 PRESETS = {
     "tp": ("TP", "TP", "None"),
@@ -54,7 +55,28 @@ class ParallelPlan:
 class ParamRule:
     kind: str                         # "sharded" | "sum" | "replicated"
     dim: int = 0                      # sharded: the split dimension
-    sizes: tuple[int, ...] = ()       # sharded: elements per rank along dim
+    sizes: tuple[int, ...] = ()       # sharded: elements per rank along dim (per block, see parts)
+    # sharded: dim is `parts` equal blocks, each split by `sizes` (a fused projection, e.g. GPT-2's
+    # c_attn [q; k; v]: parts 3); a rank holds its share of every block, in block order
+    # (galaxy.layers.sharding.take_blocks), parts x sizes[rank] entries along dim.
+    parts: int = 1
+
+    def full_shape(self, shape) -> tuple[int, ...]:
+        """The whole parameter's shape, from the shape of a rank's share."""
+        shape = list(shape)
+        if self.kind == "sharded":
+            shape[self.dim] = self.parts * sum(self.sizes)
+        return tuple(shape)
+
+    def spans(self, rank: int) -> list[tuple[int, int]]:
+        """(start, length) along dim of each piece rank holds, in the whole parameter, in the
+        order the share holds them."""
+        return block_spans(self.parts * sum(self.sizes), shard_offset(self.sizes, rank), self.sizes[rank],
+                           self.parts)
+
+    def local(self, full, rank: int):
+        """Rank's share of a whole tensor shaped like the parameter (itself unless sharded)."""
+        return full if self.kind != "sharded" else slice_like(full, self.dim, self.sizes, rank, self.parts)
 
 
 REPLICATED = ParamRule("replicated")
@@ -90,8 +112,9 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
             to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
             frm.set(Layout.P if tp else Layout.S, con, sharded_consumer=False, group=group)
             if tp and group.size > 1:
-                for pname, (dim, sizes) in block.shard_tp(shares, group.rank).items():
-                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(sizes))
+                # {param: (dim, sizes) or (dim, sizes, parts)}
+                for pname, (dim, sizes, *parts) in block.shard_tp(shares, group.rank).items():
+                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(sizes), *parts)
             for pname, _ in block.named_parameters():
                 rules.setdefault(f"{prefix}.{name}.{pname}", REPLICATED if tp or group.size == 1 else SUM)
             # The output bias is added after the transition, on the CON layout.

@@ -16,13 +16,13 @@ checkpoints handle them like any other parameter.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from galaxy.config import PEFT_FLAGS, GalaxyConfig, peft_method
-from galaxy.layers.sharding import slice_like
 from galaxy.models.registry import family_of_model
 from galaxy.parallel.plan import replicated_rule
 from galaxy.peft.adapter import add_adapters
@@ -100,7 +100,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
         spec = LoraSpec(options.lora_dim, options.lora_alpha,
                         options.lora_target_modules or family.lora_targets, options.lora_dropout)
         if options.lora_path:
-            from_dir, tensors = read_lora_dir(options.lora_path)
+            from_dir, tensors = read_lora_dir(options.lora_path, family.lora_fan_in_fan_out)
             spec = replace(from_dir, dropout=options.lora_dropout)   # its r, alpha, targets win
             peft.options = replace(options, lora_dim=spec.r, lora_alpha=spec.alpha,
                                    lora_target_modules=spec.target_modules)
@@ -109,7 +109,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
         for name in targets:
             rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))
         if options.lora_path:
-            loaded = _from_peft_dir(model, tensors, options.lora_path, to_hf, list(rules), head)
+            loaded = _from_peft_dir(model, tensors, options.lora_path, family, list(rules), head)
         peft.lora = spec
         peft.description = (f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on "
                             f"{len(targets)} projections ({', '.join(_short(targets.values()))})")
@@ -126,7 +126,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
     for name in train:
         params[name].requires_grad_(True)
     if state is not None:
-        loaded.update({n: state[to_hf(n)] for n in train if to_hf(n) in state})
+        loaded.update({n: family.from_hf(to_hf(n), state[to_hf(n)]) for n in train if to_hf(n) in state})
     load_full(model, loaded)
     peft.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     at.peft = peft
@@ -141,16 +141,17 @@ def _short(hf_names) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n in hf_names})
 
 
-def _from_peft_dir(model, tensors: dict, path: str, to_hf, lora_names: list[str], head) -> dict:
-    """The directory's tensors by galaxy name; every LoRA tensor the model needs must be there.
-    (A pipeline stage takes its own layers' tensors and leaves the others.)"""
+def _from_peft_dir(model, tensors: dict, path: str, family, lora_names: list[str], head) -> dict:
+    """The directory's tensors by galaxy name, in galaxy's layout; every LoRA tensor the model
+    needs must be there. (A pipeline stage takes its own layers' tensors and leaves the others.)"""
+    to_hf = family.hf_names(model.config)
     keys = {peft_key(to_hf(n)): n for n in lora_names + _head_params(model, head)}
     unknown = [] if model.attached.stage is not None else sorted(set(tensors) - set(keys))
     missing = sorted(peft_key(to_hf(n)) for n in lora_names if peft_key(to_hf(n)) not in tensors)
     if unknown or missing:
         what = f"has {unknown[0]!r}, which this model has no place for" if unknown else f"lacks {missing[0]!r}"
         raise ValueError(f"lora_path {path!r} {what}; was it trained on another model?")
-    return {keys[k]: t for k, t in tensors.items() if k in keys}
+    return {keys[k]: family.from_hf(to_hf(keys[k]), t) for k, t in tensors.items() if k in keys}
 
 
 @torch.no_grad()
@@ -159,11 +160,10 @@ def load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
     params, rank = dict(model.named_parameters()), model.attached.group.rank
     for name, tensor in full.items():
         p, rule = params[name], model.attached.rules[name]
-        if rule.kind == "sharded":
-            tensor = slice_like(tensor, rule.dim, rule.sizes, rank)
-        if tuple(tensor.shape) != tuple(p.shape):
+        if tuple(tensor.shape) != rule.full_shape(p.shape):
             raise ValueError(f"{name}: the saved tensor has shape {tuple(tensor.shape)}, the model "
-                             f"needs {tuple(p.shape)}")
+                             f"needs {rule.full_shape(p.shape)}")
+        tensor = rule.local(tensor, rank)
         p.copy_(tensor)
 
 
@@ -176,8 +176,7 @@ def parameter_counts(model: nn.Module, stages_pg=None) -> tuple[int, int]:
     for name, p in model.named_parameters():
         if name not in counted:
             continue
-        rule = model.attached.rules[name]
-        n = p.numel() // p.shape[rule.dim] * sum(rule.sizes) if rule.kind == "sharded" else p.numel()
+        n = math.prod(model.attached.rules[name].full_shape(p.shape))
         total += n
         trainable += n if p.requires_grad else 0
     if stages_pg is not None:

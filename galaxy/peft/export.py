@@ -43,9 +43,8 @@ def trained_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of_model(model).hf_names(model.config)
     full = gather_full(model, names=written_names(model, set(model.attached.peft.trainable)))
-    return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in full.items()})
+    return stages_to_writer(mesh, _hf_cpu(model, full))
 
 
 def lora_adapter_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
@@ -58,9 +57,15 @@ def merged_hf_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """Every weight by Hugging Face name with the LoRA updates folded in."""
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of_model(model).hf_names(model.config)
     merged = merge_into(gather_full(model, names=written_names(model)), model)   # this stage's LoRA
-    return stages_to_writer(mesh, {to_hf(n): t.to("cpu").contiguous() for n, t in merged.items()})
+    return stages_to_writer(mesh, _hf_cpu(model, merged))
+
+
+def _hf_cpu(model, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors by galaxy name -> CPU tensors by Hugging Face name, in Hugging Face's layout
+    (a transposed Conv1D weight; LoRA's A [r, in] and B [out, r] are peft's layout as they are)."""
+    state = family_of_model(model).hf_state(model.config, {n: t.to("cpu") for n, t in full.items()})
+    return {n: t.contiguous() for n, t in state.items()}
 
 
 def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge: bool = False,
@@ -90,7 +95,8 @@ def export_peft(model, out_dir: str, *, base_model_path: str, lead: bool, merge:
     if method == "lora":
         state = lora_adapter_state(model, mesh)
         if lead:
-            write_lora_dir(out_dir, lora_config_json(peft.lora, model, base_model_path), state)
+            fan_in_fan_out = family_of_model(model).lora_fan_in_fan_out
+            write_lora_dir(out_dir, lora_config_json(peft.lora, model, base_model_path, fan_in_fan_out), state)
         return
     state = trained_state(model, mesh)
     if lead:

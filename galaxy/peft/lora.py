@@ -6,7 +6,8 @@ as peft computes it. Under a plan the update is split like the projection it bel
 
   column-parallel W (rows sharded: query/key/value, up, gate)  B sharded by rows like W; A whole.
       y_shard = W_shard x + scaling * B_shard (A x). A's gradient sums over the ranks' B_shards:
-      rule "sum".
+      rule "sum". A fused W (GPT-2's c_attn, rows [q; k; v]) shards B's rows block by block, as
+      its rule says (ParamRule.parts): B_shard's rows are the rank's q, k and v rows of B.
   row-parallel W (columns sharded: out, down, o_proj)           A sharded by columns like W; B whole.
       y_partial = W_shard x_shard + scaling * B (A_shard x_shard): the LoRA term joins the partial
       sum before the reduction. B's gradient sums over the ranks' partial A x: rule "sum".
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from galaxy.layers.linear import OutputProjection
-from galaxy.layers.sharding import keep_slice
+from galaxy.layers.sharding import keep_slice, shard_offset
 from galaxy.parallel.plan import SUM, ParamRule
 from galaxy.peft.seeding import named_generator
 
@@ -57,11 +58,11 @@ class LoraLinear(nn.Linear):
         """Slice A or B like the base weight's rule; returns the rules of (lora_A, lora_B)."""
         if rule.kind != "sharded":
             return rule, rule
-        start, length = sum(rule.sizes[:rank]), rule.sizes[rank]
-        if rule.dim == 0:                   # column-parallel: B's rows
-            keep_slice(self.lora_B, "weight", 0, start, length)
+        start, length = shard_offset(rule.sizes, rank), rule.sizes[rank]
+        if rule.dim == 0:                   # column-parallel: B's rows (of each block of a fused W)
+            keep_slice(self.lora_B, "weight", 0, start, length, rule.parts)
             return SUM, rule
-        keep_slice(self.lora_A, "weight", 1, start, length)   # row-parallel: A's columns
+        keep_slice(self.lora_A, "weight", 1, start, length, rule.parts)   # row-parallel: A's columns
         return rule, SUM
 
     def forward(self, x):
@@ -115,9 +116,7 @@ def add_lora(model: nn.Module, name: str, r: int, alpha: float, dropout: float, 
     parent = model.get_submodule(parent_name)
     base = getattr(parent, attr)
     rule = model.attached.rules[f"{name}.weight"]
-    full_out, full_in = base.weight.shape
-    if rule.kind == "sharded":
-        full_out, full_in = (sum(rule.sizes), full_in) if rule.dim == 0 else (full_out, sum(rule.sizes))
+    full_out, full_in = rule.full_shape(base.weight.shape)
     scaling = alpha / math.sqrt(r) if rslora else alpha / r
     lora = LoraLinear(base, r, scaling, dropout, full_in, full_out, named_generator(seed, name))
     rule_a, rule_b = lora.shard_like(rule, model.attached.group.rank)

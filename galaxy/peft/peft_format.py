@@ -9,6 +9,11 @@
 so PeftModel.from_pretrained(<HF model>, dir) loads what galaxy trained, and a directory peft
 wrote starts galaxy's training (lora_path). Only plain LoRA is read: options that change what
 LoRA computes (DoRA, LoRA biases, per-module ranks, layer subsets, ...) are refused by name.
+
+fan_in_fan_out says whether the base projections are stored [in, out] (Hugging Face's Conv1D,
+GPT-2); A [r, in] and B [out, r] are the same either way. It is the family's
+(FamilySpec.lora_fan_in_fan_out): written so, and read when it is that or False (peft itself
+treats a Conv1D target as fan_in_fan_out whatever the file says).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ PREFIX = "base_model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 # adapter_config.json keys whose non-default values galaxy's LoRA does not compute.
-_UNSUPPORTED = {"use_dora": False, "bias": "none", "fan_in_fan_out": False, "rank_pattern": {},
+_UNSUPPORTED = {"use_dora": False, "bias": "none", "rank_pattern": {},
                 "alpha_pattern": {}, "layers_to_transform": None, "exclude_modules": None,
                 "target_parameters": None, "layer_replication": None, "lora_bias": False}
 
@@ -43,8 +48,9 @@ def peft_key(hf_name: str) -> str:
     return PREFIX + hf_name
 
 
-def read_lora_dir(path: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
-    """(the directory's LoRA shape, its tensors by peft key)."""
+def read_lora_dir(path: str, fan_in_fan_out: bool = False) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
+    """(the directory's LoRA shape, its tensors by peft key). fan_in_fan_out: the model family's
+    (FamilySpec.lora_fan_in_fan_out); a directory may say so or False."""
     config_path, weights_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(config_path) or not os.path.isfile(weights_path):
         raise FileNotFoundError(f"lora_path {path!r} is not a peft adapter directory (it needs "
@@ -58,6 +64,9 @@ def read_lora_dir(path: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
         if value is not None and value != default:
             raise ValueError(f"lora_path {path!r}: {key} = {cfg[key]!r} is not supported by galaxy's "
                              f"LoRA (it computes plain LoRA, {key} = {default!r})")
+    if cfg.get("fan_in_fan_out") and not fan_in_fan_out:
+        raise ValueError(f"lora_path {path!r}: fan_in_fan_out = true is for projections stored [in, out] "
+                         f"(Conv1D); this model's are [out, in]: was it written for another model?")
     targets = cfg["target_modules"]
     spec = LoraSpec(r=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
                     target_modules=targets if isinstance(targets, str) else tuple(sorted(targets)),
@@ -65,8 +74,9 @@ def read_lora_dir(path: str) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
     return spec, load_file(weights_path)
 
 
-def lora_config_json(spec: LoraSpec, model, base_model_path: str) -> dict:
-    """adapter_config.json for LoRA `spec` on `model` (its task type and the head it saves)."""
+def lora_config_json(spec: LoraSpec, model, base_model_path: str, fan_in_fan_out: bool = False) -> dict:
+    """adapter_config.json for LoRA `spec` on `model` (its task type and the head it saves);
+    fan_in_fan_out: the family's (FamilySpec.lora_fan_in_fan_out)."""
     targets = spec.target_modules
     return {
         "peft_type": "LORA",
@@ -79,7 +89,7 @@ def lora_config_json(spec: LoraSpec, model, base_model_path: str) -> dict:
         "modules_to_save": list(model.modules_to_save) or None,
         "use_rslora": spec.rslora,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,

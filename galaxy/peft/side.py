@@ -146,7 +146,9 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
     """
     cfg = model.config
     width, heads = side_shape(cfg, factor)
-    eps = getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "rms_norm_eps", 1e-6)
+    # The backbone's norm epsilon, under whichever name its config gives it (BERT, GPT-2, Llama).
+    eps = (getattr(cfg, "layer_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", None)
+           or getattr(cfg, "rms_norm_eps", 1e-6))
     std = getattr(cfg, "initializer_range", 0.02)
     device = next(model.parameters()).device
     group = model.attached.group

@@ -12,9 +12,11 @@ Every problem is a ConfigError: one line naming the key or file and the fix, exi
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from galaxy.config import ConfigError
+from galaxy.models.shape import with_shape_keys
 from galaxy.preflight.paths import check_output_paths
 from galaxy.preflight.tokenizer import check_tokenizer_files, load_tokenizer
 from galaxy.preflight.weights import ModelFacts, check_weights, read_config_json
@@ -77,7 +79,9 @@ def check_job(cfg, job) -> Report:
 
 def check_resume_fits(resume, model_path: str) -> None:
     """A checkpoint resumes on top of model_path's config (splits, mesh): their shapes must agree."""
-    saved, base = read_config_json(resume.model_dir), read_config_json(model_path)
+    # with_shape_keys: a family's own names for the sizes (GPT-2's n_embd, ...) under the standard ones.
+    saved = with_shape_keys(read_config_json(resume.model_dir), os.path.join(resume.model_dir, "config.json"))
+    base = with_shape_keys(read_config_json(model_path), os.path.join(model_path, "config.json"))
     for key in SHAPE_KEYS:
         if saved.get(key) != base.get(key):
             raise ConfigError(f"resume checkpoint {resume.path!r} holds a model with {key} {saved.get(key)!r} but "
@@ -98,7 +102,8 @@ def check_lora_targets(cfg, peft, model) -> None:
     key, targets = "lora_target_modules", peft.lora_target_modules or family.lora_targets
     if peft.lora_path:
         try:
-            key, targets = f"lora_path {peft.lora_path!r}'s target_modules", read_lora_dir(peft.lora_path)[0].target_modules
+            spec = read_lora_dir(peft.lora_path, family.lora_fan_in_fan_out)[0]   # GPT-2's Conv1D: fan_in_fan_out
+            key, targets = f"lora_path {peft.lora_path!r}'s target_modules", spec.target_modules
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"lora_path {peft.lora_path!r}: {' '.join(str(e).split())[:200]}") from None
     try:

@@ -35,10 +35,10 @@ def hf_state_dict(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """
     if not in_writer_replica(mesh):
         return None
-    to_hf = family_of_model(model).hf_names(model.config)
     full = gather_full(model, names=written_names(model))
-    part = {to_hf(name): t.to("cpu").contiguous() for name, t in full.items()}
-    return stages_to_writer(mesh, part)
+    # Hugging Face names and layout (e.g. GPT-2's Conv1D weights transposed back to [in, out]).
+    part = family_of_model(model).hf_state(model.config, {n: t.to("cpu") for n, t in full.items()})
+    return stages_to_writer(mesh, {n: t.contiguous() for n, t in part.items()})
 
 
 def classifier_config(base_model_path: str, class_names: list[str] | None):

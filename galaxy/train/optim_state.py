@@ -2,8 +2,8 @@
 
 A sharded parameter's per-element state (AdamW's exp_avg / exp_avg_sq, SGD's momentum_buffer) is
 sharded exactly like the parameter, so it is gathered with the parameter's rule (ParamRule.dim,
-.sizes) and, on load, sliced back with the rule of the loading rank, which may belong to another
-plan or world size. Scalar state (AdamW's step) and state of unsharded parameters is the same on
+.sizes, .parts: galaxy.parallel.full_state.gather_param) and, on load, sliced back with the rule
+of the loading rank (ParamRule.local), which may belong to another plan or world size. Scalar state (AdamW's step) and state of unsharded parameters is the same on
 every rank of the group and is saved as is.
 
 Saved form: tensors {"<param name>/<state key>": full tensor} and the parameter groups'
@@ -21,16 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from galaxy.distributed.collectives import all_gather_dim
 from galaxy.models.attached import written_names
+from galaxy.parallel.full_state import gather_param
 from galaxy.pipeline.stage_state import in_writer_replica, stage_owns, stages_to_writer, tied_sources
-
-
-def _full_shape(p: torch.Tensor, rule) -> tuple[int, ...]:
-    shape = list(p.shape)
-    if rule.kind == "sharded":
-        shape[rule.dim] = sum(rule.sizes)
-    return tuple(shape)
 
 
 def _named_groups(model, optimizer):
@@ -62,16 +55,9 @@ def gather_optimizer_state(model, optimizer, mesh=None) -> tuple[dict[str, torch
                 if not torch.is_tensor(value):
                     continue            # e.g. SGD's momentum_buffer=None before momentum is used
                 if rule.kind == "sharded" and value.shape == p.shape:
-                    value = all_gather_dim(value, rule.sizes, rule.dim, pg)
+                    value = gather_param(value, rule, pg)
                 tensors[f"{name}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
     return stages_to_writer(mesh, tensors), groups
-
-
-def _local_slice(full: torch.Tensor, rule, rank: int) -> torch.Tensor:
-    if rule.kind != "sharded":
-        return full
-    start = sum(rule.sizes[:rank])
-    return full.narrow(rule.dim, start, rule.sizes[rank])
 
 
 @torch.no_grad()
@@ -104,10 +90,10 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
             rule, entry = model.attached.rules[name], {}
             for state_key, full in by_param.pop(name, {}).items():
                 if full.dim() == p.dim():       # per-element state: the parameter's full shape
-                    if tuple(full.shape) != _full_shape(p, rule):
+                    if tuple(full.shape) != rule.full_shape(p.shape):
                         raise ValueError(f"optimizer state {name}/{state_key} has shape "
-                                         f"{tuple(full.shape)}, the parameter's is {_full_shape(p, rule)}")
-                    full = _local_slice(full, rule, rank)
+                                         f"{tuple(full.shape)}, the parameter's is {rule.full_shape(p.shape)}")
+                    full = rule.local(full, rank)
                 entry[state_key] = full.clone()
             ids.append(len(state))
             state[len(state)] = entry

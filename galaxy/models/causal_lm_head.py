@@ -1,0 +1,74 @@
+"""The causal-LM head the decoder families share (Llama, GPT-2): masks, LM head, shifted loss.
+
+A decoder family's model inherits `CausalLMHead` next to GalaxyModel. The head runs on the CON
+layout: under a sequence-sharded CON each rank scores its own tokens with the (replicated) LM
+head weight, so no activation is gathered at the exit; the weight's gradient and the loss are
+summed over the group instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from galaxy.distributed.transitions import Layout, copy_for_sharded_consumer, reduce_to_replicated
+
+IGNORE_INDEX = -100
+
+
+class CausalLMHead:
+    """Mixin for a GalaxyModel with `self.lm_head` (nn.Linear [vocab, hidden], possibly tied to
+    the input embeddings) and a carry (residual stream, normalised input of the next block)."""
+
+    task, peft_task_type = "causal_lm", "CAUSAL_LM"
+    output_heads = ("lm_head",)     # applied through its weight (tied, sharded loss): no LoRA
+    last_stage_modules = ("lm_head",)
+    carry_size = 2           # (residual stream, normalised input of the next sub-block)
+
+    def plan_head(self, con_layout, group) -> dict:
+        """The LM head and loss run on the CON layout: under S each rank scores its own tokens."""
+        self.head_group = group if con_layout == Layout.S and group.size > 1 else None
+        return {}     # the head weight's gradient is all-reduced in backward (see head)
+
+    def head(self, carry: tuple, labels=None):
+        _, x, *side = carry
+        if side:
+            x = self.side_out(x, side[0])
+        weight, rows = self.lm_head.weight, slice(None)
+        if self.head_group is not None:
+            # Each rank scores its own tokens: the replicated head weight gets partial gradients.
+            g = self.head_group
+            weight = copy_for_sharded_consumer(weight, g)
+            rows = slice(g.seq_offset, g.seq_offset + g.seq[g.rank])
+        logits = F.linear(x, weight)                                     # [b, s_con, vocab]
+        if labels is None:
+            return logits, None
+        # Shift inside the model, as HF does: position t predicts token t + 1.
+        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]      # [b, S]
+        count = (targets != IGNORE_INDEX).sum().clamp_min(1)
+        local = F.cross_entropy(logits.float().flatten(0, 1), targets[:, rows].flatten(),
+                                ignore_index=IGNORE_INDEX, reduction="sum") / count
+        loss = reduce_to_replicated(local, self.head_group) if self.head_group is not None else local
+        return logits, loss
+
+    def loss_units(self, labels) -> torch.Tensor:
+        """How many terms `head`'s loss averages over: the label tokens after the shift."""
+        return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return super().forward(input_ids, attention_mask, labels=labels)
+
+
+def causal_padding_mask(keep):
+    """[b, S] bool (True = real token) -> [b, 1, S, S]: key k visible to query q if k <= q and real.
+
+    A query that would see no key at all (a sample that is all padding) sees itself, so that
+    attention stays finite; such rows carry no loss.
+    """
+    S = keep.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=keep.device).tril()
+    mask = causal & keep[:, None, None, :]
+    blind = ~mask.any(-1, keepdim=True)
+    return mask | (blind & torch.eye(S, dtype=torch.bool, device=keep.device))

@@ -1,0 +1,246 @@
+"""GPT-2 for causal language modelling (Hugging Face GPT2LMHeadModel): the one definition every
+plan is applied to.
+
+Pre-norm layers, structured as galaxy's Llama (galaxy.models.llama):
+  ATT  = self-attention: fused Q/K/V projection c_attn, causal scaled dot-product attention,
+         output projection c_proj (bias deferred to CON)
+  CON1 = dropout(attention output + bias) (resid_pdrop), residual add, then ln_2 (input of the MLP)
+  MLP  = c_fc, GELU ("gelu_new"), c_proj (bias deferred)
+  CON2 = dropout(MLP output + bias), residual add, then the NEXT layer's ln_1 (ln_f after the last)
+The first layer's ln_1 runs before the first block (`first_norm`), on the CON layout. Embeddings
+are token (wte) plus learned position (wpe) embeddings, then dropout (embd_pdrop); the LM head
+is tied to wte (tie_word_embeddings) and shared with Llama (galaxy.models.causal_lm_head).
+
+Layout: Hugging Face stores every projection as a Conv1D, weight [in, out]; galaxy holds them as
+nn.Linear, weight [out, in] (the registry's hf_transposed names them, so that loading, exports,
+checkpoints and peft files transpose exactly those). c_attn's rows are [q; k; v], hidden each:
+under TP a rank keeps its heads' rows of every block (ParamRule parts 3), so its local output
+still splits into its own q, k and v.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from galaxy.distributed.transitions import Transition
+from galaxy.layers.block import TransformerBlock
+from galaxy.layers.linear import OutputProjection
+from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
+from galaxy.models.family import GalaxyModel
+from galaxy.models.weights import NameMap
+
+
+def unsupported(cfg) -> str | None:
+    """What of GPT2Config this definition does not compute, or None."""
+    if cfg.reorder_and_upcast_attn:
+        return ("reorder_and_upcast_attn = true (Hugging Face's upcast attention path for mixed "
+                "precision) is not supported by galaxy's GPT-2")
+    if cfg.add_cross_attention:
+        return "add_cross_attention = true (GPT-2 as a decoder of an encoder) is not supported by galaxy's GPT-2"
+    if cfg.n_embd % cfg.n_head:
+        return f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}"
+    return None
+
+
+def inner_size(cfg) -> int:
+    """The MLP width: n_inner, or 4 x n_embd when it is None (as Hugging Face's GPT2Block)."""
+    return cfg.n_inner if cfg.n_inner is not None else 4 * cfg.n_embd
+
+
+class GPT2Attention(nn.Module):
+    """ATT: c_attn [3h, h] (rows [q; k; v]) -> heads -> causal attention -> c_proj (bias deferred)."""
+
+    deferred_bias = "c_proj.bias"
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = h // self.num_heads
+        self.c_attn = nn.Linear(h, 3 * h)
+        self.c_proj = OutputProjection(h, h)
+        # Hugging Face's scaling: 1/sqrt(head_dim) (scale_attn_weights), further divided by the
+        # layer's 1-based index under scale_attn_by_inverse_layer_idx.
+        self.scale = self.head_dim ** -0.5 if cfg.scale_attn_weights else 1.0
+        if cfg.scale_attn_by_inverse_layer_idx:
+            self.scale /= layer_idx + 1
+        self.dropout_p = cfg.attn_pdrop
+        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
+        self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
+
+    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
+        """Keep this rank's heads: their rows of each of c_attn's q, k, v blocks, their columns of
+        c_proj. Returns {param: (dim, per-rank sizes[, parts])} for gathering."""
+        d, start, count = self.head_dim, sum(shares[:rank]), shares[rank]
+        shard_column_parallel(self.c_attn, start * d, count * d, parts=3)
+        shard_row_parallel(self.c_proj, start * d, count * d)
+        self.num_heads = count
+        sizes = tuple(n * d for n in shares)
+        return {"c_attn.weight": (0, sizes, 3), "c_attn.bias": (0, sizes, 3), "c_proj.weight": (1, sizes)}
+
+    def forward(self, x, mask):
+        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend)
+        b, s, _ = x.shape
+        if self.local_rows is not None:      # SP: own queries, all keys
+            mask = mask[:, :, self.local_rows]
+        width = self.num_heads * self.head_dim
+        q, k, v = self.c_attn(x).split(width, dim=-1)                   # [b, s, heads*d] each
+        if self.kv_gather is not None:       # one collective for both
+            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).split(width, dim=-1)   # [b, S, heads*d]
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, k.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, v.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+        p = self.dropout_p if self.training else 0.0
+        with self.rng_scope() if p > 0 else nullcontext():
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)
+        ctx = ctx.transpose(1, 2).reshape(b, s, width)
+        return self.c_proj(ctx), self.c_proj.bias
+
+
+class GPT2MLP(nn.Module):
+    """MLP: c_proj(act(c_fc(x))), bias of c_proj deferred."""
+
+    deferred_bias = "c_proj.bias"
+
+    def __init__(self, cfg):
+        super().__init__()
+        h, i = cfg.hidden_size, inner_size(cfg)
+        self.c_fc = nn.Linear(h, i)
+        self.c_proj = OutputProjection(i, h)
+        self.act = ACT2FN[cfg.activation_function]
+
+    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
+        start, count = sum(shares[:rank]), shares[rank]
+        shard_column_parallel(self.c_fc, start, count)
+        shard_row_parallel(self.c_proj, start, count)
+        return {"c_fc.weight": (0, shares), "c_fc.bias": (0, shares), "c_proj.weight": (1, shares)}
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x))), self.c_proj.bias
+
+
+class GPT2Connector(nn.Module):
+    """CON: x = dropout(x + bias); stream = stream + x; returns (stream, norm(stream))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
+        self.dropout_p = cfg.resid_pdrop
+        self.rng_scope = nullcontext   # SP: each rank draws for its own tokens
+        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
+
+    def forward(self, x, bias, residual):
+        if bias is not None:
+            x = x + bias
+        if self.training and self.dropout_p > 0:
+            with self.rng_scope():
+                x = F.dropout(x, self.dropout_p, True)
+        if self.adapter is not None:
+            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
+        stream = residual + x
+        return stream, self.norm(stream)
+
+
+class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
+    con_params = ("first_norm",)
+    first_stage_modules = ("wte", "wpe", "first_norm")
+
+    def __init__(self, cfg, **_):
+        super().__init__()
+        problem = unsupported(cfg)
+        if problem:
+            raise ValueError(problem)
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.embd_pdrop = cfg.embd_pdrop
+        self.first_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
+        self.layers = nn.ModuleList(
+            TransformerBlock(GPT2Attention(cfg, i), GPT2Connector(cfg), GPT2MLP(cfg), GPT2Connector(cfg))
+            for i in range(cfg.num_hidden_layers))
+        self.enter = Transition()             # embeddings (R) -> CON layout
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_group = None                # set by a plan whose CON layout is S
+        self.materialize()
+
+    def materialize(self) -> None:
+        """(Re)make the weight tie (lm_head.weight is wte.weight) after the model leaves the meta device."""
+        # A pipeline stage may hold one end only (galaxy.pipeline.stage.keep_stage): nothing to tie.
+        if self.config.tie_word_embeddings and hasattr(self, "wte") and hasattr(self, "lm_head"):
+            self.lm_head.weight = self.wte.weight
+
+    # `carry` is (residual stream, normalised input of the next block), both [b, s_con, h],
+    # plus the side state under side-tuning (galaxy.models.family).
+
+    def embed(self, input_ids, token_type_ids=None) -> tuple:
+        # input_ids: [b, S] on every rank. Positions 0..S-1 whatever the padding, as Hugging Face
+        # numbers them when no position_ids are given (right padding: real tokens come first).
+        with self.backbone_grad():
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            h = self.wte(input_ids) + self.wpe(positions)
+            if token_type_ids is not None:     # Hugging Face embeds token types with wte too
+                h = h + self.wte(token_type_ids)
+            # Replicated activations: every rank draws the same mask from the default stream.
+            h = self.enter(F.dropout(h, self.embd_pdrop, self.training))
+            x = self.first_norm(h)
+        return (h, x) if self.side_in is None else (h, x, self.side_in(h))
+
+    def layer_context(self, attention_mask) -> dict:
+        """The causal + padding mask for the full sequence, from the [b, S] mask."""
+        if attention_mask is None:
+            raise ValueError("a causal LM needs the attention mask (ones where there is no padding)")
+        return {"mask": causal_padding_mask(attention_mask.bool())}
+
+
+def hf_names(cfg):
+    """galaxy name -> GPT2LMHeadModel name. CON2 of layer i holds layer i+1's ln_1 (ln_f after the last)."""
+    table = NameMap({
+        "wte.weight": "transformer.wte.weight",
+        "wpe.weight": "transformer.wpe.weight",
+        "first_norm.{w}": "transformer.h.0.ln_1.{w}",
+        "layers.{i}.att.{rest}": "transformer.h.{i}.attn.{rest}",
+        "layers.{i}.con1.norm.{w}": "transformer.h.{i}.ln_2.{w}",
+        "layers.{i}.mlp.{rest}": "transformer.h.{i}.mlp.{rest}",
+        "lm_head.weight": "lm_head.weight",
+        # Parameter-efficient fine-tuning (galaxy.peft): LoRA's lora_A / lora_B sit inside the
+        # projections above; adapters and the side network get names of their own.
+        "layers.{i}.con1.adapter.{w}": "transformer.h.{i}.attn_output_adapter.{w}",
+        "layers.{i}.con2.adapter.{w}": "transformer.h.{i}.mlp_output_adapter.{w}",
+        "layers.{i}.side.{rest}": "side.layer.{i}.{rest}",
+        "side_in.{rest}": "side.input.{rest}",
+        "side_out.{rest}": "side.output.{rest}",
+    })
+    last = cfg.num_hidden_layers - 1
+
+    def to_hf(name: str) -> str:
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[2] == "con2" and parts[3] == "norm":
+            i = int(parts[1])
+            return f"transformer.ln_f.{parts[4]}" if i == last else f"transformer.h.{i + 1}.ln_1.{parts[4]}"
+        return table(name)
+    return to_hf
+
+
+# Hugging Face's Conv1D weights ([in, out]); galaxy's nn.Linear holds them [out, in].
+HF_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# A bare GPT2Model checkpoint (e.g. openai-community/gpt2) has no "transformer." prefix; its LM
+# head is the tied wte.
+HF_BASE_PREFIX = "transformer."
+
+
+def config_shape(raw: dict) -> dict:
+    """The sizes galaxy.config checks, under their standard names, from a GPT-2 config.json
+    (GPT2Config's defaults for keys it leaves out). Raises ValueError for what is unsupported."""
+    from transformers import GPT2Config
+    cfg = GPT2Config.from_dict(raw)
+    problem = unsupported(cfg)
+    if problem:
+        raise ValueError(problem)
+    return {"hidden_size": cfg.n_embd, "num_attention_heads": cfg.n_head, "num_hidden_layers": cfg.n_layer,
+            "max_position_embeddings": cfg.n_positions, "intermediate_size": inner_size(cfg)}
