@@ -77,17 +77,18 @@ def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
 
 
 def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5,
-                      build=None):
+                      build=None, task=None):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
 
     build: more build_model keywords (e.g. activation_checkpointing).
-
+    task: the model's task (None: the family's primary one); the reference is HF_LOADERS[family]
+    or, with a task, HF_LOADERS[f"{family}/{task}"].
     Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
     """
     torch.manual_seed(0)
     group = world_group(*shares)
-    model = build_model(model_dir, plan, group, num_labels=3, **(build or {}))
-    ref = HF_LOADERS[family](model_dir)
+    model = build_model(model_dir, plan, group, num_labels=3, task=task, **(build or {}))
+    ref = HF_LOADERS[family if task is None else f"{family}/{task}"](model_dir)
     report = {"loss": []}
     for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
                                                 batch_fn, steps, lr):
@@ -114,7 +115,13 @@ def hf_gpt2(model_dir):
     return GPT2LMHeadModel.from_pretrained(model_dir).train()
 
 
-HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2}
+def hf_llama_classifier(model_dir):
+    from transformers import LlamaForSequenceClassification
+    return LlamaForSequenceClassification.from_pretrained(model_dir).train()
+
+
+HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2,
+              "llama/classification": hf_llama_classifier}
 
 
 def check_report(report, rank, tol=1e-5):

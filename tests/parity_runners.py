@@ -26,20 +26,22 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
 
     options (a dict, since DistPool.run passes positional arguments only): global_batch (8),
     stage_layers (even split), num_microbatches (1), schedule ("1f1b"), grad_accum_steps (1),
-    steps (5), lr (0.5), activation_checkpointing ("none").
+    steps (5), lr (0.5), activation_checkpointing ("none"), task (None: the family's primary one;
+    the reference is then HF_LOADERS[f"{family}/{task}"]).
 
     Returns {"logits" (step 0, evaluation forward), "loss" (per step), "grad" (worst, where),
     "grad_norm" (step 0, the whole model's), "weights" (worst, where), "stage" (this rank's layers)}.
     """
     o = {"global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
-         "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", **(options or {})}
+         "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", "task": None,
+         **(options or {})}
     torch.manual_seed(0)
     mesh = make_mesh(pp, dp, *shares)
     runner = build_runner(model_dir, plan, mesh, num_labels=3, stage_num_hidden_layers_list=o["stage_layers"],
                           num_microbatches=o["num_microbatches"], schedule=o["schedule"],
                           grad_accum_steps=o["grad_accum_steps"],
-                          activation_checkpointing=o["activation_checkpointing"])
-    ref = HF_LOADERS[family](model_dir)
+                          activation_checkpointing=o["activation_checkpointing"], task=o["task"])
+    ref = HF_LOADERS[family if o["task"] is None else f"{family}/{o['task']}"](model_dir)
     opt = torch.optim.SGD(runner.parameters(), lr=o["lr"])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=o["lr"])
     report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else [])}

@@ -66,6 +66,25 @@ def _save_tiny_lm(make_model, path: str, seed: int) -> str:
     return path
 
 
+def make_tiny_llama_classifier(path: str, seed: int = 0, num_labels: int = 3, **overrides) -> str:
+    """make_tiny_llama's model as HF LlamaForSequenceClassification (its `score` head saved too)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(LlamaConfig(**{**TINY_LLAMA, **overrides}, num_labels=num_labels))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_cls_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128, num_labels: int = 3):
+    """tiny_lm_batch's right-padded rows (row i keeps seq - 4*i tokens, pad id 0) with one class
+    label per row: the pooled last tokens fall on different sequence shards."""
+    out = tiny_lm_batch(seed, batch, seq, vocab)
+    out["labels"] = torch.randint(0, num_labels, (batch,), generator=torch.Generator().manual_seed(seed + 1000))
+    return out
 
 
 def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128):

@@ -30,12 +30,8 @@ def load_hf_config(model_path: str, dropout: float | None = None):
 
 
 def model_class(family: FamilySpec, task: str | None):
-    """The family's model class for `task` (None: its only task)."""
-    if task is None:
-        if len(family.tasks) != 1:
-            raise ValueError(f"{family.name} models do several tasks ({', '.join(sorted(family.tasks))}); name one")
-        (task,) = family.tasks
-    return family.model_class(task)
+    """The family's model class for `task` (None: its first task in FamilySpec.tasks, its primary one)."""
+    return family.model_class(next(iter(family.tasks)) if task is None else task)
 
 
 def locate_weights(model: nn.Module, checkpoint: LazyCheckpoint, family: FamilySpec, rank: int = 0) -> list:

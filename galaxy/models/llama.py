@@ -1,4 +1,5 @@
-"""Llama for causal language modelling: the one definition every plan is applied to.
+"""Llama for causal language modelling and sequence classification: the one definition every
+plan is applied to (one backbone, LlamaBackbone; two heads).
 
 Pre-norm layers split as docs/design.md section 1 says:
   ATT  = self-attention (rotary, grouped-query) with its output projection
@@ -18,7 +19,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from galaxy.distributed.transitions import Transition
+from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -155,12 +156,13 @@ class LlamaConnector(nn.Module):
         return stream, self.norm(stream)
 
 
-class LlamaForCausalLM(CausalLMHead, GalaxyModel):
-    """The head, loss and plan_head are the decoders' shared ones (galaxy.models.causal_lm_head)."""
+class LlamaBackbone(GalaxyModel):
+    """Embeddings, the first input norm and the layers: what both Llama heads share."""
     con_params = ("first_norm",)
     first_stage_modules = ("embed_tokens", "first_norm")
+    carry_size = 2           # (residual stream, normalised input of the next sub-block)
 
-    def __init__(self, cfg, **_):
+    def __init__(self, cfg):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
@@ -169,9 +171,6 @@ class LlamaForCausalLM(CausalLMHead, GalaxyModel):
             TransformerBlock(LlamaAttention(cfg), LlamaConnector(cfg), LlamaMLP(cfg), LlamaConnector(cfg))
             for _ in range(cfg.num_hidden_layers))
         self.enter = Transition()             # embeddings (R) -> CON layout
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.head_group = None                # set by a plan whose CON layout is S
-        self.materialize()
 
     def materialize(self) -> None:
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
@@ -201,9 +200,89 @@ class LlamaForCausalLM(CausalLMHead, GalaxyModel):
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
 
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        # input_ids, attention_mask, labels: [b, S] on every rank (labels [b] for a classifier);
+        # token_type_ids: taken as every family's forward takes them (classification batches
+        # carry them), unused: Llama has no token types
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        return super().forward(input_ids, attention_mask, labels=labels)
+
+
+class LlamaForCausalLM(CausalLMHead, LlamaBackbone):
+    """The head, loss and plan_head are the decoders' shared ones (galaxy.models.causal_lm_head)."""
+
+    def __init__(self, cfg, **_):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_group = None                # set by a plan whose CON layout is S
+        self.materialize()
+
+
+class LlamaForSequenceClassification(LlamaBackbone):
+    """Hugging Face's LlamaForSequenceClassification: `score` (no bias) on the final-norm hidden
+    state of each row's last token; the loss is the mean cross-entropy over the rows.
+
+    Which token: HF takes the rightmost position whose input id is not pad_token_id. The head
+    here sees no token ids (a pipeline's last stage has only the attention mask), so it takes the
+    rightmost position the attention mask keeps: the same token for right-padded rows whose pad
+    id appears only as padding, which is what galaxy's batches are (a row of padding only: 0, as
+    HF). layer_context records the positions; the head of the same forward pass reads them
+    (torch's pipeline schedules run a micro-batch's loss right after its last-stage forward).
+    """
+    task, peft_task_type = "classification", "SEQ_CLS"
+    modules_to_save = output_heads = ("score",)
+    last_stage_modules = ("score",)
+
+    def __init__(self, cfg, num_labels: int, **_):
+        super().__init__(cfg)
+        self.num_labels = num_labels
+        self.score = nn.Linear(cfg.hidden_size, num_labels, bias=False)
+        self.pooled_at = None                 # [b] positions of the current forward pass
+        self.pool_group = None                # the group holding the tokens' shards under CON SP
+        self.materialize()
+
+    def plan_head(self, con_layout, group) -> dict:
+        """The pooled tokens are gathered to every rank, so the logits are whole (head_group stays
+        None) and the score weight's gradient is complete on every rank."""
+        self.pool_group = group if con_layout == Layout.S and group.size > 1 else None
+        return {}
+
+    def layer_context(self, attention_mask) -> dict:
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        self.pooled_at = (positions * attention_mask.bool()).argmax(-1)
+        return super().layer_context(attention_mask)
+
+    def head(self, carry: tuple, labels=None):
+        _, x, *side = carry
+        if side:
+            x = self.side_out(x, side[0])
+        rows, at = torch.arange(x.shape[0], device=x.device), self.pooled_at.to(x.device)
+        if self.pool_group is None:
+            pooled = x[rows, at]                                         # [b, h]
+        else:
+            # CON SP: row i's token lives on the one rank whose shard [o_r, o_r + s_r) holds
+            # at[i]. Each rank takes the tokens it owns (zeros for the other rows) and a sum over
+            # the group (reduce_to_replicated: all-reduce forward, identity backward) gives every
+            # rank all b tokens exactly (one non-zero term per row), one [b, h] collective; the
+            # gradient, replicated like the loss, flows into each token on its owner only.
+            g = self.pool_group
+            local = at - g.seq_offset
+            own = (local >= 0) & (local < x.shape[1])
+            picked = x[rows, local.clamp(0, x.shape[1] - 1)]
+            pooled = reduce_to_replicated(torch.where(own[:, None], picked, torch.zeros_like(picked)), g)
+        logits = self.score(pooled)                                      # [b, num_labels]
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return logits, loss
+
+    def loss_units(self, labels) -> torch.Tensor:
+        """How many terms `head`'s loss averages over: one per row."""
+        return torch.tensor(labels.shape[0], device=labels.device)
+
 
 def hf_names(cfg):
-    """galaxy name -> LlamaForCausalLM name. CON2 of layer i holds layer i+1's input norm."""
+    """galaxy name -> LlamaForCausalLM (or ...ForSequenceClassification) name. CON2 of layer i
+    holds layer i+1's input norm."""
     table = NameMap({
         "embed_tokens.weight": "model.embed_tokens.weight",
         "first_norm.weight": "model.layers.0.input_layernorm.weight",
@@ -211,6 +290,7 @@ def hf_names(cfg):
         "layers.{i}.con1.norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
         "layers.{i}.mlp.{rest}": "model.layers.{i}.mlp.{rest}",
         "lm_head.weight": "lm_head.weight",
+        "score.weight": "score.weight",            # LlamaForSequenceClassification's head
         # Parameter-efficient fine-tuning (galaxy.peft): LoRA's lora_A / lora_B sit inside the
         # projections above; adapters and the side network get names of their own.
         "layers.{i}.con1.adapter.{w}": "model.layers.{i}.post_attention_adapter.{w}",

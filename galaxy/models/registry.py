@@ -20,8 +20,9 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         matmul_flops=closed_form.bert_flops_of, plan_comm_bytes=closed_form.bert_comm_of),
     FamilySpec(
         name="llama", model_types=("llama",),
-        tasks={"causal_lm": llama.LlamaForCausalLM},
+        tasks={"causal_lm": llama.LlamaForCausalLM, "classification": llama.LlamaForSequenceClassification},
         hf_names=llama.hf_names,
+        hf_head_params=("score.weight",),   # a causal LM's checkpoint has no classifier: drawn from the seed
         lora_targets=("q_proj", "v_proj"),
         matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.llama_comm_of),
     FamilySpec(     # Llama with q/k/v biases: Llama's names, FLOPs; its own "sum" parameters

@@ -44,8 +44,7 @@ class ProfileJob:
 
     @property
     def task_kind(self) -> str:
-        (task,) = self.family.tasks       # the profiler builds a family's one task
-        return task
+        return next(iter(self.family.tasks))   # the profiler builds a family's primary task
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,7 +81,7 @@ def prepare(cfg, opts) -> ProfileJob:
     from galaxy.models.build import load_hf_config
     hf = load_hf_config(cfg.model_path)
     num_labels = None
-    if "classification" in family.tasks:     # the classifier the trainer would build: one output per class
+    if next(iter(family.tasks)) == "classification":    # the classifier the trainer would build: one output per class
         names = cfg.class_list
         if names is None:
             from galaxy.data import load_examples

@@ -27,7 +27,7 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     num_labels: classifier outputs (classification families); ignored by causal LMs.
     stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
     keeps the whole model.
-    task: "classification" | "causal_lm"; None: the family's one task.
+    task: "classification" | "causal_lm"; None: the family's first (primary) task.
     activation_checkpointing: which layers recompute their activations in backward ("none",
     "full", a number of leading layers or a list of indices; galaxy.config.recompute_layers).
     """

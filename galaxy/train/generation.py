@@ -56,7 +56,7 @@ def generate(job: GenerationJob, env) -> list[int]:
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(cfg, env.rank, env.world, job.shape)
     source = job.resume.model_dir if job.resume else cfg.model_path
-    model = build_model(source, plan_of(cfg), mesh.galaxy, seed=cfg.seed, device=env.device)
+    model = build_model(source, plan_of(cfg), mesh.galaxy, seed=cfg.seed, device=env.device, task="causal_lm")
     ids = greedy_generate(model, job.tokenizer, job.prompt, job.max_new_tokens, cfg.pad_size, env.device)
     if env.rank == 0:
         print(job.prompt + job.tokenizer.decode(ids, skip_special_tokens=True), flush=True)
