@@ -14,4 +14,5 @@ def prepare(cfg, args):
 
 if __name__ == "__main__":
     main(preset="galaxy", prepare_fn=prepare, train_fn=run_llama, add_arguments=add_generation_arguments,
-         script="finetune_llama.py")
+         script="finetune_llama.py",
+         default_config="train_config/llama/full.json", model_type="llama")

@@ -6,4 +6,5 @@ from galaxy.launch import main
 from galaxy.train.trainer import prepare_causal_lm, train
 
 if __name__ == "__main__":
-    main(preset="pp", prepare_fn=prepare_causal_lm, train_fn=train, script="finetune_pp_llama.py")
+    main(preset="pp", prepare_fn=prepare_causal_lm, train_fn=train, script="finetune_pp_llama.py",
+         default_config="train_config/llama/pp/full.json", model_type="llama")

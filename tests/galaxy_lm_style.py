@@ -1,0 +1,23 @@
+"""Hand-written configs in Galaxy-LM's style: its keys and layout (train, shape keys, loralib's
+switches, init_method, num_iterations, ...), no model_path, small shapes so the random models are
+cheap. Shared by test_galaxy_lm_configs.py (loading) and test_readme_commands.py (running)."""
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2}
+PEFT_OFF = {"use_lora": False, "use_adapter": False, "use_side": False, "use_side_only": False}
+LORALIB = {"lora_alpha": 32, "lora_dropout": 0.1, "fan_in_fan_out": True, "merge_weights": False}
+BERT_FULL = {"train": True, "batch_size": 4, "pad_size": 32, **SHAPE, "full_model": True, **PEFT_OFF}
+BERT_LORA = {"train": True, "batch_size": 4, "pad_size": 32, **SHAPE, "full_model": False,
+             **{**PEFT_OFF, "use_lora": True}, "lora_dim": 8, **LORALIB}
+BERT_GALAXY_LORA = {**BERT_LORA, "con_parallel_method": "None", "seq_scatter_list": [20, 12],
+                    "att_parallel_method": "TP", "tp_num_attention_heads_list": [2, 2],
+                    "mlp_parallel_method": "TP", "tp_intermediate_size_list": [64, 64],
+                    "init_method": "tcp://127.0.0.1:23000", "distributed_backend": "gloo"}
+BERT_PP_SIDE = {"train": True, "batch_size": 4, "pad_size": 32, **SHAPE, "full_model": False,
+                **{**PEFT_OFF, "use_side": True}, "side_reduction_factor": 8, "add_bias_sampling": True,
+                "init_method": "tcp://127.0.0.1:23000", "distributed_backend": "gloo",
+                "stage_num_hidden_layers_list": [1, 1], "num_microbatches": 1, "num_iterations": 1}
+LLAMA_FULL = {"train": True, "device": "cuda", "num_epochs": 3, "batch_size": 4, "pad_size": 10,
+              "model_type": "llama", **SHAPE, "type_vocab_size": 2, "vocab_size": 2048, "full_model": True,
+              "use_lora": False, "lora_att_dim": 4, **LORALIB, "lora_target_modules": ["q_proj", "v_proj"]}
+LLAMA_PP_FULL = {**LLAMA_FULL, "pad_size": 32, "init_method": "tcp://127.0.0.1:23000", "distributed_backend": "gloo",
+                 "stage_num_hidden_layers_list": [1, 1], "num_microbatches": 4, "num_iterations": 1}
