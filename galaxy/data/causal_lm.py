@@ -1,9 +1,16 @@
-"""Causal-LM data: plain-text lines and instruction records, padded to pad_size.
+"""Causal-LM data: plain-text lines, text records, chat records and instruction records, padded
+to pad_size.
 
 Formats (by extension):
   .txt             one sample per line; the loss covers every non-pad token.
-  .json / .jsonl   instruction records {"instruction", "input" (optional), "output"}: a JSON
-                   array, or one object per line. The loss covers only the response tokens.
+  .json / .jsonl   a JSON array of records, or one object per line; each record is one of
+                   (by the first of these fields it has):
+      "messages"     chat: [{"role": system|user|assistant, "content"}, ...]; the loss covers the
+                     assistant turns only (rendering: galaxy/data/chat.py)
+      "instruction"  {"instruction", "input" (optional), "output"}; the loss covers the response
+      "text"         {"text"} (e.g. openassistant-guanaco's "### Human: ... ### Assistant: ...");
+                     the loss covers every token, as a .txt line
+                   A record with none of them is an error naming its line and these fields.
 
 Instruction prompt template (PROMPT_TEMPLATE / PROMPT_TEMPLATE_NO_INPUT):
 
@@ -29,6 +36,7 @@ import os
 import torch
 
 from .batches import StepBatches
+from .chat import Chat, RenderedChat, encode_chat, parse_chat, render_chat, uses_chat_template
 from .errors import DataError
 from .pydoc_topics import pydoc_topics_dataset
 from .readers import _lines
@@ -51,7 +59,48 @@ def read_lm_samples(path: str) -> list[tuple[str, str | None]]:
         return [(line, None) for _, line in _lines(path) if line.strip()]
     if ext not in (".json", ".jsonl"):
         raise DataError(f"{path}: unknown causal-LM data format {ext!r} (use .txt, .json or .jsonl)")
-    return [_instruction(path, number, record) for number, record in _records(path)]
+    return [_record(path, where, record) for where, record in _records(path)]
+
+
+def _record(path, where, record):
+    """One JSON record -> a sample: Chat, (prompt, response) or (text, None)."""
+    if not isinstance(record, dict):
+        raise DataError(f"{path}:{where}: expected a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        return parse_chat(path, where, record)
+    if "instruction" in record:
+        return _instruction(path, where, record)
+    if "text" in record:
+        if not isinstance(record["text"], str) or not record["text"].strip():
+            raise DataError(f"{path}:{where}: 'text' must be a non-empty string")
+        return record["text"], None
+    raise DataError(f"{path}:{where}: a record with fields {sorted(record)} fits no format; expected "
+                    f"\"text\" (plain text), \"messages\" (a chat: [{{\"role\", \"content\"}}, ...]) or "
+                    f"\"instruction\" and \"output\" (an instruction record)")
+
+
+def sample_kind(sample) -> str:
+    if isinstance(sample, (Chat, RenderedChat)):
+        return "chat"
+    return "text" if sample[1] is None else "instruction"
+
+
+def describe_samples(path: str, samples, tokenizer) -> str:
+    """What a data file held, for the run's notes: its formats and where the loss falls."""
+    counts = {}
+    for s in samples:
+        counts[sample_kind(s)] = counts.get(sample_kind(s), 0) + 1
+    loss = {"text": "loss on every token", "instruction": "loss on the response",
+            "chat": "loss on the assistant turns, rendered with " +
+                    ("the tokenizer's chat template" if uses_chat_template(tokenizer)
+                     else "galaxy's ### Human / ### Assistant template")}
+    found = "; ".join(f"{n} {kind} records ({loss[kind]})" for kind, n in counts.items())
+    return f"{path}: {found}"
+
+
+def render_samples(samples, tokenizer) -> list:
+    """Chat samples rendered for this tokenizer once, up front (errors name the record)."""
+    return [render_chat(tokenizer, s) if isinstance(s, Chat) else s for s in samples]
 
 
 def _records(path):
@@ -77,8 +126,6 @@ def _records(path):
 
 
 def _instruction(path, where, record):
-    if not isinstance(record, dict):
-        raise DataError(f"{path}:{where}: expected a JSON object, got {type(record).__name__}")
     for key in ("instruction", "output"):
         if not isinstance(record.get(key), str) or not record[key].strip():
             raise DataError(f"{path}:{where}: {key!r} must be a non-empty string")
@@ -95,6 +142,13 @@ def load_lm_samples(path_or_none, split: str):
     return read_lm_samples(os.fspath(path_or_none))
 
 
+def encode_sample(tokenizer, sample, pad_size: int):
+    """Any sample (text or instruction pair, rendered chat) -> encode_lm_sample's tensors."""
+    if isinstance(sample, RenderedChat):
+        return _padded(tokenizer, *encode_chat(tokenizer, sample, pad_size, IGNORE_INDEX), pad_size)
+    return encode_lm_sample(tokenizer, *sample, pad_size)
+
+
 def encode_lm_sample(tokenizer, prompt: str, response: str | None, pad_size: int):
     """-> (input_ids [pad_size], attention_mask [pad_size], labels [pad_size]) long tensors."""
     ids = tokenizer(prompt)["input_ids"]
@@ -102,6 +156,10 @@ def encode_lm_sample(tokenizer, prompt: str, response: str | None, pad_size: int
     if response is not None:
         answer = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids, labels = ids + answer, labels + answer
+    return _padded(tokenizer, ids, labels, pad_size)
+
+
+def _padded(tokenizer, ids, labels, pad_size: int):
     ids, labels = ids[:pad_size], labels[:pad_size]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = len(ids)
@@ -119,6 +177,6 @@ class CausalLMBatches(StepBatches):
         self.pad_size = pad_size
 
     def encode(self, indices):
-        rows = [encode_lm_sample(self.tokenizer, *self.samples[i], self.pad_size) for i in indices.tolist()]
+        rows = [encode_sample(self.tokenizer, self.samples[i], self.pad_size) for i in indices.tolist()]
         ids, mask, labels = (torch.stack(t) for t in zip(*rows))
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -11,7 +11,8 @@ from contextlib import nullcontext
 import torch
 
 from galaxy.data import ClassificationBatches, load_examples
-from galaxy.data.causal_lm import IGNORE_INDEX, CausalLMBatches, encode_lm_sample, load_lm_samples
+from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, describe_samples, encode_sample, load_lm_samples,
+                                   render_samples)
 from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.train.evaluate import evaluate
 
@@ -59,10 +60,17 @@ class CausalLMTask:
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.train_set = load_lm_samples(cfg.train_path, "train")
+        self.notes = []      # which formats each data file held (the trainer prints them on rank 0)
+        self.train_set = self._load(cfg.train_path, "train")
         embedded = cfg.train_path is None
-        self.dev_set = load_lm_samples(cfg.dev_path, "dev") if cfg.dev_path or embedded else None
-        self.test_set = load_lm_samples(cfg.test_path, "test") if cfg.test_path or embedded else None
+        self.dev_set = self._load(cfg.dev_path, "dev") if cfg.dev_path or embedded else None
+        self.test_set = self._load(cfg.test_path, "test") if cfg.test_path or embedded else None
+
+    def _load(self, path, split):
+        samples = load_lm_samples(path, split)
+        if path is not None:
+            self.notes.append(f"{split} data {describe_samples(path, samples, self.tokenizer)}")
+        return render_samples(samples, self.tokenizer)      # chat records: rendered once, here
 
     def batches(self, shard=None):
         c = self.cfg
@@ -76,7 +84,7 @@ class CausalLMTask:
         loss_sum, tokens, correct = 0.0, 0, 0
         local = getattr(model, "model", model)   # a runner's own model knows the head's layout
         for start in range(0, len(samples), self.cfg.batch_size):
-            rows = [encode_lm_sample(self.tokenizer, *s, self.cfg.pad_size)
+            rows = [encode_sample(self.tokenizer, s, self.cfg.pad_size)
                     for s in samples[start:start + self.cfg.batch_size]]
             ids, mask, labels = (torch.stack(t).to(device) for t in zip(*rows))
             with autocast():

@@ -176,7 +176,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.lr_schedule, cfg.learning_rate, cfg.warmup_steps, self.total)
         self.step, self.tokens_seen = 0, 0
         self.saved_step = None          # the step of the newest checkpoint this run saved or resumed from
-        self.notes: list[str] = []
+        self.notes: list[str] = list(getattr(self.task, "notes", ()))   # e.g. which data format was read
         if job.resume is not None:
             self._restore(job.resume)
         elif cfg.resume == "latest":
