@@ -1,0 +1,125 @@
+"""Galaxy-LM's documented command lines, and one for every other shipped training config, run as
+written and finish, shortened with the documented overrides --max_steps 1 --max_eval_samples 8
+(the profiler: --repeats 1 --warmup 0), so that none can rot; and so do Galaxy-LM-style configs
+(tests/galaxy_lm_style.py: no model_path, so a random model of their shape).
+
+Commands run from a scratch directory holding train_config/ and models/ (links into the
+repository), as from a clean clone after the README's set-up, so outputs land in its runs/.
+Command drivers (tests/command_driver.py) run many commands per process: one for the
+single-process commands, and one per rank for the world-2 ones (each command gets its own
+--init_method port). Every command must exit 0, and every training command's metrics file must
+end with a finished run of 1 step.
+"""
+import json
+import os
+import subprocess
+import sys
+
+from dist_pool import free_port
+from galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
+
+from galaxy.train.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICK = "--max_steps 1 --max_eval_samples 8"
+
+SERIAL = [
+    "python pretrain_bert.py",
+    *[f"python pretrain_bert.py --config_file train_config/bert/{m}.json" for m in ("full", "lora", "adapter", "side")],
+    "python finetune_llama.py --config train_config/llama/full.json",
+    "python finetune_llama.py --config train_config/llama/lora.json",
+    # the rest of the shipped training configs
+    *[f"python finetune_llama.py --config train_config/llama/{m}.json" for m in ("adapter", "side", "classification")],
+]
+PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
+WORLD2 = [   # {r}: the rank
+    "python pretrain_tp_bert.py --world 2 --rank {r}",
+    "python pretrain_tp_bert.py --config_file train_config/bert/tp/full.json --world 2 --rank {r}",
+    *[f"python pretrain_dp_bert.py --config_file train_config/bert/dp/{m}.json --world 2 --rank {{r}}"
+      for m in ("full", "lora", "adapter", "side")],
+    *[f"python pretrain_sp_bert.py --config_file train_config/bert/sp/{m}.json --world 2 --rank {{r}}"
+      for m in ("full", "lora")],
+    "python pretrain_pp_bert.py --rank {r} --world 2",
+    *[f"python pretrain_pp_bert.py --rank {{r}} --world 2 --config_file train_config/bert/pp/{m}.json"
+      for m in ("full", "lora", "side")],
+    "python pretrain_galaxy.py --rank {r} --world 2",
+    *[f"python pretrain_galaxy.py --rank {{r}} --world 2 --config_file train_config/bert/galaxy/{m}.json"
+      for m in ("full", "lora")],
+    "python finetune_pp_llama.py --rank {r} --world 2",
+    "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/llama/pp/full.json",
+    "python finetune_llama.py --config train_config/llama/galaxy/full.json --world 2 --rank {r}",
+]
+# Galaxy-LM's own style: its keys, no model_path (written to the scratch directory's galaxy_lm/).
+GALAXY_LM_CONFIGS = {"bert_full": BERT_FULL, "bert_galaxy_lora": BERT_GALAXY_LORA, "bert_pp_side": BERT_PP_SIDE,
+                     "llama_full": LLAMA_FULL, "llama_pp_full": LLAMA_PP_FULL}
+GALAXY_LM_SERIAL = ["python pretrain_bert.py --config_file galaxy_lm/bert_full.json",
+                    "python finetune_llama.py --config galaxy_lm/llama_full.json"]
+GALAXY_LM_WORLD2 = ["python pretrain_galaxy.py --rank {r} --world 2 --config galaxy_lm/bert_galaxy_lora.json",
+                    "python pretrain_pp_bert.py --rank {r} --world 2 --config galaxy_lm/bert_pp_side.json",
+                    "python finetune_pp_llama.py --rank {r} --world 2 --config galaxy_lm/llama_pp_full.json"]
+# Data Galaxy-LM users have: openassistant-guanaco's {"text"} records (and chat records) train finetune_llama.py.
+GUANACO = [{"text": f"### Human: What does statement {i} do?### Assistant: It runs step {i}."} for i in range(6)] + [
+    {"messages": [{"role": "user", "content": "Name a loop."}, {"role": "assistant", "content": "for"}]}] * 2
+GUANACO_CONFIG = {"model_path": "models/tiny-llama", "train_path": "galaxy_lm/guanaco.jsonl", "batch_size": 4,
+                  "pad_size": 32}
+DATA_SERIAL = ["python finetune_llama.py --config galaxy_lm/guanaco.json"]
+DEFAULT_CONFIGS = {"pretrain_bert.py": "bert/full.json", "pretrain_tp_bert.py": "bert/tp/full.json",
+                   "pretrain_pp_bert.py": "bert/pp/full.json", "pretrain_galaxy.py": "bert/galaxy/full.json",
+                   "finetune_pp_llama.py": "llama/pp/full.json"}
+
+
+def config_of(command: str) -> str:
+    words = command.split()
+    for flag in ("--config_file", "--config"):
+        if flag in words:
+            return words[words.index(flag) + 1]
+    return "train_config/" + DEFAULT_CONFIGS[words[1]]
+
+
+def start_driver(tmp_path, name: str, commands: list[str]) -> subprocess.Popen:
+    listing = tmp_path / f"{name}.json"
+    listing.write_text(json.dumps(commands))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "command_driver.py"), ROOT, str(listing)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_documented_commands_run_and_finish(tmp_path):
+    for name in ("train_config", "models"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "galaxy_lm").mkdir()
+    for name, keys in {**GALAXY_LM_CONFIGS, "guanaco": GUANACO_CONFIG}.items():
+        (tmp_path / "galaxy_lm" / f"{name}.json").write_text(json.dumps(keys, indent=4))
+    (tmp_path / "galaxy_lm" / "guanaco.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GUANACO))
+    world2 = WORLD2 + GALAXY_LM_WORLD2
+    ports = [free_port() for _ in world2]
+    ranks = [[f"{c.format(r=r)} {QUICK} --init_method tcp://127.0.0.1:{p}" for c, p in zip(world2, ports)]
+             for r in (0, 1)]
+    serial = [f"{c} {QUICK}" for c in SERIAL + GALAXY_LM_SERIAL + DATA_SERIAL] + [f"{PROFILE} --repeats 1 --warmup 0"]
+    drivers = {"serial": start_driver(tmp_path, "serial", serial),
+               **{f"rank{r}": start_driver(tmp_path, f"rank{r}", ranks[r]) for r in (0, 1)}}
+    finished, outputs = {}, {}
+    for name, proc in drivers.items():
+        out, err = proc.communicate(timeout=1500)
+        ends = [line.split(" ", 5) for line in out.splitlines() if line.startswith("@@ end ")]
+        print(name, f"{sum(float(e[4]) for e in ends):.1f}s CPU", *(f"{wall}s ({cpu}s CPU) {command}"
+                                                          for *_, wall, cpu, command in ends), sep="\n  ")
+        assert proc.returncode == 0 and all(e[2] == "0" for e in ends), \
+            f"{name}: exit {proc.returncode}, finished {[e[2:] for e in ends]}\n{err[-6000:]}"
+        finished[name], outputs[name] = [command for *_, command in ends], (out, err)
+    assert len(finished["serial"]) == len(serial) and len(finished["rank0"]) == len(world2)
+    # Galaxy-LM's configs have no metrics_file: rank 0's summary says each run finished, and the
+    # random models' note lines say what was built.
+    out, err = outputs["rank0"][0] + outputs["serial"][0], outputs["rank0"][1] + outputs["serial"][1]
+    assert out.count("done: 1 steps") == len(SERIAL + WORLD2 + GALAXY_LM_SERIAL + GALAXY_LM_WORLD2 + DATA_SERIAL)
+    assert out.count("note: no model_path: a randomly initialised") == len(GALAXY_LM_SERIAL + GALAXY_LM_WORLD2)
+    assert "warning: ignoring keys with no meaning here: fan_in_fan_out, merge_weights" in err
+    assert ("guanaco.jsonl: 6 text records (loss on every token); 2 chat records (loss on the assistant turns, "
+            "rendered with galaxy's ### Human / ### Assistant template)") in out
+
+    for command in SERIAL + WORLD2:
+        with open(os.path.join(ROOT, config_of(command))) as f:
+            metrics = json.load(f)["metrics_file"]
+        done = [r for r in read_metrics(tmp_path / metrics) if r.get("event") == "done"]
+        assert done and all(r["steps"] == 1 for r in done), (command, done)
