@@ -116,3 +116,14 @@ def test_config_init_method_is_the_command_line_default(tmp_path, monkeypatch):
     args.init_method_defaulted, args.init_method = False, "tcp://10.0.0.1:1234"
     load_run_config(args, "galaxy", "pretrain_galaxy.py", "bert")
     assert args.init_method == "tcp://10.0.0.1:1234"                          # the command line wins
+
+
+def test_default_config_outside_the_repository_is_a_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(preset="serial", train_fn=None, script="pretrain_bert.py", argv=[],
+             default_config="train_config/bert/full.json", model_type="bert")
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"pretrain_bert.py: error: no --config_file given and the default train_config/bert/full.json is not "
+        f"in the current directory {str(tmp_path)!r}; run from the repository root or give --config_file"]
