@@ -10,6 +10,7 @@ from galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_LORA, BERT_PP_SIDE
 
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.launch import load_run_config, main
+from galaxy.models.shape import read_model_shape
 
 
 def write(tmp_path, name, keys) -> str:
@@ -100,7 +101,7 @@ def test_world_problems_are_reported_together(tmp_path):
                                                    "num_hidden_layers": 2, "max_position_embeddings": 64}))
     cfg = load_config(write(tmp_path, "c", {"model_path": str(model), "pad_size": 128, "seq_scatter_list": [1, 2, 3],
                                             "tp_num_attention_heads_list": [1, 1]}))
-    problems = pytest.raises(ConfigError, validate_for_world, cfg, 2, 0).value.problems
+    problems = pytest.raises(ConfigError, validate_for_world, cfg, 2, 0, read_model_shape(cfg.model_path)).value.problems
     assert [p.split()[0] for p in problems] == ["pad_size", "tp_num_attention_heads_list", "seq_scatter_list"]
 
 
