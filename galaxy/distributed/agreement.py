@@ -144,7 +144,7 @@ def agree(store, rank: int, world: int, mine: dict, timeout_s: float) -> None:
             raise Disagreement(verdict)
         return
     store.set(f"{prefix}info/0", json.dumps(mine))
-    line, joined = None, 1
+    line, expected = None, world
     for r in range(1, world):
         try:
             other = json.loads(get(f"info/{r}"))
@@ -152,14 +152,18 @@ def agree(store, rank: int, world: int, mine: dict, timeout_s: float) -> None:
             joined_ranks = f"ranks 0-{r - 1} did" if r > 1 else "only rank 0 did"
             raise RendezvousError(f"rank {r} did not join within timeout_s={timeout_s:g} ({joined_ranks}); start all "
                                   f"{world} ranks with the same --world and --init_method") from None
-        joined += 1
         line = compare(mine, other, r)
         if line:
+            # A rank started with a larger --world has peers this rank never waits for.
+            if isinstance(other.get("--world"), int):
+                expected = max(expected, other["--world"])
             break
     store.set(f"{prefix}verdict", line or "ok")
     if line:
-        # The store lives in this process: let the ranks that joined read the verdict first.
-        end = time.monotonic() + 2.0
-        while store.add(f"{prefix}read", 0) < joined - 1 and time.monotonic() < end:
+        # The store lives in this process, and a rank that connects after it exits would wait out
+        # its connect timeout instead of hearing the verdict: keep it up until every rank of the
+        # largest world named has read the verdict (or compared rank 0's fingerprint), within
+        # timeout_s of the start.
+        while store.add(f"{prefix}read", 0) < expected - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         raise Disagreement(line)
