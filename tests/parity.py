@@ -77,17 +77,19 @@ def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
 
 
 def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5,
-                      build=None, task=None):
+                      build=None):
     """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
 
-    build: more build_model keywords (e.g. activation_checkpointing).
-    task: the model's task (None: the family's primary one); the reference is HF_LOADERS[family]
-    or, with a task, HF_LOADERS[f"{family}/{task}"].
+    build: more build_model keywords (a dict, since DistPool.run passes positional arguments
+    only), e.g. activation_checkpointing, or task (None: the family's primary one; the reference
+    is then HF_LOADERS[f"{family}/{task}"]).
     Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
     """
     torch.manual_seed(0)
     group = world_group(*shares)
-    model = build_model(model_dir, plan, group, num_labels=3, task=task, **(build or {}))
+    build = build or {}
+    task = build.get("task")
+    model = build_model(model_dir, plan, group, num_labels=3, **build)
     ref = HF_LOADERS[family if task is None else f"{family}/{task}"](model_dir)
     report = {"loss": []}
     for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
