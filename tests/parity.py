@@ -1,4 +1,6 @@
-"""Rank-side helpers for fidelity tests: run galaxy under a plan and HF serially, compare."""
+"""Rank-side pieces of the fidelity tests: Hugging Face references, errors, report checks.
+
+The one loop that trains galaxy and a reference side by side is parity_runners.train_and_compare."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +9,6 @@ import torch.distributed as dist
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.registry import family_of
-from galaxy.parallel.full_state import full_sequence_logits, gather_full
-from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
-from galaxy.runtime.assemble import build_model
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -54,52 +52,6 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool, family: str = "b
         if err > worst:
             worst, where = err, name
     return worst, where
-
-
-def lockstep_sgd(model, ref, sync, params, batch_fn, steps: int, lr: float):
-    """SGD on galaxy's model (its `params`) and on the reference, batch for batch.
-
-    Yields (step, logits, loss, reference output) after both backward passes and galaxy's
-    gradient sync, before the updates: a caller inspects gradients there.
-    """
-    opt = torch.optim.SGD(params, lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    for step in range(steps):
-        batch = batch_fn(seed=step)
-        logits, loss = model(**batch)
-        out = ref(**batch)
-        loss.backward()
-        out.loss.backward()
-        sync()
-        yield step, logits, loss, out
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-
-
-def train_and_compare(family: str, model_dir, plan: ParallelPlan, shares, batch_fn, steps=5, lr=0.5,
-                      build=None):
-    """Train galaxy under `plan` and HF serially with SGD on the same batches; report errors.
-
-    build: more build_model keywords (a dict, since DistPool.run passes positional arguments
-    only), e.g. activation_checkpointing, or task (None: the family's primary one; the reference
-    is then HF_LOADERS[f"{family}/{task}"]).
-    Returns {"logits", "loss" (per step), "grad" (worst, where), "weights" (worst, where)}.
-    """
-    torch.manual_seed(0)
-    group = world_group(*shares)
-    build = build or {}
-    task = build.get("task")
-    model = build_model(model_dir, plan, group, num_labels=3, **build)
-    ref = HF_LOADERS[family if task is None else f"{family}/{task}"](model_dir)
-    report = {"loss": []}
-    for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), model.parameters(),
-                                                batch_fn, steps, lr):
-        if step == 0:
-            report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
-            report["grad"] = worst_param_error(gather_full(model, grads=True), ref, True, family)
-        report["loss"].append(rel_err(loss, out.loss))
-    report["weights"] = worst_param_error(gather_full(model), ref, False, family)
-    return report
 
 
 def hf_llama(model_dir):

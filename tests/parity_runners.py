@@ -1,7 +1,10 @@
-"""Rank-side helpers for DP / PP fidelity tests: a runner on a mesh against HF serial training.
+"""The one loop of the fidelity tests: galaxy (a runner on a pp x dp x Galaxy mesh) and a serial
+reference trained side by side with SGD on the same global batches, then compared.
 
-Every rank also trains the Hugging Face model serially on the whole global batch (the
-reference), while the runner sees only this replica's rows and this rank's stage and shards.
+Every rank trains the reference on the whole global batch, while the runner sees only this
+replica's rows and this rank's stage and shards. The reference is Hugging Face's model (or peft's
+LoRA on it) or galaxy's own model on a one-rank group (adapters, side-tuning: peft has no format
+for them). A plain Galaxy plan is the mesh pp 1 x dp 1.
 """
 from __future__ import annotations
 
@@ -13,6 +16,10 @@ from galaxy.distributed.mesh import make_mesh
 from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.runtime.runners import build_runner
 
+DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
+            "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", "task": None,
+            "adapt": None}
+
 
 def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:
     """This replica's contiguous share of the global batch's rows."""
@@ -20,49 +27,81 @@ def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:
     return {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
 
 
-def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, shares, batch_fn,
-                             options: dict | None = None) -> dict:
-    """5 SGD steps of a runner on a pp x dp x Galaxy mesh and of HF serially; report errors.
+def hf_forward(ref):
+    """A Hugging Face (or peft) model as a reference: batch -> (logits, loss)."""
+    def forward(batch):
+        out = ref(**batch)
+        return out.logits, out.loss
+    return forward
 
-    options (a dict, since DistPool.run passes positional arguments only): global_batch (8),
-    stage_layers (even split), num_microbatches (1), schedule ("1f1b"), grad_accum_steps (1),
-    steps (5), lr (0.5), activation_checkpointing ("none"), task (None: the family's primary one;
-    the reference is then HF_LOADERS[f"{family}/{task}"]).
 
-    Returns {"logits" (step 0, evaluation forward), "loss" (per step), "grad" (worst, where),
-    "grad_norm" (step 0, the whole model's), "weights" (worst, where), "stage" (this rank's layers)}.
+def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_step0=None) -> dict:
+    """o["steps"] SGD steps of galaxy's runner and of `reference` (a (forward, parameters) pair,
+    forward: whole batch -> (logits, loss)) on the same batches; only parameters that require a
+    gradient train on either side.
+
+    o: DEFAULTS' keys; global_batch None calls batch_fn(seed=step) with its own batch size; adapt
+    changes the model before DDP and gradient sync wrap it (build_runner's, e.g. apply_peft).
+    at_step0(runner, mesh): called at step 0 after both backward passes (and galaxy's gradient
+    sync), before the updates; what it returns joins the report.
+    Returns {"loss" (per-step rel error), "logits" (step 0, the runner's forward against the
+    reference's rows), "stage" (this rank's layers), "runner", "mesh", **at_step0's}.
     """
-    o = {"global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
-         "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", "task": None,
-         **(options or {})}
     torch.manual_seed(0)
-    mesh = make_mesh(pp, dp, *shares)
+    mesh = make_mesh(o["pp"], o["dp"], *shares)
     runner = build_runner(model_dir, plan, mesh, num_labels=3, stage_num_hidden_layers_list=o["stage_layers"],
                           num_microbatches=o["num_microbatches"], schedule=o["schedule"],
-                          grad_accum_steps=o["grad_accum_steps"],
-                          activation_checkpointing=o["activation_checkpointing"], task=o["task"])
-    ref = HF_LOADERS[family if o["task"] is None else f"{family}/{o['task']}"](model_dir)
-    opt = torch.optim.SGD(runner.parameters(), lr=o["lr"])
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=o["lr"])
-    report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else [])}
+                          grad_accum_steps=o["grad_accum_steps"], activation_checkpointing=o["activation_checkpointing"],
+                          task=o["task"], adapt=o["adapt"])
+    forward, ref_params = reference
+    opt = torch.optim.SGD([p for p in runner.parameters() if p.requires_grad], lr=o["lr"])
+    ref_opt = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=o["lr"])
+    stage = runner.model.attached.stage
+    report = {"loss": [], "stage": list(stage.layers if stage else []), "runner": runner, "mesh": mesh}
     for step in range(o["steps"]):
-        batch = batch_fn(seed=step, batch=o["global_batch"])
-        local = replica_rows(batch, mesh.dp_rank, dp)
-        out = ref(**batch)
-        out.loss.backward()
+        batch = batch_fn(seed=step) if o["global_batch"] is None else batch_fn(seed=step, batch=o["global_batch"])
+        local = replica_rows(batch, mesh.dp_rank, o["dp"])
+        ref_logits, ref_loss = forward(batch)
+        ref_loss.backward()
         if step == 0:
-            inputs = {k: v for k, v in local.items() if k != "labels"}
-            logits, _ = runner(**inputs)
-            rows = replica_rows({"x": out.logits.detach()}, mesh.dp_rank, dp)["x"]
-            report["logits"] = rel_err(full_sequence_logits(runner.model, logits), rows)
+            logits, _ = runner(**{k: v for k, v in local.items() if k != "labels"})
+            rows = replica_rows({"x": ref_logits.detach()}, mesh.dp_rank, o["dp"])["x"]
+            report["logits"] = rel_err(full_sequence_logits(runner.model, logits.detach()), rows)
         loss = runner.step(local)
-        if step == 0:
-            report["grad"] = worst_param_error(runner.full_state(grads=True), ref, True, family)
-            # HF's parameters() yields a tied weight once: the norm counts it once, as ours must.
-            ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-            report["grad_norm"] = rel_err(runner.grad_norm(), ref_norm)
-        report["loss"].append(rel_err(loss, out.loss))
+        if step == 0 and at_step0 is not None:
+            report.update(at_step0(runner, mesh))
+        report["loss"].append(rel_err(loss, ref_loss))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
-    report["weights"] = worst_param_error(runner.full_state(), ref, False, family)
     return report
+
+
+def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, shares, batch_fn,
+                             options: dict | None = None) -> dict:
+    """Galaxy on a pp x dp x Galaxy mesh against Hugging Face's model trained serially.
+
+    options (a dict, since DistPool.run passes positional arguments only): DEFAULTS' keys; task
+    None is the family's primary one, else the reference is HF_LOADERS[f"{family}/{task}"].
+    Returns {"logits", "loss", "grad" (step 0: worst, where), "grad_norm" (step 0, the whole
+    model's), "weights" (worst, where), "stage"}.
+    """
+    o = {**DEFAULTS, **(options or {}), "pp": pp, "dp": dp}
+    ref = HF_LOADERS[family if o["task"] is None else f"{family}/{o['task']}"](model_dir)
+
+    def grads(runner, mesh):
+        # HF's parameters() yields a tied weight once: the norm counts it once, as ours must.
+        ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+        return {"grad": worst_param_error(runner.full_state(grads=True), ref, True, family),
+                "grad_norm": rel_err(runner.grad_norm(), ref_norm)}
+    report = train_and_compare(model_dir, plan, shares, batch_fn, (hf_forward(ref), ref.parameters()), o, grads)
+    report["weights"] = worst_param_error(report.pop("runner").full_state(), ref, False, family)
+    del report["mesh"]
+    return report
+
+
+def train_plan_and_compare(family: str, model_dir, plan, shares, batch_fn, steps=5, lr=0.5, build=None) -> dict:
+    """A Galaxy plan (pp 1 x dp 1) against Hugging Face on batch_fn's own batch size.
+
+    build: more keywords (a dict): activation_checkpointing, task."""
+    return train_runner_and_compare(family, model_dir, plan, 1, 1, shares, batch_fn,
+                                    {"global_batch": None, "steps": steps, "lr": lr, **(build or {})})

@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from parity import HF_LOADERS, lockstep_sgd, rel_err, world_group
-from parity_runners import replica_rows
+from parity import HF_LOADERS, world_group
+from parity_runners import DEFAULTS, hf_forward, train_and_compare
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.distributed.mesh import make_mesh
 from galaxy.models.build import model_class
 from galaxy.runtime.assemble import build_model
 from galaxy.models.registry import family_of
-from galaxy.parallel.full_state import full_sequence_logits, gather_full
+from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.peft import PeftOptions, apply_peft, export_peft
 from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
-from galaxy.runtime.runners import build_runner
 
 
 def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[str], r: int = 4,
@@ -61,29 +59,36 @@ def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
                for k in theirs)
 
 
-def _sgd(params, lr):
-    return torch.optim.SGD([p for p in params if p.requires_grad], lr=lr)
+def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2):
+    """LoRA (started from adapter_dir) on a pp x dp x Galaxy mesh against peft's LoRA on Hugging
+    Face's model, serially. Returns {"loss": per-step rel errors, "logits": step 0, "tensors":
+    (worst rel error, key) of the adapter tensors, "frozen_grads": frozen parameters that got a
+    gradient}. Without a pipeline the tensors are what the export writes (lora_adapter_state)."""
+    ref = peft_reference(family, model_dir, adapter_dir)
+    o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
+         "num_microbatches": num_microbatches,
+         "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
+
+    def frozen_grads(runner, mesh):
+        return {"frozen_grads": [n for n, p in runner.model.named_parameters()
+                                 if not p.requires_grad and p.grad is not None]}
+    report = train_and_compare(model_dir, plan, shares, batch_fn, (hf_forward(ref), ref.parameters()), o,
+                               frozen_grads)
+    runner, _ = report.pop("runner"), report.pop("mesh")
+    if pp == 1:
+        ours = lora_adapter_state(runner.model)
+    else:
+        to_hf = family_of(family).hf_names(runner.model.config)
+        ours = {peft_key(to_hf(n)): t for n, t in runner.full_state().items()
+                if ".lora_" in n or n.startswith("classifier.")}
+    report["tensors"] = compare_tensors(ours, reference_tensors(ref))
+    return report
 
 
 def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_fn, steps=5, lr=0.1):
-    """5 SGD steps of galaxy LoRA under `plan` and of peft serially. Returns
-    {"loss": per-step rel errors, "tensors": (worst rel error, key) of the adapter tensors,
-    "logits": step-0 rel error, "frozen_grads": frozen parameters that got a gradient}."""
-    torch.manual_seed(0)
-    group = world_group(*shares)
-    model = build_model(model_dir, plan, group, num_labels=3)
-    trainable = apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)
-    ref = peft_reference(family, model_dir, adapter_dir)
-    report = {"loss": []}
-    for step, logits, loss, out in lockstep_sgd(model, ref, GradientSync(model, group.pg), trainable.values(),
-                                                batch_fn, steps, lr):
-        if step == 0:
-            report["logits"] = rel_err(full_sequence_logits(model, logits), out.logits)
-            report["frozen_grads"] = [n for n, p in model.named_parameters()
-                                      if not p.requires_grad and p.grad is not None]
-        report["loss"].append(rel_err(loss, out.loss))
-    report["tensors"] = compare_tensors(lora_adapter_state(model), reference_tensors(ref))
-    return report
+    """lora_mesh_vs_peft for a Galaxy plan alone (pp 1 x dp 1), on batch_fn's own batch size."""
+    return lora_mesh_vs_peft(family, model_dir, adapter_dir, plan, 1, 1, shares, batch_fn, steps, lr, None, 1)
 
 
 def lora_train_and_export(model_dir, adapter_dir, out_dir, merge, plan, shares, batch_fn, class_names):
@@ -104,40 +109,6 @@ def lora_train_and_export(model_dir, adapter_dir, out_dir, merge, plan, shares, 
         return full_sequence_logits(model, model.eval()(**batch_fn(seed=9))[0])
 
 
-def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbatches: int):
-    """(mesh, this rank's runner, its trainable parameters): build_runner applies PEFT to the
-    model (or pipeline stage) before DDP and gradient sync wrap it."""
-    torch.manual_seed(0)
-    mesh, trainable = make_mesh(pp, dp, *shares), {}
-    runner = build_runner(model_dir, plan, mesh, num_labels=3, num_microbatches=num_microbatches,
-                          adapt=lambda model: trainable.update(apply_peft(model, options, seed=0)))
-    return mesh, runner, trainable
-
-
-def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
-                      steps=5, lr=0.1, global_batch=8, num_microbatches=2):
-    """LoRA on a pp x dp x Galaxy mesh (DataParallelRunner / PipelineRunner) against peft serially."""
-    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares,
-                                          PeftOptions("lora", lora_path=adapter_dir), num_microbatches)
-    opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
-    ref_opt = _sgd(ref.parameters(), lr)
-    to_hf = family_of(family).hf_names(runner.model.config)
-    report = {"loss": []}
-    for step in range(steps):
-        batch = batch_fn(seed=step, batch=global_batch)
-        out = ref(**batch)
-        out.loss.backward()
-        loss = runner.step(replica_rows(batch, mesh.dp_rank, dp))
-        report["loss"].append(rel_err(loss, out.loss))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = runner.full_state()
-    ours = {peft_key(to_hf(n)): t for n, t in full.items()
-            if ".lora_" in n or n.startswith("classifier.")}
-    report["tensors"] = compare_tensors(ours, reference_tensors(ref))
-    return report
-
-
 def serial_group(shares) -> GalaxyGroup:
     return GalaxyGroup.serial(*(sum(s) for s in shares))
 
@@ -148,55 +119,26 @@ def _galaxy_peft(model_dir, plan, group, options, seed=0):
     return model, trainable
 
 
-def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=0.5):
-    """Adapters / side-tuning: galaxy under `plan` against galaxy serial, same seed and batches.
-    Returns {"loss": per-step rel errors, "tensors": (worst, name) over the trained tensors,
-    "logits": step-0 rel error, "base_logits": step-0 rel error against the model without PEFT}."""
-    torch.manual_seed(0)
-    group = world_group(*shares)
-    model, trainable = _galaxy_peft(model_dir, plan, group, options)
-    ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
-    assert set(trainable) == set(ref_trainable)
-    sync = GradientSync(model, group.pg)
-    opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
-    report = {"loss": []}
-    for step in range(steps):
-        batch = batch_fn(seed=step)
-        logits, loss = model(**batch)
-        ref_logits, ref_loss = ref(**batch)
-        loss.backward()
-        ref_loss.backward()
-        sync()
-        if step == 0:
-            report["logits"] = rel_err(full_sequence_logits(model, logits), ref_logits)
-        report["loss"].append(rel_err(loss, ref_loss))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
-    full = gather_full(model)
-    report["tensors"] = compare_tensors({n: full[n] for n in trainable},
-                                        {n: p.detach() for n, p in ref_trainable.items()})
-    return report
-
-
 def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
                    global_batch=8, num_microbatches=2):
-    """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (whole batch)."""
-    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares, options, num_microbatches)
+    """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (a one-rank group,
+    whole batch), same seed. Returns {"loss", "logits" (step 0), "tensors": (worst, name) over
+    the trained tensors}."""
+    torch.manual_seed(0)
     ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
-    opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
-    report = {"loss": []}
-    for step in range(steps):
-        batch = batch_fn(seed=step, batch=global_batch)
-        _, ref_loss = ref(**batch)
-        ref_loss.backward()
-        loss = runner.step(replica_rows(batch, mesh.dp_rank, dp))
-        report["loss"].append(rel_err(loss, ref_loss))
-        opt.step(), ref_opt.step()
-        opt.zero_grad(), ref_opt.zero_grad()
+    o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
+         "num_microbatches": num_microbatches, "adapt": lambda model: apply_peft(model, options, seed=0)}
+    report = train_and_compare(model_dir, plan, shares, batch_fn, (lambda batch: ref(**batch), ref.parameters()), o)
+    runner, _ = report.pop("runner"), report.pop("mesh")
     full = runner.full_state()
     report["tensors"] = compare_tensors({n: full[n] for n in ref_trainable},
                                         {n: p.detach() for n, p in ref_trainable.items()})
     return report
+
+
+def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=0.5):
+    """mesh_vs_serial for a Galaxy plan alone (pp 1 x dp 1), on batch_fn's own batch size."""
+    return mesh_vs_serial(model_dir, plan, 1, 1, shares, options, batch_fn, steps, lr, None, 1)
 
 
 def base_outputs_kept(model_dir, plan, shares, options, batch_fn) -> bool:

@@ -8,8 +8,8 @@ per-rank stream (the masks of the recomputation are those of the first forward).
 import pytest
 import torch
 
-from parity import check_report, train_and_compare, world_group
-from parity_runners import train_runner_and_compare
+from parity import check_report, world_group
+from parity_runners import train_plan_and_compare, train_runner_and_compare
 from tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.config import ConfigError, recompute_layers
@@ -40,7 +40,7 @@ def dropout_bert_dir(tmp_path_factory):
 def test_recomputed_layers_match_hf(dist_pool, tiny_bert_dir, llama_dir, family, plan, spec):
     model_dir, batch_fn, shares = ((tiny_bert_dir, tiny_batch, ((4, 2), (64, 32), (7, 5))) if family == "bert"
                                    else (llama_dir, tiny_lm_batch, ((6, 2), (64, 32), (7, 5))))
-    reports = dist_pool(2).run(train_and_compare, family, model_dir, plan, shares, batch_fn, 5, 0.5,
+    reports = dist_pool(2).run(train_plan_and_compare, family, model_dir, plan, shares, batch_fn, 5, 0.5,
                                {"activation_checkpointing": spec})
     for rank, report in enumerate(reports):
         check_report(report, rank)

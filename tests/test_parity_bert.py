@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from parity import check_report, train_and_compare
+from parity import check_report
+from parity_runners import train_plan_and_compare
 from tiny_models import TINY_SEQ, tiny_batch
 
 from galaxy.parallel.plan import ParallelPlan
@@ -24,13 +25,13 @@ SHARES = {  # world -> {kind: (heads, intermediate, seq)}; tiny model: 6 heads, 
 @pytest.mark.parametrize("world,kind", [(2, "even"), (2, "uneven"), (3, "even"), (3, "uneven")])
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_plan_matches_hf(dist_pool, tiny_bert_dir, world, kind, att, mlp, con):
-    reports = dist_pool(world).run(train_and_compare, "bert", tiny_bert_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(world).run(train_plan_and_compare, "bert", tiny_bert_dir, ParallelPlan(att, mlp, con),
                                    SHARES[world][kind], tiny_batch)
     for rank, report in enumerate(reports):
         check_report(report, rank)
 
 
 def test_serial_matches_hf(dist_pool, tiny_bert_dir):
-    report = dist_pool(1).run(train_and_compare, "bert", tiny_bert_dir, ParallelPlan(),
+    report = dist_pool(1).run(train_plan_and_compare, "bert", tiny_bert_dir, ParallelPlan(),
                               ((6,), (96,), (TINY_SEQ,)), tiny_batch)[0]
     check_report(report, 0)

@@ -20,7 +20,8 @@ import itertools
 import pytest
 import torch
 
-from parity import check_report, hf_qwen2, rel_err, train_and_compare
+from parity import check_report, hf_qwen2, rel_err
+from parity_runners import train_plan_and_compare
 from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
@@ -57,25 +58,25 @@ def check(reports):
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD2, ids=[plan_id(*c) for c in WORLD2])
 def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con):
-    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+    check(dist_pool(2).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
                            SHARES[family][0], tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD3, ids=[plan_id(*c) for c in WORLD3])
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
-    check(dist_pool(3).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+    check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
                            SHARES[family][1], tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])
 def test_tied_embeddings_match_hf(dist_pool, tiny_lm_dir, family, con):
-    check(dist_pool(2).run(train_and_compare, family, tiny_lm_dir(family, tie_word_embeddings=True),
+    check(dist_pool(2).run(train_plan_and_compare, family, tiny_lm_dir(family, tie_word_embeddings=True),
                            ParallelPlan("TP", "TP", con), UNEVEN_2, tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
-    check(dist_pool(1).run(train_and_compare, family, tiny_lm_dir(family), ParallelPlan(),
+    check(dist_pool(1).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(),
                            SHARES[family][2], tiny_lm_batch))
 
 
@@ -83,7 +84,7 @@ def test_gpt2_attention_scaled_by_inverse_layer_index_matches_hf(dist_pool, tiny
     """scale_attn_by_inverse_layer_idx: layer i's scores also divided by i + 1, as HF does.
     initializer_range 0.2: scores large enough that the scaling moves the logits ~10%."""
     model_dir = tiny_lm_dir("gpt2", scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
-    check(dist_pool(2).run(train_and_compare, "gpt2", model_dir, ParallelPlan.preset("galaxy"),
+    check(dist_pool(2).run(train_plan_and_compare, "gpt2", model_dir, ParallelPlan.preset("galaxy"),
                            SHARES["gpt2"][0], tiny_lm_batch))
 
 

@@ -11,8 +11,8 @@ import itertools
 
 import pytest
 
-from parity import check_report, train_and_compare
-from parity_runners import train_runner_and_compare
+from parity import check_report
+from parity_runners import train_plan_and_compare, train_runner_and_compare
 from tiny_models import TINY_SEQ, make_tiny_llama_classifier, tiny_cls_batch
 
 from galaxy.parallel.plan import ParallelPlan
@@ -33,7 +33,7 @@ def classifier_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_plan_matches_hf_world2_uneven(dist_pool, classifier_dir, att, mlp, con):
-    reports = dist_pool(2).run(train_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(2).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
                                UNEVEN_2, tiny_cls_batch, STEPS, LR, {"task": "classification"})
     for rank, report in enumerate(reports):
         check_report(report, rank)
@@ -41,14 +41,14 @@ def test_plan_matches_hf_world2_uneven(dist_pool, classifier_dir, att, mlp, con)
 
 @pytest.mark.parametrize("att,mlp,con", [("TP", "TP", "SP"), ("SP", "SP", "SP")], ids=["galaxy", "sp"])
 def test_plan_matches_hf_world3(dist_pool, classifier_dir, att, mlp, con):
-    reports = dist_pool(3).run(train_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(3).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
                                UNEVEN_3, tiny_cls_batch, STEPS, LR, {"task": "classification"})
     for rank, report in enumerate(reports):
         check_report(report, rank)
 
 
 def test_serial_matches_hf(dist_pool, classifier_dir):
-    report = dist_pool(1).run(train_and_compare, "llama", classifier_dir, ParallelPlan(),
+    report = dist_pool(1).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(),
                               ((8,), (96,), (TINY_SEQ,)), tiny_cls_batch, STEPS, LR, {"task": "classification"})[0]
     check_report(report, 0)
 
