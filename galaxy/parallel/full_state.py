@@ -1,12 +1,15 @@
 """Gather sharded parameters (or their gradients) back to full shape on every rank.
 
-Used for export, checkpoints and fidelity tests; not on the training hot path.
+Used for export, checkpoints and fidelity tests; not on the training hot path. Under dp_sharding
+a parameter is first gathered over the dp group (to this rank's Galaxy-local shape), then over the
+Galaxy group: every replica takes part (galaxy.parallel.sharded_dp.full).
 """
 from __future__ import annotations
 
 import torch
 
 from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
+from galaxy.parallel.sharded_dp import full
 
 
 @torch.no_grad()
@@ -18,8 +21,8 @@ def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict
         t = p.grad if grads else p
         if t is None or (names is not None and name not in names):
             continue
-        rule = model.attached.rules[name]
-        out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.detach().clone()
+        rule, t = model.attached.rules[name], full(t.detach())
+        out[name] = all_gather_dim(t, rule.sizes, rule.dim, pg) if rule.kind == "sharded" else t.clone()
     return out
 
 
