@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-SHARDING = ("none", "full", "no_reshard")
+from galaxy.config import DP_SHARDING
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -48,8 +48,8 @@ def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Mod
     backward; "no_reshard": they stay until backward. The root keeps its own (the embeddings and
     head: small, and the head runs after the last layer anyway) until backward in both modes.
     """
-    if mode not in SHARDING[1:]:
-        raise ValueError(f"dp_sharding must be one of {SHARDING[1:]} here, got {mode!r}")
+    if mode not in DP_SHARDING[1:]:
+        raise ValueError(f"dp_sharding must be one of {DP_SHARDING[1:]} here, got {mode!r}")
     dp_mesh = mesh.device_mesh["dp"]
     after_forward = mode == "full"
     for unit in fsdp_units(model):
@@ -59,8 +59,9 @@ def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Mod
     return root
 
 
-def is_sharded(t) -> bool:
-    return isinstance(t, DTensor)
+def is_dp_sharded(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are sharded over data-parallel replicas (all are, or none)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
