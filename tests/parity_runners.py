@@ -38,7 +38,8 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
 
     Returns {"logits" (step 0, evaluation forward), "loss" (per step), "grad" (worst, where),
     "grad_norm" (step 0, the whole model's), "weights" (worst, where), "stage" (this rank's layers),
-    "stored" (elements this rank stores / elements of its Galaxy-local part: 1 unless dp-sharded)}.
+    "stored" (elements this rank stores / elements of its Galaxy-local part, at the end: 1 unless
+    dp-sharded)}.
     """
     o = {"global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
          "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none",
@@ -53,8 +54,7 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
     to_hf = family_of(family).hf_names(ref.config)
     opt = torch.optim.SGD(runner.parameters(), lr=o["lr"])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=o["lr"])
-    report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else []),
-              "stored": stored_fraction(runner.model)}
+    report = {"loss": [], "stage": list(runner.model.attached.stage.layers if runner.model.attached.stage else [])}
     for step in range(o["steps"]):
         batch = batch_fn(seed=step, batch=o["global_batch"])
         local = replica_rows(batch, mesh.dp_rank, dp)
@@ -75,4 +75,5 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
     report["weights"] = worst_param_error(runner.full_state(), ref, False, to_hf)
+    report["stored"] = stored_fraction(runner.model)     # after training, evaluation and gathers
     return report

@@ -85,21 +85,24 @@ def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_f
     return report
 
 
-def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbatches: int):
+def peft_runner(model_dir, plan, pp: int, dp: int, shares, options, num_microbatches: int,
+                dp_sharding: str = "none"):
     """(mesh, this rank's runner, its trainable parameters): build_runner applies PEFT to the
-    model (or pipeline stage) before DDP and gradient sync wrap it."""
+    model (or pipeline stage) before DDP (or FSDP, under dp_sharding) and gradient sync wrap it.
+    The trainable parameters are the runner's, after wrapping (FSDP replaces them by sharded ones)."""
     torch.manual_seed(0)
     mesh, trainable = make_mesh(pp, dp, *shares), {}
     runner = build_runner(model_dir, plan, mesh, num_labels=3, num_microbatches=num_microbatches,
-                          adapt=lambda model: trainable.update(apply_peft(model, options, seed=0)))
-    return mesh, runner, trainable
+                          adapt=lambda model: trainable.update(apply_peft(model, options, seed=0)),
+                          dp_sharding=dp_sharding)
+    return mesh, runner, {n: p for n, p in runner.named_parameters() if n in trainable}
 
 
 def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
-                      steps=5, lr=0.1, global_batch=8, num_microbatches=2):
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none"):
     """LoRA on a pp x dp x Galaxy mesh (DataParallelRunner / PipelineRunner) against peft serially."""
     mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares,
-                                          PeftOptions("lora", lora_path=adapter_dir), num_microbatches)
+                                          PeftOptions("lora", lora_path=adapter_dir), num_microbatches, dp_sharding)
     opt, ref = _sgd(trainable.values(), lr), peft_reference(family, model_dir, adapter_dir)
     ref_opt = _sgd(ref.parameters(), lr)
     to_hf = family_of(family).hf_names(runner.model.config)
@@ -160,9 +163,9 @@ def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=
 
 
 def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
-                   global_batch=8, num_microbatches=2):
+                   global_batch=8, num_microbatches=2, dp_sharding="none"):
     """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (whole batch)."""
-    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares, options, num_microbatches)
+    mesh, runner, trainable = peft_runner(model_dir, plan, pp, dp, shares, options, num_microbatches, dp_sharding)
     ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
     opt, ref_opt = _sgd(trainable.values(), lr), _sgd(ref_trainable.values(), lr)
     report = {"loss": []}

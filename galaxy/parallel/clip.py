@@ -8,7 +8,8 @@ rank gets the same norm and therefore scales by the same factor (the replicas st
 
 Under dp_sharding (galaxy.parallel.sharded_dp) every gradient is a DTensor of which each replica
 holds a disjoint dim-0 slice: the squares above are of the local slices, and one more scalar
-all-reduce over the dp group adds the replicas' parts.
+all-reduce over the dp group adds the replicas' parts (a parameter FSDP cannot shard, a scalar,
+stays whole on every replica and is counted once).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from galaxy.models.attached import written_names
-from galaxy.parallel.sharded_dp import dp_group_of, local
+from galaxy.parallel.sharded_dp import dp_group_of, is_dtensor, local
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
@@ -32,20 +33,22 @@ def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """The L2 norm of the full model's gradient (0-d fp32 tensor, equal on every rank)."""
     rules, group = model.attached.rules, model.attached.group
     counted = written_names(model)      # a tied weight's pipeline copy counts on the first stage
-    sharded, whole = [], []
     grads = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None and name in counted]
-    for name, g in grads:
-        (sharded if rules[name].kind == "sharded" else whole).append(local(g))
     device = next(model.parameters()).device
-    sq_sharded = _sum_of_squares(sharded, device)
-    if group.pg is not None and sharded:
-        dist.all_reduce(sq_sharded, group=group.pg)
-    sq = sq_sharded + _sum_of_squares(whole, device)
-    # Sharded data parallelism shards every parameter (or none); each replica holds its own slices.
-    dp_pg = dp_group_of(g for _, g in grads)
+    # [Galaxy-sharded, whole] x [dp-sharded (DTensor), replicated over dp]: squares of local values.
+    sq = torch.zeros(2, 2, dtype=torch.float32, device=device)
+    for row, galaxy_sharded in enumerate((True, False)):
+        for col, dp_sharded in enumerate((True, False)):
+            sq[row, col] = _sum_of_squares([local(g) for name, g in grads
+                                            if (rules[name].kind == "sharded") == galaxy_sharded
+                                            and is_dtensor(g) == dp_sharded], device)
+    if group.pg is not None and any(rules[name].kind == "sharded" for name, _ in grads):
+        dist.all_reduce(sq[0], group=group.pg)
+    per_rank = sq.sum(dim=0)                      # [dp-sharded, dp-replicated]
+    dp_pg = dp_group_of(g for _, g in grads)      # dp_sharding: each replica holds its own slices
     if dp_pg is not None:
-        dist.all_reduce(sq, group=dp_pg)
-    return sq.sqrt()
+        dist.all_reduce(per_rank[:1], group=dp_pg)
+    return per_rank.sum().sqrt()
 
 
 @torch.no_grad()

@@ -29,7 +29,7 @@ from galaxy.distributed import collectives
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
-from galaxy.parallel.sharded_dp import reshard_all, shard_replicas
+from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -82,10 +82,12 @@ class DataParallelRunner(Runner):
         super().__init__(model, mesh, autocast)
         self.accum = grad_accum_steps
         self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
+        self.whole = None
         if self.sharding == "none":
             self.module = wrap_data_parallel(model, mesh.dp_pg, device)
         else:       # model itself becomes the FSDP root: self.module is self.model
             self.module = shard_replicas(model, model, mesh, self.sharding)
+            self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
         self.sync = GradientSync(model, mesh.galaxy.pg)     # after sharding: it keeps the parameters
 
     def _micro_batch(self, last: bool):
@@ -110,6 +112,8 @@ class DataParallelRunner(Runner):
                 scaled = loss.float() * loss_scale(self.model, mb["labels"], total, mesh.dp_size)
                 scaled.backward()
             local = local + scaled.detach()
+        if self.whole is not None:
+            self.whole()
         self.sync()
         return mean_over_replicas(local, mesh.dp_pg, mesh.dp_size)
 

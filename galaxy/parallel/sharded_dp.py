@@ -11,6 +11,10 @@ layer's parameters are gathered at a time:
   backward   all-gather again where freed, compute the gradients, reduce-scatter them over dp:
              every rank keeps the mean over replicas of its own dim-0 slice
 
+FSDP cannot shard a 0-d parameter (ladder side-tuning's gates): those stay whole on every
+replica, outside FSDP, and `WholeGradients` averages their gradients over the replicas as DDP
+would.
+
 Parameters, gradients and optimizer state become DTensors (torch.distributed.tensor) sharded
 Shard(0) on the dp sub-mesh; `local` and `full` below turn them back into plain tensors for the
 code that reads them (gradient rules, clipping, gathers, checkpoints).
@@ -26,6 +30,7 @@ by FSDP's reduce-scatter, as DDP's all-reduce takes it without sharding).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -50,18 +55,46 @@ def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Mod
     """
     if mode not in DP_SHARDING[1:]:
         raise ValueError(f"dp_sharding must be one of {DP_SHARDING[1:]} here, got {mode!r}")
-    dp_mesh = mesh.device_mesh["dp"]
+    dp_mesh, whole = mesh.device_mesh["dp"], set(unshardable(model))
     after_forward = mode == "full"
     for unit in fsdp_units(model):
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=after_forward)
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=after_forward, ignored_params=whole)
     # None: torch's default for the root, which keeps its parameters gathered from forward to backward.
-    fully_shard(root, mesh=dp_mesh, reshard_after_forward=None if after_forward else False)
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=None if after_forward else False, ignored_params=whole)
     return root
+
+
+def unshardable(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters FSDP cannot shard (0-d ones), which stay whole on every replica."""
+    return [p for p in model.parameters() if p.dim() == 0]
+
+
+class WholeGradients:
+    """After backward: the mean over replicas of the gradients of the parameters left whole
+    (`unshardable`), one flat all-reduce over the dp group, as DDP averages every gradient."""
+
+    def __init__(self, model: nn.Module, dp_pg):
+        self.dp_pg, self.params = dp_pg, [p for p in unshardable(model) if p.requires_grad]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.dp_pg is None or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_pg)
+        flat /= dist.get_world_size(self.dp_pg)
+        for g, mean in zip(grads, flat):
+            g.copy_(mean)
 
 
 def is_dp_sharded(model: nn.Module) -> bool:
     """Whether `model`'s parameters are sharded over data-parallel replicas (all are, or none)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

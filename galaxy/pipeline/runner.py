@@ -35,7 +35,7 @@ from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
-from galaxy.parallel.sharded_dp import reshard_all, shard_replicas
+from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
 from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
@@ -48,11 +48,12 @@ class PipelineRunner(Runner):
         self.plan, self.n, self.schedule_name = plan, num_microbatches, schedule
         self.device = torch.device(device or "cpu")
         self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
-        self.stage_module = StageModule(model)
+        self.stage_module, self.whole = StageModule(model), None
         if self.sharding == "none":
             self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg, self.device)
         else:       # the stage module itself becomes the FSDP root
             self.module = shard_replicas(model, self.stage_module, mesh, self.sharding)
+            self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
         self.sync = GradientSync(model, mesh.galaxy.pg)
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
@@ -79,6 +80,8 @@ class PipelineRunner(Runner):
             self._total_units = total_loss_units(m, target, mesh.dp_pg)
         with self.autocast():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self.whole is not None:
+            self.whole()
         self.sync()
         self.tied()
         if m.attached.is_last_stage:
