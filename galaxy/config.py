@@ -54,6 +54,9 @@ def _raise_all(problems: list[str]) -> None:
 # The names a few keys take: the one list of each, which the code that acts on them reads too.
 PLAN_METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+# dp_sharding: replicas hold whole copies (DDP), or FSDP2 shards them and frees each layer's
+# gathered parameters after its forward ("full", ZeRO-3 like) or keeps them to backward ("no_reshard").
+DP_SHARDING = ("none", "full", "no_reshard")
 # PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
 PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
               "use_side_only": "side_only"}
@@ -93,6 +96,7 @@ class GalaxyConfig:
     timeout_s: float = 120.0
     pp_deg: int = 1
     dp_deg: int = 1
+    dp_sharding: str = "none"  # "full" | "no_reshard": shard the dp_deg replicas (FSDP2); needs dp_deg > 1
     # Pipeline (pp_deg > 1): layers per stage (None: even split), micro-batches per step, schedule.
     stage_num_hidden_layers_list: list[int] | None = None
     num_microbatches: int = 1
@@ -179,6 +183,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "timeout_s": (float, False),
     "pp_deg": (int, False),
     "dp_deg": (int, False),
+    "dp_sharding": (DP_SHARDING, False),
     "stage_num_hidden_layers_list": ("int_list", True),
     "num_microbatches": (int, False),
     "pipeline_schedule": (PIPELINE_SCHEDULES, False),
@@ -614,6 +619,9 @@ def validate_for_world(cfg: GalaxyConfig, world: int, rank: int, shape: dict) ->
         recompute_layers(cfg.activation_checkpointing, shape["num_hidden_layers"])
     except ConfigError as e:
         problems += e.problems
+    if cfg.dp_sharding != "none" and cfg.dp_deg == 1:
+        problems.append(f"dp_sharding is '{cfg.dp_sharding}' but dp_deg is 1: it shards the data-parallel "
+                        f"replicas' parameters over dp_deg > 1 replicas; set dp_deg or remove dp_sharding")
     if cfg.pad_size > shape["max_position_embeddings"]:
         problems.append(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
                         f"{shape['max_position_embeddings']}; lower pad_size")

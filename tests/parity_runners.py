@@ -14,17 +14,24 @@ from parity import HF_LOADERS, rel_err, worst_param_error
 
 from galaxy.distributed.mesh import make_mesh
 from galaxy.parallel.full_state import full_sequence_logits
+from galaxy.parallel.sharded_dp import local
 from galaxy.runtime.runners import build_runner
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", "task": None,
-            "adapt": None}
+            "adapt": None, "dp_sharding": "none"}
 
 
 def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:
     """This replica's contiguous share of the global batch's rows."""
     rows = next(iter(batch.values())).shape[0] // dp
     return {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
+
+
+def stored_fraction(model) -> float:
+    """Parameter elements this rank stores over those of its (Galaxy-local) part of the model."""
+    params = list(model.parameters())
+    return sum(local(p).numel() for p in params) / sum(p.numel() for p in params)
 
 
 def hf_forward(ref):
@@ -45,14 +52,16 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
     at_step0(runner, mesh): called at step 0 after both backward passes (and galaxy's gradient
     sync), before the updates; what it returns joins the report.
     Returns {"loss" (per-step rel error), "logits" (step 0, the runner's forward against the
-    reference's rows), "stage" (this rank's layers), "runner", "mesh", **at_step0's}.
+    reference's rows), "stage" (this rank's layers), "stored" (elements this rank stores /
+    elements of its Galaxy-local part, at the end: 1 unless dp-sharded), "runner", "mesh",
+    **at_step0's}.
     """
     torch.manual_seed(0)
     mesh = make_mesh(o["pp"], o["dp"], *shares)
     runner = build_runner(model_dir, plan, mesh, num_labels=3, stage_num_hidden_layers_list=o["stage_layers"],
                           num_microbatches=o["num_microbatches"], schedule=o["schedule"],
                           grad_accum_steps=o["grad_accum_steps"], activation_checkpointing=o["activation_checkpointing"],
-                          task=o["task"], adapt=o["adapt"])
+                          task=o["task"], adapt=o["adapt"], dp_sharding=o["dp_sharding"])
     forward, ref_params = reference
     opt = torch.optim.SGD([p for p in runner.parameters() if p.requires_grad], lr=o["lr"])
     ref_opt = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=o["lr"])
@@ -73,6 +82,7 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
         report["loss"].append(rel_err(loss, ref_loss))
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+    report["stored"] = stored_fraction(runner.model)     # after training, evaluation and gathers
     return report
 
 

@@ -60,14 +60,14 @@ def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
 
 
 def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
-                      steps=5, lr=0.1, global_batch=8, num_microbatches=2):
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none"):
     """LoRA (started from adapter_dir) on a pp x dp x Galaxy mesh against peft's LoRA on Hugging
     Face's model, serially. Returns {"loss": per-step rel errors, "logits": step 0, "tensors":
     (worst rel error, key) of the adapter tensors, "frozen_grads": frozen parameters that got a
     gradient}. Without a pipeline the tensors are what the export writes (lora_adapter_state)."""
     ref = peft_reference(family, model_dir, adapter_dir)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
-         "num_microbatches": num_microbatches,
+         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding,
          "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
 
     def frozen_grads(runner, mesh):
@@ -120,14 +120,15 @@ def _galaxy_peft(model_dir, plan, group, options, seed=0):
 
 
 def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
-                   global_batch=8, num_microbatches=2):
+                   global_batch=8, num_microbatches=2, dp_sharding="none"):
     """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (a one-rank group,
     whole batch), same seed. Returns {"loss", "logits" (step 0), "tensors": (worst, name) over
     the trained tensors}."""
     torch.manual_seed(0)
     ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
-         "num_microbatches": num_microbatches, "adapt": lambda model: apply_peft(model, options, seed=0)}
+         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding,
+         "adapt": lambda model: apply_peft(model, options, seed=0)}
     report = train_and_compare(model_dir, plan, shares, batch_fn, (lambda batch: ref(**batch), ref.parameters()), o)
     runner, _ = report.pop("runner"), report.pop("mesh")
     full = runner.full_state()

@@ -168,6 +168,14 @@ def test_world_not_divisible_by_pp_dp(load):
     assert "batch_size" in error_of(validate, load(dp_deg=3, batch_size=8), 3, 0)
 
 
+def test_dp_sharding_needs_replicas(load):
+    assert error_of(validate, load(dp_sharding="full"), 2, 0) == (
+        "dp_sharding is 'full' but dp_deg is 1: it shards the data-parallel replicas' parameters over "
+        "dp_deg > 1 replicas; set dp_deg or remove dp_sharding")
+    validate(load(dp_sharding="no_reshard", dp_deg=2), 2, 0)
+    assert "dp_sharding must be one of 'none', 'full', 'no_reshard'" in error_of(load, dp_sharding="zero3")
+
+
 def test_split_list_wrong_length(load):
     msg = error_of(validate, load(seq_scatter_list=[10, 10, 12]), 2, 0)
     assert msg == ("seq_scatter_list has 3 entries but the Galaxy group has 2 ranks "

@@ -70,6 +70,20 @@ def test_mesh_matches_serial(dist_pool, tiny_bert_dir, method, pp, dp):
         check(report, rank)
 
 
+SHARDED = [("adapter", "full"), ("side", "no_reshard"), ("side_only", "full")]
+
+
+@pytest.mark.parametrize("method,sharding", SHARDED, ids=[f"{m}-{s}" for m, s in SHARDED])
+def test_sharded_replicas_match_serial(dist_pool, tiny_bert_dir, method, sharding):
+    """dp 2 with dp_sharding: side-tuning's backbone runs without autograd (its layers gather and
+    never reduce), side-only never runs it, and the ladder's 0-d gates stay whole (FSDP cannot
+    shard them) with their gradients averaged over the replicas."""
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, ParallelPlan(), 1, 2, SERIAL, OPTIONS[method],
+                               tiny_batch, 5, 0.5, 8, 2, sharding)
+    for rank, report in enumerate(reports):
+        check(report, rank)
+
+
 @pytest.mark.parametrize("method", ["side", "side_only"])
 def test_pipeline_of_galaxy_groups_matches_serial(dist_pool, tiny_bert_dir, method):
     """pp 2 x Galaxy 2 (CON SP, uneven): the side state travels sequence-sharded between stages."""

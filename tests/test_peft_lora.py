@@ -60,10 +60,12 @@ def test_serial_matches_peft(dist_pool, tiny_bert_dir, adapter_dir):
                            SERIAL, tiny_batch)[0], 0)
 
 
-@pytest.mark.parametrize("pp,dp", [(1, 2), (2, 1)], ids=["dp2", "pp2"])
-def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp):
+@pytest.mark.parametrize("pp,dp,sharding", [(1, 2, "none"), (2, 1, "none"), (1, 2, "full")],
+                         ids=["dp2", "pp2", "dp2-sharded"])
+def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp, sharding):
+    """dp2-sharded: FSDP shards the frozen base weights and the LoRA tensors alike."""
     reports = dist_pool(2).run(lora_mesh_vs_peft, "bert", tiny_bert_dir, adapter_dir, ParallelPlan(), pp, dp,
-                               SERIAL, tiny_batch)
+                               SERIAL, tiny_batch, 5, 0.1, 8, 2, sharding)
     for rank, report in enumerate(reports):
         check(report, rank)
 

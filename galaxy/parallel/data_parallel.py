@@ -7,6 +7,10 @@ model (those run on the Galaxy group, DDP's on the dp group). Galaxy's "sum" rul
 after backward) and DDP's average are both linear, so their order does not matter: every rank ends
 with sum over its Galaxy group of the mean over replicas, as docs/design.md section 3 asks.
 
+With dp_sharding ("full" or "no_reshard") the replicas shard instead of replicating: torch FSDP2
+over the mesh's dp sub-mesh (galaxy.parallel.sharded_dp) reduce-scatters the gradients, and
+GradientSync's Galaxy sum then runs on each rank's reduce-scattered slice.
+
 A comm hook reports every DDP bucket to galaxy's communication recorder
 (collectives.comm_recorder) before the usual averaging all-reduce, so byte counts of DDP and
 Galaxy runs come from the same place.
@@ -25,6 +29,7 @@ from galaxy.distributed import collectives
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
+from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -65,14 +70,34 @@ class DataParallelRunner(Runner):
     Every replica gets its own batch_size / dp rows (it reads no other rows) and runs them in
     grad_accum_steps micro-batches; DDP averages over replicas at the last micro-batch only.
     With dp 1 this is plain Galaxy training (no DDP), so one runner serves every pp 1 mesh.
+
+    dp_sharding "full" / "no_reshard" (with dp > 1): FSDP2 instead of DDP. "full" reduce-scatters
+    every micro-batch's gradients (they stay sharded between micro-batches); "no_reshard" keeps
+    parameters and accumulated gradients whole until the last micro-batch, as DDP does, and
+    reduce-scatters once per step.
     """
 
     def __init__(self, model: nn.Module, mesh, *, grad_accum_steps: int = 1, device=None,
-                 autocast=nullcontext):
+                 autocast=nullcontext, dp_sharding: str = "none"):
         super().__init__(model, mesh, autocast)
         self.accum = grad_accum_steps
-        self.module = wrap_data_parallel(model, mesh.dp_pg, device)
-        self.sync = GradientSync(model, mesh.galaxy.pg)
+        self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
+        self.whole = None
+        if self.sharding == "none":
+            self.module = wrap_data_parallel(model, mesh.dp_pg, device)
+        else:       # model itself becomes the FSDP root: self.module is self.model
+            self.module = shard_replicas(model, model, mesh, self.sharding)
+            self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
+        self.sync = GradientSync(model, mesh.galaxy.pg)     # after sharding: it keeps the parameters
+
+    def _micro_batch(self, last: bool):
+        """The context of one micro-batch's forward and backward: gradients are synchronised at the
+        last one only (DDP's no_sync before it), except under full sharding, where FSDP
+        reduce-scatters every micro-batch's so that whole gradients never accumulate."""
+        if self.sharding != "none":
+            self.module.set_requires_gradient_sync(last or self.sharding == "full")
+            return nullcontext()
+        return nullcontext() if last or self.module is self.model else self.module.no_sync()
 
     def step(self, batch: dict) -> torch.Tensor:
         """batch: this replica's rows. Leaves synchronised gradients; returns the global-batch mean loss."""
@@ -81,15 +106,22 @@ class DataParallelRunner(Runner):
         local = torch.zeros((), device=batch["labels"].device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
-            with nullcontext() if last or self.module is self.model else self.module.no_sync():
+            with self._micro_batch(last):
                 with self.autocast():
                     _, loss = self.module(**mb)
                 scaled = loss.float() * loss_scale(self.model, mb["labels"], total, mesh.dp_size)
                 scaled.backward()
             local = local + scaled.detach()
+        if self.whole is not None:
+            self.whole()
         self.sync()
         return mean_over_replicas(local, mesh.dp_pg, mesh.dp_size)
 
     def __call__(self, *args, **kwargs):
-        """The model's own forward (evaluation): every replica runs what it is given."""
-        return self.model(*args, **kwargs)
+        """The model's own forward (evaluation): every replica runs what it is given.
+        Sharded replicas free what the forward gathered (the FSDP root keeps its parameters
+        gathered for a backward that evaluation never runs)."""
+        out = self.model(*args, **kwargs)
+        if self.sharding != "none":
+            reshard_all(self.model)
+        return out

@@ -1,6 +1,8 @@
 """Gather sharded parameters (or their gradients) back to full shape on every rank.
 
-Used for export, checkpoints and fidelity tests; not on the training hot path.
+Used for export, checkpoints and fidelity tests; not on the training hot path. Under dp_sharding
+a parameter is first gathered over the dp group (to this rank's Galaxy-local shape), then over the
+Galaxy group: every replica takes part (galaxy.parallel.sharded_dp.full).
 """
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
 from galaxy.layers.sharding import rank_major_to_blocks
+from galaxy.parallel.sharded_dp import full
 
 
 @torch.no_grad()
@@ -19,7 +22,7 @@ def gather_full(model: torch.nn.Module, grads: bool = False, names=None) -> dict
         t = p.grad if grads else p
         if t is None or (names is not None and name not in names):
             continue
-        out[name] = gather_param(t, model.attached.rules[name], pg)
+        out[name] = gather_param(full(t.detach()), model.attached.rules[name], pg)
     return out
 
 

@@ -2,6 +2,8 @@
 
 Parameters tagged "sum" (replicated weights that only saw this rank's tokens) are summed over
 the Galaxy group; sharded and replicated ones are already complete (galaxy.parallel.plan).
+Under dp_sharding the gradients are DTensors after FSDP's reduce-scatter: each rank sums its own
+dp slice, which is the same slice on every rank of its Galaxy group (galaxy.parallel.sharded_dp).
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from galaxy.distributed import collectives
+from galaxy.parallel.sharded_dp import local
 
 
 class GradientSync:
@@ -23,7 +26,7 @@ class GradientSync:
     def __call__(self) -> None:
         if self.galaxy_pg is None or not self.summed:
             return
-        grads = [p.grad for p in self.summed if p.grad is not None]
+        grads = [local(p.grad) for p in self.summed if p.grad is not None]
         flat = _flatten_dense_tensors(grads)
         if collectives.comm_recorder is not None:
             collectives.comm_recorder("all_reduce", flat, dist.get_world_size(self.galaxy_pg))

@@ -41,7 +41,7 @@ def trained_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     mesh given: collective over every rank; the writer (global rank 0) gets every stage's,
     ranks that do not write may get None. The same holds for the two functions below.
     """
-    if not in_writer_replica(mesh):
+    if not in_writer_replica(mesh, model):
         return None
     full = gather_full(model, names=written_names(model, set(model.attached.peft.trainable)))
     return stages_to_writer(mesh, _hf_cpu(model, full))
@@ -55,7 +55,7 @@ def lora_adapter_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
 
 def merged_hf_state(model, mesh=None) -> dict[str, torch.Tensor] | None:
     """Every weight by Hugging Face name with the LoRA updates folded in."""
-    if not in_writer_replica(mesh):
+    if not in_writer_replica(mesh, model):
         return None
     merged = merge_into(gather_full(model, names=written_names(model)), model)   # this stage's LoRA
     return stages_to_writer(mesh, _hf_cpu(model, merged))

@@ -9,7 +9,10 @@ corresponding ranks have identical shapes, so every send has a matching receive)
      the last stage's loss function runs the head and scales each micro-batch's loss
      (galaxy.parallel.loss_scale) so that the scaled losses add up to the global-batch mean;
   3. data parallelism: the stage module is wrapped in DDP over the dp group; pipelining keeps
-     DDP quiet until the last micro-batch's backward, which all-reduces the accumulated gradients;
+     DDP quiet until the last micro-batch's backward, which all-reduces the accumulated gradients.
+     With dp_sharding the stage module is the FSDP2 root instead, one unit per layer
+     (galaxy.parallel.sharded_dp); pipelining accumulates the micro-batches' gradients whole and
+     reduce-scatters them once, after the last backward;
   4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight tied across
      the first and last stage gets the sum of both ends' gradients (galaxy.pipeline.tied);
   5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
@@ -32,6 +35,7 @@ from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
+from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
 from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
@@ -39,11 +43,17 @@ from galaxy.pipeline.tied import TiedWeightSync
 
 class PipelineRunner(Runner):
     def __init__(self, model, plan, mesh, *, num_microbatches: int, schedule: str = "1f1b",
-                 device=None, autocast=nullcontext):
+                 device=None, autocast=nullcontext, dp_sharding: str = "none"):
         super().__init__(model, mesh, autocast)
         self.plan, self.n, self.schedule_name = plan, num_microbatches, schedule
         self.device = torch.device(device or "cpu")
-        self.module = wrap_data_parallel(StageModule(model), mesh.dp_pg, self.device)
+        self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
+        self.stage_module, self.whole = StageModule(model), None
+        if self.sharding == "none":
+            self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg, self.device)
+        else:       # the stage module itself becomes the FSDP root
+            self.module = shard_replicas(model, self.stage_module, mesh, self.sharding)
+            self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
         self.sync = GradientSync(model, mesh.galaxy.pg)
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
@@ -70,6 +80,8 @@ class PipelineRunner(Runner):
             self._total_units = total_loss_units(m, target, mesh.dp_pg)
         with self.autocast():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self.whole is not None:
+            self.whole()
         self.sync()
         self.tied()
         if m.attached.is_last_stage:
@@ -117,21 +129,24 @@ class PipelineRunner(Runner):
         slots = carry_slots(m)
         with self.autocast():
             if m.attached.is_first_stage:
-                carry = m.embed(input_ids, token_type_ids)
+                inputs = (input_ids,)
             else:
                 dtype = next(m.parameters()).dtype
-                received = [torch.empty(shape, dtype=dtype, device=self.device)
-                            for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len)]
-                for t in received:
+                inputs = [torch.empty(shape, dtype=dtype, device=self.device)
+                          for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len)]
+                for t in inputs:
                     dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)
-                carry = unpack_carry(received, slots)
-            carry = m.run_layers(carry, m.layer_context(attention_mask), m.layers)
+            # The stage module, not DDP around it (evaluation syncs nothing); under dp_sharding it
+            # is the FSDP root, whose forward gathers the stage's own parameters (layers: theirs).
+            packed = self.stage_module(*inputs, attention_mask=attention_mask, token_type_ids=token_type_ids)
             if not m.attached.is_last_stage:
-                for t in pack_carry(carry, slots):
+                for t in packed:
                     dist.send(t.contiguous(), dst=dist.get_global_rank(pg, nxt), group=pg)
                 out = [None]
             else:
-                out = [m.head(carry, labels)]
+                out = [m.head(unpack_carry(packed, slots), labels)]
+        if self.sharding != "none":
+            reshard_all(self.module)     # the root keeps its parameters gathered after forward
         dist.broadcast_object_list(out, src=dist.get_global_rank(pg, mesh.pp_size - 1), group=pg,
                                    device=self.device if self.device.type == "cuda" else None)
         logits, loss = out[0]

@@ -5,7 +5,8 @@ A pipeline stage holds part of the full model under the full model's parameter n
 pp_deg 1 run would write, and the pieces of all stages are disjoint. Saving and exporting:
 
   1. replica 0 of every stage gathers its Galaxy shards to full shape (galaxy.parallel.full_state;
-     other data-parallel replicas hold the same values and skip the work entirely);
+     other data-parallel replicas hold the same values and skip the work entirely, unless the
+     replicas shard the parameters (dp_sharding): then every replica takes part in the dp gather);
   2. the stage's Galaxy rank 0 sends its piece, as CPU tensors, to the writer (global rank 0, the
      stage-0 end of its pp group) with one gather_object over the pp group. Only that one pp group
      (dp 0, Galaxy rank 0) communicates: every other rank already returned None.
@@ -27,14 +28,17 @@ import re
 import torch.distributed as dist
 from torch import nn
 
+from galaxy.parallel.sharded_dp import is_dp_sharded
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
-def in_writer_replica(mesh) -> bool:
-    """Whether this rank takes part in gathering state for the writer: data-parallel replica 0.
+def in_writer_replica(mesh, model=None) -> bool:
+    """Whether this rank takes part in gathering state for the writer: data-parallel replica 0,
+    or every replica when `model`'s parameters are sharded over them (dp_sharding).
 
     mesh None (a caller without a mesh: one Galaxy group) takes part."""
-    return mesh is None or mesh.dp_rank == 0
+    return mesh is None or mesh.dp_rank == 0 or (model is not None and is_dp_sharded(model))
 
 
 def stages_to_writer(mesh, part: dict | None) -> dict | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from galaxy.distributed.mesh import pipeline_ends_group
+from galaxy.parallel.sharded_dp import local
 
 
 class TiedWeightSync:
@@ -29,4 +30,5 @@ class TiedWeightSync:
         """After backward (and the data-parallel average), before the optimizer step."""
         for p in self.params:
             if p.requires_grad:       # frozen under PEFT: frozen on both ends alike
-                dist.all_reduce(p.grad, group=self.pg)
+                # dp_sharding: both copies have one shape, so both ends hold the same dp slice
+                dist.all_reduce(local(p.grad), group=self.pg)

@@ -10,8 +10,9 @@ def _plan(cfg, world: int) -> str:
     if world == 1:
         return "serially on 1 process"
     splits = resolve_splits(cfg, group, read_model_shape(cfg.model_path))
+    sharded = f" (replicas sharded: {cfg.dp_sharding})" if cfg.dp_sharding != "none" else ""
     plan = (f"plan ATT {cfg.att_parallel_method} / CON {cfg.con_parallel_method} / MLP {cfg.mlp_parallel_method} "
-            f"on world {world} = pp {cfg.pp_deg} x dp {cfg.dp_deg} x Galaxy group {group}")
+            f"on world {world} = pp {cfg.pp_deg} x dp {cfg.dp_deg}{sharded} x Galaxy group {group}")
     shares = [f"{what} {splits[key]}" for key, what in (("tp_num_attention_heads_list", "heads"),
                                                         ("tp_intermediate_size_list", "MLP columns"),
                                                         ("seq_scatter_list", "tokens")) if splits[key] and group > 1]

@@ -33,7 +33,7 @@ def hf_state_dict(model, mesh=None) -> dict[str, torch.Tensor] | None:
     mesh given: collective over every rank; the writer (global rank 0) gets the whole model's,
     every pipeline stage's; ranks that do not write may get None.
     """
-    if not in_writer_replica(mesh):
+    if not in_writer_replica(mesh, model):
         return None
     full = gather_full(model, names=written_names(model))
     # Hugging Face names and layout (e.g. GPT-2's Conv1D weights transposed back to [in, out]).

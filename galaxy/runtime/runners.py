@@ -15,7 +15,8 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                    schedule: str = "1f1b", autocast=nullcontext, adapt=None,
-                   activation_checkpointing="none", task: str | None = None) -> PipelineRunner:
+                   activation_checkpointing="none", task: str | None = None,
+                   dp_sharding: str = "none") -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
     build_model prunes the model to the stage before any weight is read, so the rank reads and
@@ -30,14 +31,14 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                          device=device, autocast=autocast)
+                          device=device, autocast=autocast, dp_sharding=dp_sharding)
 
 
 def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                  device="cpu", dropout: float | None = None,
                  stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext, adapt=None,
-                 activation_checkpointing="none", task: str | None = None):
+                 activation_checkpointing="none", task: str | None = None, dp_sharding: str = "none"):
     """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
 
     num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
@@ -45,14 +46,18 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
     the model (or stage) after it is built and before DDP / gradient sync wrap it.
     activation_checkpointing: the layers that recompute in backward (galaxy.runtime.assemble).
     task: the model's task (build_model's; None: the family's primary one).
+    dp_sharding: "none" (DDP over the replicas), "full" or "no_reshard" (FSDP2 over them,
+    galaxy.parallel.sharded_dp); no effect with one replica.
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
                               dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
                               num_microbatches=num_microbatches, schedule=schedule, autocast=autocast,
-                              adapt=adapt, activation_checkpointing=activation_checkpointing, task=task)
+                              adapt=adapt, activation_checkpointing=activation_checkpointing, task=task,
+                              dp_sharding=dp_sharding)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, activation_checkpointing=activation_checkpointing, task=task)
     if adapt is not None:
         adapt(model)
-    return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)
+    return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast,
+                              dp_sharding=dp_sharding)

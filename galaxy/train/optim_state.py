@@ -16,6 +16,11 @@ groups are the writer's (stage 0's). Loading, each stage takes the state of the 
 owns (stage_state.stage_owns) and leaves the others' to them, whatever layout wrote the file.
 A weight tied across the pipeline's ends is saved once, under the first stage's name; the last
 stage's copy loads that state too (the copies take identical steps, so their states are equal).
+
+Sharded data parallelism (dp_sharding): per-element state is a DTensor sharded over the replicas
+like its parameter. Saving gathers it over the dp group first (every replica takes part), then
+over the Galaxy group as above; loading slices the Galaxy share and then this replica's dp slice
+(galaxy.parallel.sharded_dp.like), so the file is the same whatever sharding wrote or reads it.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from galaxy.models.attached import written_names
 from galaxy.parallel.full_state import gather_param
+from galaxy.parallel.sharded_dp import full as dp_full, like
 from galaxy.pipeline.stage_state import in_writer_replica, stage_owns, stages_to_writer, tied_sources
 
 
@@ -42,7 +48,7 @@ def gather_optimizer_state(model, optimizer, mesh=None) -> tuple[dict[str, torch
     """
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
               for group in optimizer.param_groups]
-    if not in_writer_replica(mesh):
+    if not in_writer_replica(mesh, model):
         return None, groups
     pg = model.attached.group.pg
     tensors, written = {}, written_names(model)
@@ -54,6 +60,7 @@ def gather_optimizer_state(model, optimizer, mesh=None) -> tuple[dict[str, torch
             for key, value in optimizer.state.get(p, {}).items():
                 if not torch.is_tensor(value):
                     continue            # e.g. SGD's momentum_buffer=None before momentum is used
+                value = dp_full(value)  # dp-sharded state: gathered over the replicas (collective)
                 if rule.kind == "sharded" and value.shape == p.shape:
                     value = gather_param(value, rule, pg)
                 tensors[f"{name}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
@@ -93,7 +100,7 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
                     if tuple(full.shape) != rule.full_shape(p.shape):
                         raise ValueError(f"optimizer state {name}/{state_key} has shape "
                                          f"{tuple(full.shape)}, the parameter's is {rule.full_shape(p.shape)}")
-                    full = rule.local(full, rank)
+                    full = like(rule.local(full, rank), p)     # and this replica's dp slice
                 entry[state_key] = full.clone()
             ids.append(len(state))
             state[len(state)] = entry

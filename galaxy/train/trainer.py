@@ -160,7 +160,7 @@ class Trainer:
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
                                    activation_checkpointing=cfg.activation_checkpointing,
-                                   task=self.task.kind)
+                                   task=self.task.kind, dp_sharding=cfg.dp_sharding)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.

@@ -1,0 +1,132 @@
+"""Sharded data parallelism (config key dp_sharding): torch FSDP2 over the mesh's dp axis.
+
+Each rank's part of the model (its Galaxy shards, of its pipeline stage) is split once more,
+along dim 0 of every parameter, over the data-parallel replicas that hold the same part (the
+mesh's dp sub-mesh). One FSDP unit per transformer layer (and per side-network block, which the
+model calls outside its layer's forward), plus the root (the embeddings and the head), so that one
+layer's parameters are gathered at a time:
+
+  forward    all-gather a layer's parameters (dp), run it, free them again ("full", ZeRO-3
+             like) or keep them until backward ("no_reshard", ZeRO-2 like)
+  backward   all-gather again where freed, compute the gradients, reduce-scatter them over dp:
+             every rank keeps the mean over replicas of its own dim-0 slice
+
+FSDP cannot shard a 0-d parameter (ladder side-tuning's gates): those stay whole on every
+replica, outside FSDP, and `WholeGradients` averages their gradients over the replicas as DDP
+would.
+
+Parameters, gradients and optimizer state become DTensors (torch.distributed.tensor) sharded
+Shard(0) on the dp sub-mesh; `local` and `full` below turn them back into plain tensors for the
+code that reads them (gradient rules, clipping, gathers, checkpoints).
+
+Galaxy groups inside each replica are unaffected: every rank of a Galaxy group shards its own
+local TP shard, or its copy of a replicated parameter, over the ranks holding the same part in
+the other replicas. A replicated ("sum" rule) parameter has the same shape on every Galaxy rank,
+so the dp slice a rank keeps is the same slice on every rank of its Galaxy group: the Galaxy
+all-reduce of the sum rule (GradientSync) runs on the reduce-scattered slices, after FSDP,
+and sums exactly what it would have summed before (both are linear; the dp mean is taken once,
+by FSDP's reduce-scatter, as DDP's all-reduce takes it without sharding).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from galaxy.config import DP_SHARDING
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that get their own FSDP unit, innermost first (fully_shard goes bottom-up):
+    each side-network block (called by run_layers outside its layer's forward), then each layer."""
+    units = [layer.side for layer in model.layers if isinstance(getattr(layer, "side", None), nn.Module)]
+    return units + list(model.layers)
+
+
+def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Module:
+    """Apply FSDP2 to `model`'s layers and to `root` (the model itself, or the pipeline's stage
+    module around it) over mesh's dp sub-mesh; returns root, now an FSDPModule.
+
+    mode "full": a layer's gathered parameters are freed after its forward and gathered again in
+    backward; "no_reshard": they stay until backward. The root keeps its own (the embeddings and
+    head: small, and the head runs after the last layer anyway) until backward in both modes.
+    """
+    if mode not in DP_SHARDING[1:]:
+        raise ValueError(f"dp_sharding must be one of {DP_SHARDING[1:]} here, got {mode!r}")
+    dp_mesh, whole = mesh.device_mesh["dp"], set(unshardable(model))
+    after_forward = mode == "full"
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=after_forward, ignored_params=whole)
+    # None: torch's default for the root, which keeps its parameters gathered from forward to backward.
+    fully_shard(root, mesh=dp_mesh, reshard_after_forward=None if after_forward else False, ignored_params=whole)
+    return root
+
+
+def unshardable(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters FSDP cannot shard (0-d ones), which stay whole on every replica."""
+    return [p for p in model.parameters() if p.dim() == 0]
+
+
+class WholeGradients:
+    """After backward: the mean over replicas of the gradients of the parameters left whole
+    (`unshardable`), one flat all-reduce over the dp group, as DDP averages every gradient."""
+
+    def __init__(self, model: nn.Module, dp_pg):
+        self.dp_pg, self.params = dp_pg, [p for p in unshardable(model) if p.requires_grad]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.dp_pg is None or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_pg)
+        flat /= dist.get_world_size(self.dp_pg)
+        for g, mean in zip(grads, flat):
+            g.copy_(mean)
+
+
+def is_dp_sharded(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are sharded over data-parallel replicas (all are, or none)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's part of a (possibly dp-sharded) tensor: the same storage, no communication."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A dp-sharded tensor gathered to its Galaxy-local shape (collective over the dp group when
+    sharded: every replica must call it, in the same order); other tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`value` (the Galaxy-local shape of `param`) sharded as `param` is: this rank's slice,
+    taken locally (every replica holds the whole value; no communication)."""
+    if not isinstance(param, DTensor):
+        return value
+    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def dp_group_of(tensors) -> object | None:
+    """The process group the first dp-sharded tensor among `tensors` is sharded over (None: none is)."""
+    for t in tensors:
+        if isinstance(t, DTensor):
+            return t.device_mesh.get_group()
+    return None
+
+
+def reshard_all(module: nn.Module) -> None:
+    """Free every gathered parameter of `module`'s FSDP units (after a forward outside training,
+    e.g. evaluation, whose root would otherwise stay gathered)."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
