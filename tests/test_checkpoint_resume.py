@@ -69,6 +69,34 @@ def test_galaxy_w2_checkpoint_resumes_serial_and_sp_w3(dist_pool, ws):
         assert max_diff(full, resumed) <= 1e-5, (world, full, resumed)
 
 
+SHARDED_DP2 = dict(dp_deg=2, dp_sharding="full")
+
+
+def test_sharded_dp2_checkpoints_resume_serial_and_back_and_export(dist_pool, ws):
+    """Sharded replicas (FSDP2, dp 2) write the full-shape checkpoint a serial run writes: it resumes
+    serially, a serial checkpoint resumes into sharded replicas (no_reshard), the optimizer state
+    survives each trip bit for bit, and the export loads in Hugging Face as the final weights."""
+    from safetensors.torch import load_file
+    from transformers import BertForSequenceClassification
+    export = os.path.join(ws["root"], "fsdp-full", "hf")
+    sharded = uninterrupted(dist_pool(2), ws, "fsdp-full", export_dir=export, **SHARDED_DP2)
+    serial = uninterrupted(dist_pool(1), ws, "fsdp-serial")
+    assert max_diff(sharded, serial, range(1, 7)) <= 1e-5          # the same training, to rounding
+    for source, world, keys, full in (("fsdp-full", 1, {}, sharded),
+                                      ("fsdp-serial", 2, dict(dp_deg=2, dp_sharding="no_reshard"), serial)):
+        name = f"{source}-to-w{world}"
+        config = write_config(ws, name, resume=checkpoint(ws, source), **{**EXACT, "save_interval": None}, **keys)
+        saved, regathered = dist_pool(world).run(train_on_rank, config, "galaxy", probe_optimizer_state)[0][1]
+        assert saved.keys() == regathered.keys()
+        assert all(torch.equal(saved[k], regathered[k]) for k in saved), f"{name}: optimizer state changed"
+        resumed = step_losses(os.path.join(ws["root"], name, "metrics.jsonl"))
+        assert max_diff(full, resumed) <= 1e-5, (name, full, resumed)
+    final = load_file(os.path.join(checkpoint(ws, "fsdp-full", 6), "model", "model.safetensors"))
+    exported = BertForSequenceClassification.from_pretrained(export).state_dict()
+    assert all(torch.equal(exported[k], t) for k, t in final.items() if k in exported)
+    assert {k for k in exported if "position_ids" not in k} <= final.keys()
+
+
 def test_latest_names_the_newest_checkpoint_and_old_ones_are_pruned(dist_pool, ws):
     save_dir = os.path.join(ws["root"], "keep", "ck")
     run(dist_pool(1), ws, "keep", num_epochs=2, max_steps=6, save_dir=save_dir, save_interval=2, keep_checkpoints=2)

@@ -236,3 +236,29 @@ def test_recomputed_layers_count_one_more_forward(tiny_bert_dir):
     per_layer = sum(expected[k] for k in ("qkv", "attention", "out", "mlp")) // t["num_hidden_layers"]
     assert report.totals.fwd_flops == expected["total"]
     assert report.totals.bwd_flops == 2 * expected["total"] + per_layer
+
+
+def test_memory_report_knows_recompute_and_dp_sharding(tiny_bert_dir):
+    """Every layer recomputed: a layer keeps only its inputs ([B, S, h] fp32, plus the [B, 1, 1, S]
+    bool mask the first one sees first), far below what it saves otherwise. dp_shards: weights,
+    gradients and AdamW state per rank are the dim-0 halves (rounded up) of the whole model's."""
+    from galaxy.profiler.profile import memory_of
+    t = TINY_BERT
+    group = GalaxyGroup.serial(t["num_attention_heads"], t["intermediate_size"], TINY_SEQ)
+    reports = {}
+    for spec in ("none", "full"):
+        model = build_model(tiny_bert_dir, ParallelPlan(), group, num_labels=t["num_labels"], dropout=0.0,
+                            activation_checkpointing=spec)
+        reports[spec] = profile_model(model, tiny_batch(0, batch=B), repeats=0, dp_shards=2)
+    layer = {s: {m.name: m.act_bytes for m in r.modules} for s, r in reports.items()}
+    inputs = B * TINY_SEQ * t["hidden_size"] * 4
+    assert (layer["full"]["layers.0"], layer["full"]["layers.1"]) == (inputs + B * TINY_SEQ, inputs)
+    assert layer["none"]["layers.1"] > 5 * inputs
+    full = reports["full"].memory
+    assert full["activations"] == reports["full"].totals.act_bytes < reports["none"].totals.act_bytes / 3
+    whole = memory_of(model, 0)
+    params = list(model.parameters())
+    assert whole["weights"] == sum(p.numel() * 4 for p in params) and whole["optimizer"] == 2 * whole["grads"]
+    halves = sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * 4 for p in params)
+    assert full["weights"] == full["grads"] == halves and full["optimizer"] == 2 * halves
+    assert whole["weights"] / 2 <= halves < whole["weights"] / 2 + 4 * sum(p.numel() // p.shape[0] for p in params)

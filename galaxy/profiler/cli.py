@@ -8,6 +8,11 @@ the config, starts the process group and owns the exit codes, as for every entry
 synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend on token values.
 Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
 and communication; --json writes the report (schema: README.md, section Profiling).
+
+dp_deg > 1: every data-parallel replica profiles its batch_size / dp_deg rows on its Galaxy group's
+model; the figures are those of replica 0's ranks. The gradient reduction over the replicas (DDP's
+all-reduce, or FSDP's gathers and reduce-scatters) is not in the step; under dp_sharding the memory
+report divides weights, gradients and optimizer state over the dp_deg replicas.
 """
 from __future__ import annotations
 
@@ -63,8 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def prepare(cfg, opts) -> ProfileJob:
     """Checks before any process group starts (a mistake is one line and exit status 2)."""
-    if cfg.pp_deg > 1 or cfg.dp_deg > 1:
-        raise ConfigError("pp_deg and dp_deg > 1 are not supported by the profiler yet; set them to 1")
+    if cfg.pp_deg > 1:
+        raise ConfigError("pp_deg > 1 is not supported by the profiler yet; set it to 1")
     shape = read_model_shape(cfg.model_path)
     try:
         family = family_of(shape["model_type"])
@@ -105,13 +110,16 @@ def synthetic_batch(task: str, batch: int, seq: int, vocab: int, num_labels: int
 
 
 def closed_form_flops(job: ProfileJob) -> int:
-    """Forward matrix FLOPs of the serial model on the batch, from the family's closed form."""
-    return job.family.matmul_flops(job.hf, job.cfg.batch_size, job.cfg.pad_size, job.num_labels)["total"]
+    """Forward matrix FLOPs of the serial model on one replica's rows (the whole batch without data
+    parallelism), from the family's closed form."""
+    rows = job.cfg.batch_size // job.cfg.dp_deg
+    return job.family.matmul_flops(job.hf, rows, job.cfg.pad_size, job.num_labels)["total"]
 
 
 def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
-    """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank."""
-    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size, seq_shares)
+    """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank
+    (one replica's rows)."""
+    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // job.cfg.dp_deg, seq_shares)
 
 
 def run(job: ProfileJob, env) -> None:
@@ -125,11 +133,17 @@ def run(job: ProfileJob, env) -> None:
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
-    batch = synthetic_batch(job.task_kind, cfg.batch_size, cfg.pad_size, job.hf.vocab_size, job.num_labels,
-                            cfg.seed, env.device)
-    plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if env.world > 1 else None
+    batch = synthetic_batch(job.task_kind, cfg.batch_size // cfg.dp_deg, cfg.pad_size, job.hf.vocab_size,
+                            job.num_labels, cfg.seed, env.device)
+    plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if mesh.galaxy.size > 1 else None
     report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),
-                           repeats=opts.repeats, warmup=opts.warmup, plan=plan_dict)
+                           repeats=opts.repeats, warmup=opts.warmup, plan=plan_dict,
+                           optimizer_states=2 if cfg.optimizer == "adamw" else 0,
+                           dp_shards=cfg.dp_deg if cfg.dp_sharding != "none" else 1)
+    if cfg.dp_deg > 1:
+        report.notes.append(f"data parallel: each of the {cfg.dp_deg} replicas runs {cfg.batch_size // cfg.dp_deg} "
+                            f"of the {cfg.batch_size} rows; the gradient reduction over the replicas "
+                            f"({'FSDP, ' + cfg.dp_sharding if cfg.dp_sharding != 'none' else 'DDP'}) is not profiled")
     deepspeed_flops = None
     if opts.compare_deepspeed:
         from galaxy.profiler.deepspeed_compare import deepspeed_forward_flops
@@ -138,9 +152,10 @@ def run(job: ProfileJob, env) -> None:
     if env.world > 1:
         reports = [None] * env.world
         dist.all_gather_object(reports, report)
+        reports = reports[:mesh.galaxy.size]     # replica 0's Galaxy group (ranks 0..N-1); replicas are alike
     if env.rank != 0:
         return
-    expected_comm = closed_form_comm(job, plan, mesh.galaxy.seq) if env.world > 1 else None
+    expected_comm = closed_form_comm(job, plan, mesh.galaxy.seq) if len(reports) > 1 else None
     print(render(reports, job, opts.depth, expected_comm, deepspeed_flops), flush=True)
     if opts.json:
         write_json(opts.json, reports, closed_form_flops(job), expected_comm)

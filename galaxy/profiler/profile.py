@@ -144,11 +144,28 @@ class _Timing:
             seconds[name] += time.perf_counter() - self._starts.pop()
 
 
+def memory_of(model: nn.Module, act_bytes: int, optimizer_states: int = 2, dp_shards: int = 1) -> dict:
+    """Bytes one rank holds for training: its weights, the gradients of the trainable ones, the
+    optimizer's per-element state (optimizer_states tensors per trainable parameter: AdamW 2, SGD
+    without momentum 0) and the activations saved for backward (act_bytes; under activation
+    checkpointing a recomputed layer's inputs only). dp_shards: replicas the first three are
+    sharded over (dp_sharding; FSDP splits dim 0 with padding, the figure is the largest rank's)."""
+    def share(p) -> int:
+        rows = p.shape[0] if p.dim() else 1
+        return -(-rows // dp_shards) * (p.numel() // max(rows, 1)) * p.element_size()
+    params = list(model.parameters())
+    trainable = sum(share(p) for p in params if p.requires_grad)
+    return {"weights": sum(share(p) for p in params), "grads": trainable,
+            "optimizer": optimizer_states * trainable, "activations": act_bytes, "dp_shards": dp_shards}
+
+
 def profile_model(model: nn.Module, batch: dict, *, grad_sync: Callable[[], None] | None = None,
-                  repeats: int = 3, warmup: int = 1, plan: dict | None = None) -> ProfileReport:
+                  repeats: int = 3, warmup: int = 1, plan: dict | None = None, optimizer_states: int = 2,
+                  dp_shards: int = 1) -> ProfileReport:
     """Profile one training step: model(**batch), backward of its loss, then grad_sync().
 
     repeats=0 skips the timed steps (latencies are then 0): counts only, one step.
+    optimizer_states, dp_shards: for the memory figures (memory_of).
     Leaves the model in train mode with gradients zeroed. Under a plan, pass the model built
     for this rank and the GradientSync; the report then holds this rank's local figures.
     """
@@ -164,7 +181,9 @@ def profile_model(model: nn.Module, batch: dict, *, grad_sync: Callable[[], None
     for _ in range(repeats):
         timings.append(_Timing(model, batch, grad_sync, sync_device))
         model.zero_grad(set_to_none=True)
-    return _assemble(model, batch, counting, timings, plan)
+    report = _assemble(model, batch, counting, timings, plan)
+    report.memory = memory_of(model, report.totals.act_bytes, optimizer_states, dp_shards)
+    return report
 
 
 def _median(values) -> float:

@@ -75,6 +75,9 @@ class ProfileReport:
     notes: list[str] = field(default_factory=list)
     fwd_ops: dict = field(default_factory=dict)   # op -> forward FLOPs (matrix and element-wise)
     bwd_ops: dict = field(default_factory=dict)
+    # Bytes this rank holds for training (galaxy.profiler.profile.memory_of): weights, grads,
+    # optimizer (divided over dp_shards replicas under dp_sharding), activations (saved for backward).
+    memory: dict = field(default_factory=dict)
 
     def module(self, name: str) -> ModuleStats:
         for m in self.modules:

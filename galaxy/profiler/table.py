@@ -78,6 +78,13 @@ def summary(report: ProfileReport) -> str:
              f"bwd {human(t.bwd_elementwise_flops, 'FLOPs')}",
              f"  saved activations {human(t.act_bytes, 'B', 1024)}  fwd {seconds(t.fwd_latency_s)}  "
              f"bwd {seconds(t.bwd_latency_s)}"]
+    m = report.memory
+    if m:
+        sharded = f", sharded over {m['dp_shards']} replicas" if m["dp_shards"] > 1 else ""
+        lines.append(f"  memory per rank: weights {human(m['weights'], 'B', 1024)}, gradients "
+                     f"{human(m['grads'], 'B', 1024)}, optimizer state {human(m['optimizer'], 'B', 1024)}"
+                     f"{sharded}; activations saved for backward {human(m['activations'], 'B', 1024)}; total "
+                     f"{human(m['weights'] + m['grads'] + m['optimizer'] + m['activations'], 'B', 1024)}")
     lines += [f"  note: {n}" for n in report.notes]
     return "\n".join(lines)
 
