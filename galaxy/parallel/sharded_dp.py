@@ -3,8 +3,9 @@
 Each rank's part of the model (its Galaxy shards, of its pipeline stage) is split once more,
 along dim 0 of every parameter, over the data-parallel replicas that hold the same part (the
 mesh's dp sub-mesh). One FSDP unit per transformer layer (and per side-network block, which the
-model calls outside its layer's forward), plus the root (the embeddings and the head), so that one
-layer's parameters are gathered at a time:
+model calls outside its layer's forward), one for the embeddings unless a weight ties them to the
+head, plus the root (the head and what remains), so that one layer's parameters are gathered at a
+time:
 
   forward    all-gather a layer's parameters (dp), run it, free them again ("full", ZeRO-3
              like) or keep them until backward ("no_reshard", ZeRO-2 like)
@@ -105,7 +106,8 @@ class WholeGradients:
 
 
 def is_dp_sharded(model: nn.Module) -> bool:
-    """Whether `model`'s parameters are sharded over data-parallel replicas (all are, or none)."""
+    """Whether `model`'s parameters are sharded over data-parallel replicas (all but the
+    `unshardable` are, or none)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
