@@ -11,18 +11,20 @@ ranks; ranks of one configuration hold equal shares):
   weights / grads / optim   MiB this rank stores after a step: parameters (their local slices
                             under dp_sharding), gradients, AdamW's exp_avg + exp_avg_sq; exact,
                             from the tensors
-  peak                      MiB of tensors alive at the peak of one step: what is resident when
-                            the step starts (weights and optimizer state) plus the highest
-                            running total of allocations minus frees during the step (CPU:
-                            torch.profiler's memory events; CUDA: max_memory_allocated). Buffers
-                            allocated once before the step are not in it (DDP's gradient
-                            buckets: about one more copy of the gradients under dp2)
+  peak                      MiB at the peak of one step (the second; the first creates AdamW's
+                            state) above what the process held before the model was built. CPU:
+                            peak RSS of the step minus RSS before the build, with glibc's mmap
+                            threshold fixed at 64 KiB so that RSS follows the live tensors (DDP's
+                            buckets and FSDP's buffers included, and a few MiB of non-tensor
+                            memory); CUDA: max_memory_allocated
   act                       peak - weights - grads - optim: activations, gathered parameters
-                            (FSDP), communication buffers and temporaries
-  rss                       CPU: the process's peak RSS over the steps, minus its RSS before the
-                            model was built (allocator caching included)
-  step ms                   median over --steps after --warmup (a step ends when the slower
-                            rank's does): runner.step + AdamW + zero_grad
+                            and their gradients (FSDP), DDP's buckets, temporaries
+  rss                       CPU: the peak RSS over the timed steps, minus RSS before the build
+                            (the peak of several steps; about equal to peak)
+  step ms / min ms          median and fastest of --steps after --warmup, outside the memory
+                            trace (which slows what it watches; a step ends when the
+                            slower rank's does): runner.step + AdamW + zero_grad. "vs none" and the
+                            figure use the fastest (least disturbed by other load on the machine)
 
 Configurations: serial (world 1), galaxy2 (Galaxy group of 2, --plan, even shares; world 2),
 dp2 (DDP, world 2), dp2-sharded (dp_sharding "full": FSDP2, world 2); each with
@@ -42,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -107,26 +110,41 @@ def stored_bytes(runner, optimizer) -> dict[str, int]:
                          if torch.is_tensor(v) and v.dim() > 0)}
 
 
-def step_peak_bytes(step, device) -> int:
-    """The highest running total of tensor allocations minus frees during step() (CPU: the
-    profiler's memory events, in time order; CUDA: the allocator's peak over what was allocated)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated(device) - start
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events()
-                    if e.self_cpu_memory_usage)
-    running = peak = 0
-    for _, delta in events:
-        running += delta
-        peak = max(peak, running)
-    return peak
+class MemoryTrace:
+    """Peak memory of the `measured()` block above what the process held before the model was
+    built. CPU: resident set size (Linux /proc: VmRSS before, the high-water mark VmHWM reset at
+    the block's start and read at its end); run_config starts the ranks with glibc's mmap
+    threshold fixed at 64 KiB, so freed tensors go back to the system at once and RSS follows the
+    tensors alive (torch.profiler's memory events miss frees of FSDP's resized storages, so they
+    cannot be used). CUDA: the allocator's max_memory_allocated."""
+
+    def __init__(self, device):
+        self.device, self.base, self.high = device, 0, 0
+
+    def __enter__(self):
+        if self.device.type == "cpu":
+            self.base = _rss_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    @contextmanager
+    def measured(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_peak_rss()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            self.high = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.high = _rss_kib("VmHWM") * 1024 - self.base
+
+    def peak(self) -> int:
+        return self.high
 
 
 def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, mode: str, ckpt: str, results):
@@ -145,23 +163,31 @@ def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, m
     _, dp, group, sharding = MODES[mode]
     batch_size, pad = (args.minilm_batch, args.minilm_pad) if model == "minilm" else (args.wide_batch, args.wide_pad)
     shape = read_model_shape(model_dir)
-    base_rss = _rss_kib("VmRSS") * 1024
-    _reset_peak_rss()
-    mesh = make_mesh(1, dp, even_split(shape["num_attention_heads"], group),
-                     even_split(shape["intermediate_size"], group), even_split(pad, group))
-    plan = ParallelPlan.preset(args.plan) if group > 1 else ParallelPlan()
-    runner = build_runner(model_dir, plan, mesh, num_labels=NUM_LABELS, seed=0, device=device, dropout=0.0,
-                          activation_checkpointing=ckpt, dp_sharding=sharding)
-    runner.train()
-    optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
     full = make_inputs(model, model_dir, batch_size, pad)
-    rows = batch_size // dp
-    batch = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows].to(device) for k, v in full.items()}
+    with MemoryTrace(device) as trace:
+        mesh = make_mesh(1, dp, even_split(shape["num_attention_heads"], group),
+                         even_split(shape["intermediate_size"], group), even_split(pad, group))
+        plan = ParallelPlan.preset(args.plan) if group > 1 else ParallelPlan()
+        runner = build_runner(model_dir, plan, mesh, num_labels=NUM_LABELS, seed=0, device=device, dropout=0.0,
+                              activation_checkpointing=ckpt, dp_sharding=sharding)
+        runner.train()
+        optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+        rows = batch_size // dp
+        batch = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows].to(device) for k, v in full.items()}
 
-    def step():
-        runner.step(batch)
-        optimizer.step()
+        def step():
+            runner.step(batch)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()                      # AdamW's state exists from here on
+        with trace.measured():      # the step whose peak is reported; gradients kept to count them
+            runner.step(batch)
+            optimizer.step()
+        held = stored_bytes(runner, optimizer)
         optimizer.zero_grad(set_to_none=True)
+    peak = trace.peak()
+    _reset_peak_rss()
 
     def timed() -> float:
         dist.barrier()
@@ -178,15 +204,8 @@ def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, m
     for _ in range(args.warmup):
         timed()
     times = [timed() for _ in range(args.steps)]
-    # One more step, not timed: what it allocates on top of the resident weights and optimizer
-    # state (its gradients are kept until they are counted).
-    resident = stored_bytes(runner, optimizer)
-    peak = step_peak_bytes(lambda: (runner.step(batch), optimizer.step()), device)
-    held = stored_bytes(runner, optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    rss = _rss_kib("VmHWM") * 1024 - base_rss
-    out = {"rank": rank, "weights": held["weights"], "grads": held["grads"], "optim": held["optim"],
-           "peak": resident["weights"] + resident["optim"] + peak, "rss": rss,
+    rss = _rss_kib("VmHWM") * 1024 - trace.base
+    out = {"rank": rank, **held, "peak": peak, "rss": rss,
            "step_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
     results.put(out)
     dist.barrier()
@@ -203,6 +222,8 @@ def run_config(args, model: str, model_dir: str, mode: str, ckpt: str) -> dict:
     world = MODES[mode][0]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    # Large blocks straight from mmap and back at free: RSS then follows the live tensors (CPU).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, args, model, model_dir, mode, ckpt, results))
              for r in range(world)]
@@ -218,18 +239,22 @@ def run_config(args, model: str, model_dir: str, mode: str, ckpt: str) -> dict:
     return {"model": model, "mode": mode, "ckpt": ckpt, "world": world, **row}
 
 
+def load_rows(path: str) -> list[dict]:
+    return json.loads(Path(path).read_text())["rows"]
+
+
 def print_table(rows: list[dict], args) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         b, s = (args.minilm_batch, args.minilm_pad) if model == "minilm" else (args.wide_batch, args.wide_pad)
         print(f"\n{model}: batch {b} x {s}, {args.device}, {args.threads} thread(s) per rank, AdamW, "
               f"median of {args.steps} steps after {args.warmup}; MiB per rank (largest rank)")
         print(f"{'mode':>12} {'ckpt':>5} | {'weights':>8} {'grads':>8} {'optim':>8} {'act':>8} {'peak':>8} "
-              f"{'rss':>8} | {'step ms':>9} {'vs none':>7}")
+              f"{'rss':>8} | {'step ms':>9} {'min ms':>9} {'vs none':>7}")
         plain = {r["mode"]: r for r in rows if r["model"] == model and r["ckpt"] == "none"}
         for r in (r for r in rows if r["model"] == model):
-            ratio = r["step_ms"] / plain[r["mode"]]["step_ms"] if r["mode"] in plain else float("nan")
+            ratio = r["min_ms"] / plain[r["mode"]]["min_ms"] if r["mode"] in plain else float("nan")
             print(f"{r['mode']:>12} {r['ckpt']:>5} | " + " ".join(f"{r[k] / MIB:>8.1f}" for k in
-                  ("weights", "grads", "optim", "act", "peak", "rss")) + f" | {r['step_ms']:>9.0f} {ratio:>7.2f}")
+                  ("weights", "grads", "optim", "act", "peak", "rss")) + f" | {r['step_ms']:>9.0f} {r['min_ms']:>9.0f} {ratio:>7.2f}")
 
 
 def draw(rows: list[dict], args, path: str) -> None:
@@ -256,9 +281,9 @@ def draw(rows: list[dict], args, path: str) -> None:
         ax.set_title(f"{name}, batch {b} x {s}", fontsize=10)
         ax.legend(fontsize=8)
         ax = axes[1][col]
-        ax.bar(x, [r["step_ms"] for r in mine], color=["#8172b2" if r["ckpt"] == "none" else "#937860" for r in mine])
+        ax.bar(x, [r["min_ms"] for r in mine], color=["#8172b2" if r["ckpt"] == "none" else "#937860" for r in mine])
         ax.set_xticks(list(x), labels, fontsize=7)
-        ax.set_ylabel("step ms (median)")
+        ax.set_ylabel(f"step ms (fastest of {args.steps})")
     fig.suptitle(f"Per-rank memory and step time ({args.device}, {args.threads} thread(s) per rank; "
                  f"{args.note})", fontsize=10)
     fig.tight_layout()
@@ -286,8 +311,14 @@ def main() -> None:
     ap.add_argument("--note", default="shared machine: times are noisy", help="said on the figure")
     ap.add_argument("--png", default=str(ROOT / "runs" / "bench" / "memory.png"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--redraw", default=None, metavar="JSON", help="table and figure from an earlier --json")
     args = ap.parse_args()
 
+    if args.redraw:
+        rows = load_rows(args.redraw)
+        print_table(rows, args)
+        draw(rows, args, args.png)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:

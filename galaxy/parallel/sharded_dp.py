@@ -3,8 +3,9 @@
 Each rank's part of the model (its Galaxy shards, of its pipeline stage) is split once more,
 along dim 0 of every parameter, over the data-parallel replicas that hold the same part (the
 mesh's dp sub-mesh). One FSDP unit per transformer layer (and per side-network block, which the
-model calls outside its layer's forward), plus the root (the embeddings and the head), so that one
-layer's parameters are gathered at a time:
+model calls outside its layer's forward), one for the embeddings unless a weight ties them to the
+head, plus the root (the head and what remains), so that one layer's parameters are gathered at a
+time:
 
   forward    all-gather a layer's parameters (dp), run it, free them again ("full", ZeRO-3
              like) or keep them until backward ("no_reshard", ZeRO-2 like)
@@ -40,9 +41,24 @@ from galaxy.config import DP_SHARDING
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules that get their own FSDP unit, innermost first (fully_shard goes bottom-up):
-    each side-network block (called by run_layers outside its layer's forward), then each layer."""
+    each side-network block (called by run_layers outside its layer's forward), each layer, and
+    the embeddings (the first stage's modules: a vocabulary table can be half a small model),
+    unless a weight ties them to another module (Llama's tie_word_embeddings within one stage),
+    which then stays with it in the root."""
     units = [layer.side for layer in model.layers if isinstance(getattr(layer, "side", None), nn.Module)]
-    return units + list(model.layers)
+    units += list(model.layers)
+    for name in model.first_stage_modules:
+        module = getattr(model, name, None)
+        if isinstance(module, nn.Module) and any(True for _ in module.parameters()) and not _tied_outside(model, module):
+            units.append(module)
+    return units
+
+
+def _tied_outside(model: nn.Module, module: nn.Module) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    inside = {id(m) for m in module.modules()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in inside
+               for p in m.parameters(recurse=False))
 
 
 def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Module:
@@ -50,8 +66,9 @@ def shard_replicas(model: nn.Module, root: nn.Module, mesh, mode: str) -> nn.Mod
     module around it) over mesh's dp sub-mesh; returns root, now an FSDPModule.
 
     mode "full": a layer's gathered parameters are freed after its forward and gathered again in
-    backward; "no_reshard": they stay until backward. The root keeps its own (the embeddings and
-    head: small, and the head runs after the last layer anyway) until backward in both modes.
+    backward; "no_reshard": they stay until backward. The root keeps its own (the head, and
+    embeddings tied to it: the head runs last in forward and first in backward) until backward
+    in both modes.
     """
     if mode not in DP_SHARDING[1:]:
         raise ValueError(f"dp_sharding must be one of {DP_SHARDING[1:]} here, got {mode!r}")
@@ -89,7 +106,8 @@ class WholeGradients:
 
 
 def is_dp_sharded(model: nn.Module) -> bool:
-    """Whether `model`'s parameters are sharded over data-parallel replicas (all are, or none)."""
+    """Whether `model`'s parameters are sharded over data-parallel replicas (all but the
+    `unshardable` are, or none)."""
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
