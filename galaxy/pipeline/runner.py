@@ -44,7 +44,9 @@ class PipelineRunner(Runner):
         self.plan, self.n, self.schedule_name = plan, num_microbatches, schedule
         self.device = torch.device(device or "cpu")
         self.module = wrap_data_parallel(StageModule(model), mesh.dp_pg, self.device)
-        self.sync = GradientSync(model, mesh.galaxy.pg)
+        # DDP writes its average back into .grad after backward: the Galaxy sums cannot start
+        # during backward then (galaxy.parallel.grad_sync), only after it.
+        self.sync = GradientSync(model, mesh.galaxy.pg, overlap=mesh.dp_pg is None)
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None

@@ -54,4 +54,9 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
                         dropout=dropout, activation_checkpointing=activation_checkpointing)
     if adapt is not None:
         adapt(model)
-    return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)
+    runner = DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)
+    if mesh.dp_pg is not None:
+        # DDP writes its average back into .grad after backward, so the Galaxy group's sums
+        # cannot start during backward (galaxy.parallel.grad_sync would notice and redo them).
+        runner.sync.overlap = False
+    return runner
