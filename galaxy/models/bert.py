@@ -128,6 +128,7 @@ class BertConnector(nn.Module):
 
 class BertForClassification(GalaxyModel):
     task, peft_task_type = "classification", "SEQ_CLS"
+    loss_units_are_rows = True
     modules_to_save = output_heads = ("classifier",)
     first_stage_modules = ("embeddings",)
     last_stage_modules = ("pooler", "classifier")

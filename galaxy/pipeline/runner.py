@@ -12,7 +12,8 @@ corresponding ranks have identical shapes, so every send has a matching receive)
      DDP quiet until the last micro-batch's backward, which all-reduces the accumulated gradients;
   4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight tied across
      the first and last stage gets the sum of both ends' gradients (galaxy.pipeline.tied);
-  5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
+  5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage (with
+     the counts riding along with it, galaxy.parallel.loss_scale.riding_with_the_loss).
 
 Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
 width] per travelling carry tensor, galaxy.pipeline.stage.carry_slots), so no metadata exchange
@@ -30,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
+from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
 from galaxy.pipeline.schedule import make_schedule, schedule_class
 from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
@@ -74,11 +75,20 @@ class PipelineRunner(Runner):
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         self.sync()
         self.tied()
+        rider = current_rider()      # counts the trainer sums over replicas (tokens), if any
         if m.attached.is_last_stage:
             loss = mean_over_replicas(torch.stack([x.detach() for x in losses]).sum(), mesh.dp_pg, mesh.dp_size)
+            totals = () if rider is None else (rider.total.to(torch.float64),)
         else:
             loss = torch.zeros((), device=self.device)
-        return self._from_last_stage(loss)
+            totals = () if rider is None else (torch.zeros(rider.local.numel(), dtype=torch.float64,
+                                                           device=self.device),)
+        # One broadcast carries the loss and the riders' totals to every stage (a replica's stages
+        # read the same rows, so the last stage's totals are theirs).
+        packed = self._from_last_stage(torch.cat([loss.reshape(1).to(torch.float64), *totals]))
+        if rider is not None and not m.attached.is_last_stage:
+            rider.settle(packed[1:])
+        return packed[0].to(loss.dtype)
 
     def _loss(self, carry: tuple, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's head on one micro-batch, scaled toward the global-batch mean."""
