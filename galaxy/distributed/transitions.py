@@ -25,6 +25,7 @@ from torch import nn
 from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
                                             reduce_scatter_sequence, split_sequence)
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.overlap import Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link
 
 
 class Layout(str, Enum):
@@ -166,6 +167,24 @@ class Transition(nn.Module):
 
     def forward(self, x):
         return x if self.fn is None else self.fn(x, self.group)
+
+    def chunk_links(self, chunks: int, seq_len: int) -> list[Link] | None:
+        """This transition as one asynchronous Link per chunk along the sequence
+        (galaxy.distributed.overlap), or None when it is not one a token-wise sub-block can be
+        chunked across: S -> R or R -> R into a TP consumer, P -> S or P -> R out of one.
+        seq_len: the tokens this rank holds (its share under S, all of them under R); chunks:
+        at most as many as the shortest share holds (every chunk has tokens on every rank)."""
+        g, fn = self.group, self.fn
+        if fn in (gather_for_sharded_consumer, reduce_scatter_to_shards):
+            chunks = min(chunks, min(g.seq))
+            parts = [chunk_sizes(s, chunks) for s in g.seq]                 # [rank][chunk]
+            make = gather_link if fn is gather_for_sharded_consumer else scatter_link
+            return [make(tuple(p[j] for p in parts), g.rank, g.pg) for j in range(chunks)]
+        if fn in (copy_for_sharded_consumer, reduce_to_replicated):
+            make = copy_link if fn is copy_for_sharded_consumer else reduce_link
+            chunks = min(chunks, seq_len)
+            return [make(g.pg) for _ in range(chunks)]
+        return None
 
     def extra_repr(self) -> str:
         return self.label

@@ -93,7 +93,7 @@ def grad_sync_all_reduces(sum_param_units, element_size: int = 4) -> list[int]:
 
 def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, kv_features: int,
                     exit_tokens: int | None, sum_param_numel: int = 0, head_all_reduces: tuple[int, ...] = (),
-                    sum_param_units=(), element_size: int = 4) -> dict:
+                    sum_param_units=(), comm_chunks: int = 1, element_size: int = 4) -> dict:
     """Collectives one rank issues in one training step under `plan`: {kind: {calls, sent, received}}.
 
     seq_shares: tokens per rank (padded to the largest in gathers and scatters); kv_features: the
@@ -103,7 +103,9 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
     (Llama: the LM head weight's gradient and the loss); sum_param_units: elements of the summed
     ("sum" rule) gradients per GradientSync unit, in backward order (a layer, or the parameters
     outside the layers), one all-reduce per bucket of units (grad_sync_all_reduces);
-    sum_param_numel: the same as one unit.
+    sum_param_numel: the same as one unit. comm_chunks: a TP MLP's transitions travel in that many
+    chunks of the sequence (galaxy.layers.block; at most the shortest share under CON SP, the
+    sequence under CON None), each chunk's collective padded to its own longest part.
     """
     n = len(seq_shares)
     out: dict[str, dict] = {}
@@ -120,8 +122,20 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
         c["received"] += times * b
 
     con_s = plan.con == "SP"
-    for method in (plan.att, plan.mlp):
+    for name, method in (("att", plan.att), ("mlp", plan.mlp)):
         tp = method == "TP"
+        if name == "mlp" and tp and comm_chunks > 1:
+            if con_s:       # chunk j: every rank's j-th part of its share, padded to the longest
+                c = min(comm_chunks, min(seq_shares))
+                parts = [_chunk_sizes(s, c) for s in seq_shares]
+                for j in range(c):
+                    numel = batch * max(p[j] for p in parts) * hidden
+                    for kind in ("all_gather", "reduce_scatter"):   # in and out, fwd and bwd
+                        add(kind, numel, 2 * layers)
+            else:           # chunk j of the replicated sequence: all-reduce in bwd, out fwd
+                for s_j in _chunk_sizes(seq, min(comm_chunks, seq)):
+                    add("all_reduce", batch * s_j * hidden, 2 * layers)
+            continue
         # CON -> sub-block (forward | backward)
         if con_s and tp:
             add("all_gather", shard, layers)        # S -> R for a TP consumer | reduce-scatter
@@ -153,14 +167,19 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
     return out
 
 
+def _chunk_sizes(total: int, chunks: int) -> list[int]:
+    """galaxy.distributed.overlap.chunk_sizes: near-equal parts, the first ones one longer."""
+    return [total // chunks + (1 if j < total % chunks else 0) for j in range(chunks)]
+
+
 def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int,
-                         element_size: int = 4) -> dict:
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
     n = len(seq_shares)
     return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
                            kv_features=2 * hidden, exit_tokens=1,
                            sum_param_units=bert_sum_param_units(plan, hidden=hidden, layers=layers,
                                                                 intermediate=intermediate, group_size=n),
-                           element_size=element_size)
+                           comm_chunks=comm_chunks, element_size=element_size)
 
 
 def llama_sum_param_units(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
@@ -203,7 +222,7 @@ def llama_sum_param_numel(plan, **shape) -> int:
 def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
                           intermediate: int, vocab: int, head_dim: int | None = None,
                           attention_bias: bool = False, mlp_bias: bool = False, qkv_bias: bool | None = None,
-                          element_size: int = 4) -> dict:
+                          comm_chunks: int = 1, element_size: int = 4) -> dict:
     """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
 
     N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
@@ -236,7 +255,7 @@ def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: 
                                plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
                                intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
                                qkv_bias=qkv_bias, group_size=n),
-                           element_size=element_size)
+                           comm_chunks=comm_chunks, element_size=element_size)
 
 
 def human_check(measured: int, expected: int) -> str:
@@ -253,9 +272,10 @@ def bert_flops_of(cfg, batch: int, seq: int, num_labels: int) -> dict[str, int]:
                              intermediate=cfg.intermediate_size, num_labels=num_labels)
 
 
-def bert_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def bert_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     return bert_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=cfg.hidden_size,
-                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size)
+                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                                comm_chunks=comm_chunks)
 
 
 def _llama_shape(cfg) -> dict:
@@ -269,13 +289,14 @@ def llama_flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]
     return llama_matmul_flops(batch=batch, seq=seq, **_llama_shape(cfg))
 
 
-def llama_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def llama_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg),
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
-                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), comm_chunks=comm_chunks)
 
 
-def qwen2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def qwen2_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     """Qwen2 is Llama with q/k/v biases and no o_proj or MLP bias (galaxy.models.qwen2); its
     matmul FLOPs are Llama's (llama_flops_of: a bias adds no matrix product)."""
-    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True)
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True,
+                                 comm_chunks=comm_chunks)

@@ -11,6 +11,13 @@ from galaxy.pipeline.runner import PipelineRunner
 from galaxy.pipeline.split import stage_layer_ranges
 
 
+def set_comm_chunks(model, chunks: int) -> None:
+    """Every layer's TP MLP moves its activations in `chunks` overlapped chunks of the sequence
+    (config key comm_chunks; 1: one collective per transition, galaxy.layers.block)."""
+    for layer in model.layers:
+        layer.comm_chunks = chunks
+
+
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
