@@ -8,7 +8,6 @@ step is known (never in the first step, nor in the first step after it changes),
 issues one all-reduce per bucket when nothing is redone, and a gradient changed after backward
 (as DDP's write-back does) is caught: the bucket is redone and early starts switch off.
 """
-import torch
 
 from parity import world_group
 from tiny_models import tiny_batch

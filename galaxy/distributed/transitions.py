@@ -25,7 +25,8 @@ from torch import nn
 from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
                                             reduce_scatter_sequence, split_sequence)
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.distributed.overlap import Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link
+from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link,
+                                        start, wait)
 
 
 class Layout(str, Enum):
@@ -127,6 +128,24 @@ def copy_for_sharded_consumer(x, group):      # R -> R, consumer is TP
 
 def split_to_shards(x, group):                # R -> S
     return x if group.size == 1 else _SplitToShards.apply(x, group)
+
+
+class KVGather:
+    """SP attention's K/V all-gather (S -> R for a sharded consumer): call it, or `start` it and
+    call what start returns once the result is needed (the Q projection runs in between, in
+    forward and, mirrored, in backward: galaxy.distributed.overlap)."""
+
+    def __init__(self, group: GalaxyGroup):
+        self.group = group
+
+    def __call__(self, x):
+        return gather_for_sharded_consumer(x, self.group)
+
+    def start(self, x):
+        g = self.group
+        link = gather_link(g.seq, g.rank, g.pg)
+        token = start(x, link)
+        return lambda: wait(token, link)
 
 
 def pick_transition(src: Layout, dst: Layout, sharded_consumer: bool):

@@ -22,7 +22,7 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                    schedule: str = "1f1b", autocast=nullcontext, adapt=None,
-                   activation_checkpointing="none") -> PipelineRunner:
+                   activation_checkpointing="none", comm_chunks: int = 1) -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
     build_model prunes the model to the stage before any weight is read, so the rank reads and
@@ -34,6 +34,7 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, stage=(ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage),
                         activation_checkpointing=activation_checkpointing)
+    set_comm_chunks(model, comm_chunks)
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
@@ -44,21 +45,24 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
                  device="cpu", dropout: float | None = None,
                  stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext, adapt=None,
-                 activation_checkpointing="none"):
+                 activation_checkpointing="none", comm_chunks: int = 1):
     """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
 
     num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
     to the rest (a pipeline's micro-batches are its accumulation). adapt(model), when given, changes
     the model (or stage) after it is built and before DDP / gradient sync wrap it.
     activation_checkpointing: the layers that recompute in backward (galaxy.runtime.assemble).
+    comm_chunks: chunks of the sequence a TP MLP's collectives travel in (set_comm_chunks).
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
                               dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
                               num_microbatches=num_microbatches, schedule=schedule, autocast=autocast,
-                              adapt=adapt, activation_checkpointing=activation_checkpointing)
+                              adapt=adapt, activation_checkpointing=activation_checkpointing,
+                              comm_chunks=comm_chunks)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, activation_checkpointing=activation_checkpointing)
+    set_comm_chunks(model, comm_chunks)
     if adapt is not None:
         adapt(model)
     runner = DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast)

@@ -155,7 +155,8 @@ class Trainer:
                                    grad_accum_steps=cfg.grad_accum_steps,
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
-                                   activation_checkpointing=cfg.activation_checkpointing)
+                                   activation_checkpointing=cfg.activation_checkpointing,
+                                   comm_chunks=cfg.comm_chunks)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
