@@ -109,6 +109,9 @@ class GalaxyConfig:
     warmup_steps: int = 0
     clip_grad: float | None = None  # max global gradient norm; None: no clipping
     grad_accum_steps: int = 1  # micro-batches per optimizer step; batch_size stays the global batch
+    # A TP MLP's collectives travel in this many chunks of the sequence, overlapped with the GEMMs
+    # (galaxy.layers.block); 1: one collective per transition.
+    comm_chunks: int = 1
     mixed_precision: str = "none"  # "bf16": autocast the forward pass; JSON null is stored as "none"
     eval_interval: int | None = None  # None: evaluate the dev set at the end only
     save_dir: str | None = None  # None: no checkpoints
@@ -193,6 +196,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "warmup_steps": (int, False),
     "clip_grad": (float, True),
     "grad_accum_steps": (int, False),
+    "comm_chunks": (int, False),
     "mixed_precision": (("bf16", "none"), True),
     "eval_interval": (int, True),
     "save_dir": (str, True),
@@ -222,7 +226,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "max_eval_samples": (int, True),
 }
 _POSITIVE_INTS = ("pad_size", "batch_size", "num_epochs", "max_steps", "pp_deg", "dp_deg", "num_microbatches",
-                  "grad_accum_steps", "eval_interval", "save_interval", "keep_checkpoints",
+                  "grad_accum_steps", "comm_chunks", "eval_interval", "save_interval", "keep_checkpoints",
                   "lora_dim", "adapter_reduction_dim", "side_reduction_factor", "max_eval_samples", *SHAPE_KEYS)
 _SPLIT_KEYS = ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
 _KIND_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",

@@ -1,4 +1,4 @@
-"""One optimizer step: global-norm clipping, gradient accumulation, bf16 autocast.
+"""One optimizer step: global-norm clipping, gradient accumulation, bf16 autocast, step tokens.
 
 Clipping under a sharded plan must equal torch's clip_grad_norm_ on HF's serial model (the norm
 counts every sharded parameter once); accumulation must reproduce the full-batch losses; bf16
@@ -73,3 +73,22 @@ def test_bf16_autocast_trains_under_galaxy(dist_pool, ws):
     diffs = [abs(losses["bf16"][k] - losses["none"][k]) for k in (1, 2, 3)]
     assert max(diffs) > 0, "bf16 gave fp32's losses bit for bit: autocast did not run"
     assert max(diffs) < 0.05, diffs
+
+
+def test_step_tokens_ride_with_the_loss(dist_pool, ws):
+    """dp 2 sums its replicas' token counts inside the loss's own all-reduce, and a pipeline's loss
+    broadcast carries them to the first stage: both log the tokens per step of one Galaxy group
+    that reads every row (same data order, different padding per row)."""
+    from galaxy.train.metrics import read_metrics
+    pool = dist_pool(2)
+    tokens, losses = {}, {}
+    for preset, keys in (("galaxy", GALAXY_W2), ("dp", {"dp_deg": 2}), ("pp", {"pp_deg": 2, "num_microbatches": 2})):
+        name = f"tokens_{preset}"
+        pool.run(train_on_rank, write_config(ws, name, max_steps=3, shuffle=False, **keys), preset)
+        records = [r for r in read_metrics(f"{ws['root']}/{name}/metrics.jsonl") if "event" not in r]
+        tokens[preset] = [r["tokens"] for r in records]
+        losses[preset] = [r["loss"] for r in records]
+    assert len(set(tokens["galaxy"])) > 1, "batches must differ in tokens for the test to mean something"
+    assert tokens["dp"] == tokens["galaxy"] == tokens["pp"], tokens
+    for preset in ("dp", "pp"):
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses[preset], losses["galaxy"])), losses

@@ -4,7 +4,9 @@ Activations are [batch, seq, hidden]; sequence shards are contiguous token range
 come from `sizes` (one entry per rank). gloo's all-gather needs equal sizes, so shards are padded
 to the largest share and trimmed afterwards; the tensor forms (all-gather and
 reduce-scatter into one tensor) are used because both gloo and NCCL implement them.
-Every helper returns its input unchanged for a group of one.
+Every helper returns its input unchanged for a group of one. Each collective also has a `start_`
+form that returns a Pending (async_op): the caller computes while it travels and calls wait()
+(galaxy.distributed.overlap); the plain form is start(...).wait().
 """
 from __future__ import annotations
 
@@ -23,14 +25,35 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 comm_recorder = None
 
 
+class Pending:
+    """A started collective: wait() blocks until it is done and returns its result."""
+
+    def __init__(self, work, finish):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._finish()
+
+
+def _done(x: torch.Tensor) -> Pending:
+    return Pending(None, lambda: x)
+
+
 def all_reduce(x: torch.Tensor, pg) -> torch.Tensor:
+    return start_all_reduce(x, pg).wait()
+
+
+def start_all_reduce(x: torch.Tensor, pg) -> Pending:
+    """Sum x over the group in place (x is made contiguous first); async."""
     if pg is None:
-        return x
+        return _done(x)
     x = x.contiguous()
     if comm_recorder is not None:
         comm_recorder("all_reduce", x, dist.get_world_size(pg))
-    dist.all_reduce(x, group=pg)
-    return x
+    return Pending(dist.all_reduce(x, group=pg, async_op=True), lambda: x)
 
 
 def split_sequence(x: torch.Tensor, sizes, rank: int) -> torch.Tensor:
@@ -43,36 +66,52 @@ def split_sequence(x: torch.Tensor, sizes, rank: int) -> torch.Tensor:
 
 def all_gather_sequence(x: torch.Tensor, sizes, pg) -> torch.Tensor:
     """[b, s_rank, ...] shards -> [b, sum(sizes), ...] on every rank."""
+    return start_all_gather_sequence(x, sizes, pg).wait()
+
+
+def start_all_gather_sequence(x: torch.Tensor, sizes, pg) -> Pending:
+    """all_gather_sequence, started: one padded all-gather; the trim happens at wait()."""
     if pg is None:
-        return x
+        return _done(x)
     n, longest = len(sizes), max(sizes)
     pad = longest - x.shape[SEQ_DIM]
     x = x.movedim(SEQ_DIM, 0)                         # [s_rank, b, ...]: gathers stack on dim 0
     if pad:
         x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, pad))
+    x = x.contiguous()
     out = x.new_empty((n * longest, *x.shape[1:]))
     if comm_recorder is not None:
         comm_recorder("all_gather", x, n)
-    _all_gather_tensor(out, x.contiguous(), group=pg)
-    if any(s != longest for s in sizes):
-        out = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
-    return out.movedim(0, SEQ_DIM).contiguous()
+    work = _all_gather_tensor(out, x, group=pg, async_op=True)
+
+    def finish():
+        full = out
+        if any(s != longest for s in sizes):
+            full = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
+        return full.movedim(0, SEQ_DIM).contiguous()
+    return Pending(work, finish)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tensor:
     """Sum full-shape [b, S, ...] tensors over ranks and keep this rank's token range."""
+    return start_reduce_scatter_sequence(x, sizes, rank, pg).wait()
+
+
+def start_reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> Pending:
+    """reduce_scatter_sequence, started: one padded reduce-scatter; the trim happens at wait()."""
     if pg is None:
-        return x
+        return _done(x)
     longest = max(sizes)
     x = x.movedim(SEQ_DIM, 0)                         # [S, b, ...]
     if any(s != longest for s in sizes):
         chunks = torch.split(x, list(sizes))
         x = torch.cat([F.pad(c, (0,) * (2 * (x.dim() - 1)) + (0, longest - c.shape[0])) for c in chunks])
+    x = x.contiguous()
     out = x.new_empty((longest, *x.shape[1:]))
     if comm_recorder is not None:
         comm_recorder("reduce_scatter", out, len(sizes))
-    _reduce_scatter_tensor(out, x.contiguous(), group=pg)
-    return out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous()
+    work = _reduce_scatter_tensor(out, x, group=pg, async_op=True)
+    return Pending(work, lambda: out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous())
 
 
 def all_gather_dim(x: torch.Tensor, sizes, dim: int, pg) -> torch.Tensor:

@@ -25,6 +25,8 @@ from torch import nn
 from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
                                             reduce_scatter_sequence, split_sequence)
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link,
+                                        start, wait)
 
 
 class Layout(str, Enum):
@@ -128,6 +130,24 @@ def split_to_shards(x, group):                # R -> S
     return x if group.size == 1 else _SplitToShards.apply(x, group)
 
 
+class KVGather:
+    """SP attention's K/V all-gather (S -> R for a sharded consumer): call it, or `start` it and
+    call what start returns once the result is needed (the Q projection runs in between, in
+    forward and, mirrored, in backward: galaxy.distributed.overlap)."""
+
+    def __init__(self, group: GalaxyGroup):
+        self.group = group
+
+    def __call__(self, x):
+        return gather_for_sharded_consumer(x, self.group)
+
+    def start(self, x):
+        g = self.group
+        link = gather_link(g.seq, g.rank, g.pg)
+        token = start(x, link)
+        return lambda: wait(token, link)
+
+
 def pick_transition(src: Layout, dst: Layout, sharded_consumer: bool):
     """The function that moves a `src` activation to a consumer that wants `dst`."""
     if src == Layout.P:
@@ -166,6 +186,24 @@ class Transition(nn.Module):
 
     def forward(self, x):
         return x if self.fn is None else self.fn(x, self.group)
+
+    def chunk_links(self, chunks: int, seq_len: int) -> list[Link] | None:
+        """This transition as one asynchronous Link per chunk along the sequence
+        (galaxy.distributed.overlap), or None when it is not one a token-wise sub-block can be
+        chunked across: S -> R or R -> R into a TP consumer, P -> S or P -> R out of one.
+        seq_len: the tokens this rank holds (its share under S, all of them under R); chunks:
+        at most as many as the shortest share holds (every chunk has tokens on every rank)."""
+        g, fn = self.group, self.fn
+        if fn in (gather_for_sharded_consumer, reduce_scatter_to_shards):
+            chunks = min(chunks, min(g.seq))
+            parts = [chunk_sizes(s, chunks) for s in g.seq]                 # [rank][chunk]
+            make = gather_link if fn is gather_for_sharded_consumer else scatter_link
+            return [make(tuple(p[j] for p in parts), g.rank, g.pg) for j in range(chunks)]
+        if fn in (copy_for_sharded_consumer, reduce_to_replicated):
+            make = copy_link if fn is copy_for_sharded_consumer else reduce_link
+            chunks = min(chunks, seq_len)
+            return [make(g.pg) for _ in range(chunks)]
+        return None
 
     def extra_repr(self) -> str:
         return self.label

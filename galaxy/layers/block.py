@@ -4,12 +4,18 @@ The residual stream lives in the layout of the CONs (R or S). Each CON returns t
 the residual stream and the input of the next sub-block. Post-norm (BERT) returns the same
 tensor twice; pre-norm (Llama) returns the running sum and its normalised copy.
 Transitions are identities until a plan sets them (serial training never pays for them).
+
+comm_chunks > 1 (the config key of that name): a TP MLP runs over that many chunks of the
+sequence, each chunk's all-gather in and reduce-scatter out (all-reduces under CON None)
+travelling while other chunks' GEMMs run, in forward and backward (galaxy.distributed.overlap).
+The MLP works token by token, so the result is the same up to summation order within a chunk.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from galaxy.distributed.overlap import chunked_tokenwise
 from galaxy.distributed.transitions import Transition
 from galaxy.layers.recompute import run_checkpointed
 
@@ -24,6 +30,7 @@ class TransformerBlock(nn.Module):
         self.from_mlp = Transition()
         # Activation checkpointing (set_recompute): recompute this block in backward.
         self.recompute, self.recompute_rng = False, None
+        self.comm_chunks = 1           # chunks of the sequence the MLP's collectives travel in
 
     def set_recompute(self, on: bool, rng=None) -> None:
         """Keep only this block's inputs for backward and recompute the rest (galaxy.layers.
@@ -39,5 +46,15 @@ class TransformerBlock(nn.Module):
     def _forward(self, stream, x, **att_kwargs):
         out, bias = self.att(self.to_att(x), **att_kwargs)
         stream, x = self.con1(self.from_att(out), bias, stream)
+        out, bias = self._mlp(x)
+        return self.con2(out, bias, stream)
+
+    def _mlp(self, x):
+        """to_mlp -> MLP -> from_mlp, in comm_chunks overlapped chunks when the transitions allow."""
+        if self.comm_chunks > 1:
+            links_in = self.to_mlp.chunk_links(self.comm_chunks, x.shape[1])
+            links_out = self.from_mlp.chunk_links(self.comm_chunks, x.shape[1])
+            if links_in and links_out and len(links_in) == len(links_out) > 1:
+                return chunked_tokenwise(x, self.mlp, len(links_in), links_in, links_out)
         out, bias = self.mlp(self.to_mlp(x))
-        return self.con2(self.from_mlp(out), bias, stream)
+        return self.from_mlp(out), bias

@@ -70,10 +70,12 @@ class BertAttention(nn.Module):
     def forward(self, x, mask):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
         b, s, _ = x.shape
-        q = self.query(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = self.key(x), self.value(x)                               # [b, s, heads*d]
-        if self.kv_gather is not None:                                  # one collective for both
-            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)   # [b, S, heads*d]
+        if self.kv_gather is not None:      # one collective for both, travelling while Q is projected
+            kv = self.kv_gather.start(torch.cat((k, v), dim=-1))
+        q = self.query(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        if self.kv_gather is not None:
+            k, v = kv().chunk(2, dim=-1)                                # [b, S, heads*d]
         k = k.view(b, k.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, v.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
         p = self.dropout_p if self.training else 0.0
@@ -128,6 +130,7 @@ class BertConnector(nn.Module):
 
 class BertForClassification(GalaxyModel):
     task, peft_task_type = "classification", "SEQ_CLS"
+    loss_units_are_rows = True
     modules_to_save = output_heads = ("classifier",)
     first_stage_modules = ("embeddings",)
     last_stage_modules = ("pooler", "classifier")

@@ -10,6 +10,8 @@ seq_shares). The keyword forms below them take plain numbers (the tests call tho
 """
 from __future__ import annotations
 
+from galaxy.distributed.buckets import BUCKET_CAP_BYTES, bucket_numels
+
 
 def ring_bytes(kind: str, numel: int, element_size: int, group_size: int) -> int:
     """Bytes one rank sends (= receives) for a collective moving `numel` elements (see above)."""
@@ -72,31 +74,48 @@ def gpt2_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: 
                               intermediate=intermediate, vocab=vocab, mlp_matrices=2)
 
 
-def bert_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> int:
-    """Elements of BERT's gradients summed over the group (GradientSync's one all-reduce).
+def bert_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of BERT's gradients summed over the group, per layer (GradientSync's units, in
+    backward order; galaxy.distributed.buckets groups them into all-reduces).
 
     Per layer: CON SP: two LayerNorms (2 x 2H) and the two deferred output biases (2H);
     ATT SP: Q, K, V weights and biases, the output weight; MLP SP: up weight and bias, down weight.
     """
     if group_size == 1:
-        return 0
+        return []
     h, i = hidden, intermediate
     per_layer = (6 * h if plan.con == "SP" else 0) + (4 * h * h + 3 * h if plan.att == "SP" else 0) \
         + (2 * h * i + i if plan.mlp == "SP" else 0)
-    return layers * per_layer
+    return [per_layer] * layers if per_layer else []
+
+
+def bert_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> int:
+    """Elements of BERT's gradients summed over the group (all of GradientSync's buckets)."""
+    return sum(bert_sum_param_units(plan, hidden=hidden, layers=layers, intermediate=intermediate,
+                                    group_size=group_size))
+
+
+def grad_sync_all_reduces(sum_param_units, element_size: int = 4) -> list[int]:
+    """Elements of each all-reduce GradientSync issues: its units grouped into buckets of about
+    25 MiB (galaxy.distributed.buckets.BUCKET_CAP_BYTES), as the sync groups them."""
+    return bucket_numels(list(sum_param_units), max(1, BUCKET_CAP_BYTES // element_size))
 
 
 def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, kv_features: int,
-                    exit_tokens: int | None, sum_param_numel: int, head_all_reduces: tuple[int, ...] = (),
-                    element_size: int = 4) -> dict:
+                    exit_tokens: int | None, sum_param_numel: int = 0, head_all_reduces: tuple[int, ...] = (),
+                    sum_param_units=(), comm_chunks: int = 1, element_size: int = 4) -> dict:
     """Collectives one rank issues in one training step under `plan`: {kind: {calls, sent, received}}.
 
     seq_shares: tokens per rank (padded to the largest in gathers and scatters); kv_features: the
     width SP attention gathers (2 x K/V heads x head dim); exit_tokens: tokens per rank gathered
     after the last layer when CON is SP (BERT: 1, the [CLS] candidate), None when the head runs on
     the CON layout; head_all_reduces: elements of each all-reduce the head issues when CON is SP
-    (Llama: the LM head weight's gradient and the loss); sum_param_numel: elements of
-    GradientSync's all-reduce.
+    (Llama: the LM head weight's gradient and the loss); sum_param_units: elements of the summed
+    ("sum" rule) gradients per GradientSync unit, in backward order (a layer, or the parameters
+    outside the layers), one all-reduce per bucket of units (grad_sync_all_reduces);
+    sum_param_numel: the same as one unit. comm_chunks: a TP MLP's transitions travel in that many
+    chunks of the sequence (galaxy.layers.block; at most the shortest share under CON SP, the
+    sequence under CON None), each chunk's collective padded to its own longest part.
     """
     n = len(seq_shares)
     out: dict[str, dict] = {}
@@ -113,8 +132,20 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
         c["received"] += times * b
 
     con_s = plan.con == "SP"
-    for method in (plan.att, plan.mlp):
+    for name, method in (("att", plan.att), ("mlp", plan.mlp)):
         tp = method == "TP"
+        if name == "mlp" and tp and comm_chunks > 1:
+            if con_s:       # chunk j: every rank's j-th part of its share, padded to the longest
+                c = min(comm_chunks, min(seq_shares))
+                parts = [_chunk_sizes(s, c) for s in seq_shares]
+                for j in range(c):
+                    numel = batch * max(p[j] for p in parts) * hidden
+                    for kind in ("all_gather", "reduce_scatter"):   # in and out, fwd and bwd
+                        add(kind, numel, 2 * layers)
+            else:           # chunk j of the replicated sequence: all-reduce in bwd, out fwd
+                for s_j in _chunk_sizes(seq, min(comm_chunks, seq)):
+                    add("all_reduce", batch * s_j * hidden, 2 * layers)
+            continue
         # CON -> sub-block (forward | backward)
         if con_s and tp:
             add("all_gather", shard, layers)        # S -> R for a TP consumer | reduce-scatter
@@ -140,25 +171,32 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
             add("all_gather", batch * exit_tokens * hidden)   # exit: S -> R | split
         for numel in head_all_reduces:
             add("all_reduce", numel)
-    if sum_param_numel:
-        add("all_reduce", sum_param_numel)
+    units = list(sum_param_units) + ([sum_param_numel] if sum_param_numel else [])
+    for numel in grad_sync_all_reduces(units, element_size):
+        add("all_reduce", numel)
     return out
 
 
+def _chunk_sizes(total: int, chunks: int) -> list[int]:
+    """galaxy.distributed.overlap.chunk_sizes: near-equal parts, the first ones one longer."""
+    return [total // chunks + (1 if j < total % chunks else 0) for j in range(chunks)]
+
+
 def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int,
-                         element_size: int = 4) -> dict:
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
     n = len(seq_shares)
     return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
                            kv_features=2 * hidden, exit_tokens=1,
-                           sum_param_numel=bert_sum_param_numel(plan, hidden=hidden, layers=layers,
+                           sum_param_units=bert_sum_param_units(plan, hidden=hidden, layers=layers,
                                                                 intermediate=intermediate, group_size=n),
-                           element_size=element_size)
+                           comm_chunks=comm_chunks, element_size=element_size)
 
 
-def llama_sum_param_numel(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+def llama_sum_param_units(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                           intermediate: int, attention_bias: bool = False, mlp_bias: bool = False,
-                          qkv_bias: bool | None = None, group_size: int) -> int:
-    """Elements of Llama's gradients summed over the group (GradientSync's one all-reduce).
+                          qkv_bias: bool | None = None, group_size: int) -> list[int]:
+    """Elements of Llama's gradients summed over the group, per GradientSync unit in backward
+    order: each layer (last first), then `first_norm` (before the layers).
 
     attention_bias: q/k/v and o_proj have biases (Llama's key); qkv_bias: q/k/v have biases
     (None: as attention_bias; Qwen2: True with attention_bias False, no o_proj bias).
@@ -172,23 +210,29 @@ def llama_sum_param_numel(plan, *, hidden: int, layers: int, heads: int, kv_head
     The LM head and the embeddings are not summed here (see llama_plan_comm_bytes).
     """
     if group_size == 1:
-        return 0
+        return []
     qkv_bias = attention_bias if qkv_bias is None else qkv_bias
     h, i, q, kv = hidden, intermediate, heads * head_dim, kv_heads * head_dim
-    n = 0
+    per_layer, first = 0, 0
     if plan.con == "SP":
-        n += (2 * layers + 1) * h + layers * h * (int(attention_bias) + int(mlp_bias))
+        per_layer += 2 * h + h * (int(attention_bias) + int(mlp_bias))
+        first = h
     if plan.att == "SP":
-        n += layers * (2 * q * h + 2 * kv * h + (q + 2 * kv if qkv_bias else 0))
+        per_layer += 2 * q * h + 2 * kv * h + (q + 2 * kv if qkv_bias else 0)
     if plan.mlp == "SP":
-        n += layers * (3 * h * i + (2 * i if mlp_bias else 0))
-    return n
+        per_layer += 3 * h * i + (2 * i if mlp_bias else 0)
+    return [u for u in [per_layer] * layers + [first] if u]
+
+
+def llama_sum_param_numel(plan, **shape) -> int:
+    """Elements of Llama's gradients summed over the group (all of GradientSync's buckets)."""
+    return sum(llama_sum_param_units(plan, **shape))
 
 
 def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
                           intermediate: int, vocab: int, head_dim: int | None = None,
                           attention_bias: bool = False, mlp_bias: bool = False, qkv_bias: bool | None = None,
-                          element_size: int = 4) -> dict:
+                          comm_chunks: int = 1, element_size: int = 4) -> dict:
     """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
 
     N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
@@ -209,50 +253,56 @@ def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: 
     all-reduced in backward (tied or not: the head's contribution is what is summed, same size),
     and the loss, a scalar of this rank's tokens, is all-reduced in forward. Under CON None the
     head runs on R: no collective.
-    Gradient sync: one all-reduce of the "sum" parameters (llama_sum_param_numel; the bias flags
-    are its own).
+    Gradient sync: one all-reduce per bucket of the "sum" parameters (llama_sum_param_units; the
+    bias flags are its own).
     """
     d = head_dim or hidden // heads
     n = len(seq_shares)
     return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
                            kv_features=2 * kv_heads * d, exit_tokens=None,
                            head_all_reduces=(vocab * hidden, 1),
-                           sum_param_numel=llama_sum_param_numel(
+                           sum_param_units=llama_sum_param_units(
                                plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
                                intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
                                qkv_bias=qkv_bias, group_size=n),
-                           element_size=element_size)
+                           comm_chunks=comm_chunks, element_size=element_size)
 
 
-def gpt2_sum_param_numel(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> int:
-    """Elements of GPT-2's gradients summed over the group (GradientSync's one all-reduce).
+def gpt2_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of GPT-2's gradients summed over the group, per GradientSync unit in backward order.
 
-    Per layer the sub-blocks hold what BERT's do (bert_sum_param_numel): CON SP: two LayerNorms
+    Per layer the sub-blocks hold what BERT's do (bert_sum_param_units): CON SP: two LayerNorms
     (ln_2 in CON1, the next ln_1 or ln_f in CON2, weight and bias: 2 x 2H) and the two deferred
     c_proj biases (2H); ATT SP: c_attn [3H, H] and its bias 3H, c_proj [H, H]; MLP SP: c_fc [I, H]
-    and its bias I, c_proj [H, I]. Plus, under CON SP, the first layer's ln_1 before the first
-    block (`first_norm`, 2H). The embeddings and the tied LM head are not summed here.
+    and its bias I, c_proj [H, I]. Then, under CON SP, the first layer's ln_1 before the first
+    block (`first_norm`, 2H), the last unit backward finishes. The embeddings and the tied LM head
+    are not summed here.
     """
-    n = bert_sum_param_numel(plan, hidden=hidden, layers=layers, intermediate=intermediate, group_size=group_size)
-    return n + (2 * hidden if plan.con == "SP" and group_size > 1 else 0)
+    units = bert_sum_param_units(plan, hidden=hidden, layers=layers, intermediate=intermediate, group_size=group_size)
+    return units + ([2 * hidden] if plan.con == "SP" and group_size > 1 else [])
+
+
+def gpt2_sum_param_numel(plan, **shape) -> int:
+    """Elements of GPT-2's gradients summed over the group (all of GradientSync's buckets)."""
+    return sum(gpt2_sum_param_units(plan, **shape))
 
 
 def gpt2_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int, vocab: int,
-                         element_size: int = 4) -> dict:
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
     """GPT-2 causal LM: collectives one rank issues in one training step (forward, backward, sync).
 
     The same transitions as Llama's (llama_plan_comm_bytes: the residual stream never leaves the
     CON layout; the head runs on it, so under CON SP the LM head weight's gradient [vocab, H] and
     the loss are all-reduced instead of gathering activations), with plain multi-head attention:
-    SP attention gathers K and V as one tensor [b, s, 2H] (kv_features = 2H). Gradient sync:
-    gpt2_sum_param_numel.
+    SP attention gathers K and V as one tensor [b, s, 2H] (kv_features = 2H). Gradient sync: one
+    all-reduce per bucket of gpt2_sum_param_units.
     """
     n = len(seq_shares)
     return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
                            kv_features=2 * hidden, exit_tokens=None, head_all_reduces=(vocab * hidden, 1),
-                           sum_param_numel=gpt2_sum_param_numel(plan, hidden=hidden, layers=layers,
+                           sum_param_units=gpt2_sum_param_units(plan, hidden=hidden, layers=layers,
                                                                 intermediate=intermediate, group_size=n),
-                           element_size=element_size)
+                           comm_chunks=comm_chunks, element_size=element_size)
 
 
 def human_check(measured: int, expected: int) -> str:
@@ -269,9 +319,10 @@ def bert_flops_of(cfg, batch: int, seq: int, num_labels: int) -> dict[str, int]:
                              intermediate=cfg.intermediate_size, num_labels=num_labels)
 
 
-def bert_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def bert_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     return bert_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=cfg.hidden_size,
-                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size)
+                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                                comm_chunks=comm_chunks)
 
 
 def _llama_shape(cfg) -> dict:
@@ -285,16 +336,17 @@ def llama_flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]
     return llama_matmul_flops(batch=batch, seq=seq, **_llama_shape(cfg))
 
 
-def llama_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def llama_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg),
                                  attention_bias=bool(getattr(cfg, "attention_bias", False)),
-                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), comm_chunks=comm_chunks)
 
 
-def qwen2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
+def qwen2_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
     """Qwen2 is Llama with q/k/v biases and no o_proj or MLP bias (galaxy.models.qwen2); its
     matmul FLOPs are Llama's (llama_flops_of: a bias adds no matrix product)."""
-    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True)
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_llama_shape(cfg), qkv_bias=True,
+                                 comm_chunks=comm_chunks)
 
 
 def _gpt2_shape(cfg) -> dict:
@@ -306,5 +358,6 @@ def gpt2_flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
     return gpt2_matmul_flops(batch=batch, seq=seq, heads=cfg.n_head, **_gpt2_shape(cfg))
 
 
-def gpt2_comm_of(plan, cfg, batch: int, seq_shares) -> dict:
-    return gpt2_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_gpt2_shape(cfg))
+def gpt2_comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return gpt2_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **_gpt2_shape(cfg),
+                                comm_chunks=comm_chunks)

@@ -104,6 +104,10 @@ class GalaxyModel(nn.Module):
         """The carry after the last layer -> (logits, loss or None)."""
         raise NotImplementedError
 
+    # True when loss_units(labels) is the number of rows (one loss term per example): the global
+    # batch's count is then known on every replica without an all-reduce (galaxy.parallel.loss_scale).
+    loss_units_are_rows = False
+
     def loss_units(self, labels) -> torch.Tensor:
         """How many terms `head`'s loss averages over (rows, or label tokens): the weights of
         micro-batch losses, so that accumulated losses equal the full batch's mean."""

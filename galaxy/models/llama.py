@@ -93,15 +93,16 @@ class LlamaAttention(nn.Module):
         b, s, _ = x.shape
         if self.local_rows is not None:      # SP: own queries, all keys
             mask, cos, sin = mask[:, :, self.local_rows], cos[:, self.local_rows], sin[:, self.local_rows]
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         cos, sin = cos[:, :, None], sin[:, :, None]                     # [b, s, 1, d]
-        q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.kv_gather is not None:       # rotated with global positions, then gathered
-            kv = self.kv_gather(torch.cat((k, v), dim=2).flatten(2))     # [b, S, 2*kv_heads*d]
-            k, v = kv.unflatten(2, (2 * self.num_kv_heads, self.head_dim)).chunk(2, dim=2)
+        if self.kv_gather is not None:       # rotated with global positions, then gathered while
+            kv = self.kv_gather.start(torch.cat((k, v), dim=2).flatten(2))    # Q is projected
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        if self.kv_gather is not None:
+            k, v = kv().unflatten(2, (2 * self.num_kv_heads, self.head_dim)).chunk(2, dim=2)   # [b, S, ...]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))               # [b, heads, s|S, d]
         p = self.dropout_p if self.training else 0.0
         with self.rng_scope() if p > 0 else nullcontext():

@@ -12,13 +12,12 @@ parameter with its gradient rule (docs/design.md section 3):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 from torch import nn
 
 from galaxy.config import PLAN_METHODS
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
+from galaxy.distributed.transitions import KVGather, Layout
 from galaxy.layers.rng import ShardedRNG
 from galaxy.layers.sharding import block_spans, shard_offset, slice_like
 
@@ -120,7 +119,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
             # The output bias is added after the transition, on the CON layout.
             rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
             if name == "att" and not tp and group.size > 1:
-                block.kv_gather = partial(gather_for_sharded_consumer, group=group)
+                block.kv_gather = KVGather(group)
                 block.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
             if group.size > 1 and rng is not None:
                 if name == "att":

@@ -15,7 +15,8 @@ corresponding ranks have identical shapes, so every send has a matching receive)
      reduce-scatters them once, after the last backward;
   4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight tied across
      the first and last stage gets the sum of both ends' gradients (galaxy.pipeline.tied);
-  5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage.
+  5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage (with
+     the counts riding along with it, galaxy.parallel.loss_scale.riding_with_the_loss).
 
 Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
 width] per travelling carry tensor, galaxy.pipeline.stage.carry_slots), so no metadata exchange
@@ -33,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
+from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
 from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
@@ -54,7 +55,9 @@ class PipelineRunner(Runner):
         else:       # the stage module itself becomes the FSDP root
             self.module = shard_replicas(model, self.stage_module, mesh, self.sharding)
             self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
-        self.sync = GradientSync(model, mesh.galaxy.pg)
+        # DDP writes its average back into .grad after backward and FSDP replaces .grad with its
+        # shard: the Galaxy sums cannot start during backward then (galaxy.parallel.grad_sync).
+        self.sync = GradientSync(model, mesh.galaxy.pg, overlap=mesh.dp_pg is None)
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
@@ -84,11 +87,20 @@ class PipelineRunner(Runner):
             self.whole()
         self.sync()
         self.tied()
+        rider = current_rider()      # counts the trainer sums over replicas (tokens), if any
         if m.attached.is_last_stage:
             loss = mean_over_replicas(torch.stack([x.detach() for x in losses]).sum(), mesh.dp_pg, mesh.dp_size)
+            totals = () if rider is None else (rider.total.to(torch.float64),)
         else:
             loss = torch.zeros((), device=self.device)
-        return self._from_last_stage(loss)
+            totals = () if rider is None else (torch.zeros(rider.local.numel(), dtype=torch.float64,
+                                                           device=self.device),)
+        # One broadcast carries the loss and the riders' totals to every stage (a replica's stages
+        # read the same rows, so the last stage's totals are theirs).
+        packed = self._from_last_stage(torch.cat([loss.reshape(1).to(torch.float64), *totals]))
+        if rider is not None and not m.attached.is_last_stage:
+            rider.settle(packed[1:])
+        return packed[0].to(loss.dtype)
 
     def _loss(self, carry: tuple, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's head on one micro-batch, scaled toward the global-batch mean."""

@@ -119,12 +119,14 @@ def closed_form_flops(job: ProfileJob) -> int:
 def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
     """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank
     (one replica's rows)."""
-    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // job.cfg.dp_deg, seq_shares)
+    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // job.cfg.dp_deg, seq_shares,
+                                      comm_chunks=job.cfg.comm_chunks)
 
 
 def run(job: ProfileJob, env) -> None:
     from galaxy.distributed.mesh import build_mesh
     from galaxy.runtime.assemble import build_model
+    from galaxy.runtime.runners import set_comm_chunks
     from galaxy.parallel.grad_sync import GradientSync
     from galaxy.parallel.plan import ParallelPlan
     cfg, opts = job.cfg, job.opts
@@ -133,6 +135,7 @@ def run(job: ProfileJob, env) -> None:
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
+    set_comm_chunks(model, cfg.comm_chunks)
     batch = synthetic_batch(job.task_kind, cfg.batch_size // cfg.dp_deg, cfg.pad_size, job.hf.vocab_size,
                             job.num_labels, cfg.seed, env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if mesh.galaxy.size > 1 else None

@@ -11,12 +11,19 @@ from galaxy.pipeline.runner import PipelineRunner
 from galaxy.pipeline.split import stage_layer_ranges
 
 
+def set_comm_chunks(model, chunks: int) -> None:
+    """Every layer's TP MLP moves its activations in `chunks` overlapped chunks of the sequence
+    (config key comm_chunks; 1: one collective per transition, galaxy.layers.block)."""
+    for layer in model.layers:
+        layer.comm_chunks = chunks
+
+
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                    schedule: str = "1f1b", autocast=nullcontext, adapt=None,
                    activation_checkpointing="none", task: str | None = None,
-                   dp_sharding: str = "none") -> PipelineRunner:
+                   dp_sharding: str = "none", comm_chunks: int = 1) -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
     build_model prunes the model to the stage before any weight is read, so the rank reads and
@@ -28,6 +35,7 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, stage=(ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage),
                         activation_checkpointing=activation_checkpointing, task=task)
+    set_comm_chunks(model, comm_chunks)
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
@@ -38,7 +46,8 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
                  device="cpu", dropout: float | None = None,
                  stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext, adapt=None,
-                 activation_checkpointing="none", task: str | None = None, dp_sharding: str = "none"):
+                 activation_checkpointing="none", task: str | None = None, dp_sharding: str = "none",
+                 comm_chunks: int = 1):
     """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
 
     num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
@@ -48,16 +57,24 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
     task: the model's task (build_model's; None: the family's primary one).
     dp_sharding: "none" (DDP over the replicas), "full" or "no_reshard" (FSDP2 over them,
     galaxy.parallel.sharded_dp); no effect with one replica.
+    comm_chunks: chunks of the sequence a TP MLP's collectives travel in (set_comm_chunks).
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
                               dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
                               num_microbatches=num_microbatches, schedule=schedule, autocast=autocast,
                               adapt=adapt, activation_checkpointing=activation_checkpointing, task=task,
-                              dp_sharding=dp_sharding)
+                              dp_sharding=dp_sharding, comm_chunks=comm_chunks)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, activation_checkpointing=activation_checkpointing, task=task)
+    set_comm_chunks(model, comm_chunks)
     if adapt is not None:
         adapt(model)
-    return DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast,
-                              dp_sharding=dp_sharding)
+    runner = DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast,
+                                dp_sharding=dp_sharding)
+    if mesh.dp_pg is not None:
+        # DDP writes its average back into .grad after backward, and FSDP replaces .grad with its
+        # reduce-scattered shard, so the Galaxy group's sums cannot start during backward
+        # (galaxy.parallel.grad_sync would notice and redo them).
+        runner.sync.overlap = False
+    return runner

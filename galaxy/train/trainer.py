@@ -30,6 +30,7 @@ from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
 from galaxy.models.registry import families_for
 from galaxy.models.weights import read_hf_state_dict
+from galaxy.parallel.loss_scale import riding_with_the_loss
 from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, peft_summary
 from galaxy.runtime.runners import build_runner
@@ -160,7 +161,8 @@ class Trainer:
                                    stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
                                    activation_checkpointing=cfg.activation_checkpointing,
-                                   task=self.task.kind, dp_sharding=cfg.dp_sharding)
+                                   task=self.task.kind, dp_sharding=cfg.dp_sharding,
+                                   comm_chunks=cfg.comm_chunks)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
@@ -184,7 +186,10 @@ class Trainer:
 
     def train_step(self, batch: dict, k: int):
         """One optimizer step k -> (global-batch mean loss, grad norm or None)."""
-        loss = self.runner.step(batch)
+        # The step's non-padding tokens are summed over replicas in the loss's own all-reduce.
+        with riding_with_the_loss(batch["attention_mask"].sum()) as tokens:
+            loss = self.runner.step(batch)
+        self._step_tokens = tokens.total
         norm = self.runner.clip_grad_norm_(self.cfg.clip_grad) if self.cfg.clip_grad is not None else None
         self.schedule.apply(self.optimizer, k)
         self.optimizer.step()
@@ -192,7 +197,11 @@ class Trainer:
         return loss, norm
 
     def global_tokens(self, batch: dict) -> int:
-        """Non-padding tokens of the whole global batch (replicas hold different rows)."""
+        """Non-padding tokens of the whole global batch (replicas hold different rows): summed
+        with the loss by the train_step that just ran on `batch`, else by an all-reduce."""
+        summed, self._step_tokens = getattr(self, "_step_tokens", None), None
+        if summed is not None:
+            return int(summed.sum().item())
         tokens = batch["attention_mask"].sum()
         if self.mesh.dp_pg is not None:
             dist.all_reduce(tokens, group=self.mesh.dp_pg)

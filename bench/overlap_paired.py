@@ -1,0 +1,147 @@
+"""Paired step times of the overlap settings: comm_chunks 1 / 2 / 4, gradient sync early or not.
+
+World 2 over gloo (one thread per rank), all-MiniLM-L6-v2 with a 4-class head (checkpoint
+dropout), one global batch of real sentences padded to --pad_size, AdamW. Every variant is a
+runner of its own in the same two processes, built from the same weights; one step is
+runner.step + AdamW + zero_grad, timed on the slower rank. After --warmup steps each, rounds run
+every variant once in an order that reverses each round, so machine noise hits them alike; the
+figure per variant is the median over rounds of its step time divided by its baseline's in the
+same round (paired ratio), next to the median and min step times.
+
+Variants (name: plan, comm_chunks, gradient sync started during backward):
+  galaxy-c1 (baseline of the galaxy-*), galaxy-c2, galaxy-c4: ATT TP, MLP TP, CON SP, even shares
+  tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
+  sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/overlap_paired.py [--variants ...] [--batch_size 8]
+        [--pad_size 128] [--rounds 8] [--warmup 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+
+VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline)
+    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1"),
+    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1"),
+    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1"),
+    "tp-c1": ("tp", 1, True, "tp-c1"),
+    "tp-c2": ("tp", 2, True, "tp-c1"),
+    "tp-c4": ("tp", 4, True, "tp-c1"),
+    "sp-sync-after": ("sp", 1, False, "sp-sync-after"),
+    "sp-early": ("sp", 1, True, "sp-sync-after"),
+}
+
+
+def build(args, name: str, shape: dict):
+    from galaxy.config import even_split
+    from galaxy.distributed.mesh import make_mesh
+    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.runtime.runners import build_runner
+    preset, chunks, early, _ = VARIANTS[name]
+    mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
+                     even_split(args.pad_size, 2))
+    torch.manual_seed(0)
+    runner = build_runner(args.model_path, ParallelPlan.preset(preset), mesh, num_labels=NUM_LABELS, seed=0,
+                          comm_chunks=chunks)
+    runner.sync.overlap = early
+    runner.optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+    return runner
+
+
+def train_step(runner, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    runner.step(batch)
+    runner.optimizer.step()
+    runner.optimizer.zero_grad(set_to_none=True)
+    elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)          # the step ends when the slower rank does
+    return elapsed.item()
+
+
+def worker(rank: int, args, port: int, results) -> None:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.models.shape import read_model_shape
+    shape = read_model_shape(args.model_path)
+    runners = {name: build(args, name, shape) for name in args.variants}
+    batch = make_batch(args.model_path, args.batch_size, args.pad_size)
+    times = {name: [] for name in args.variants}
+    for _ in range(args.warmup):
+        for name in args.variants:
+            train_step(runners[name], batch)
+    order = list(args.variants)
+    for i in range(args.rounds):
+        for name in order if i % 2 == 0 else order[::-1]:
+            times[name].append(train_step(runners[name], batch))
+    if rank == 0:
+        results.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarise(times: dict) -> dict:
+    out = {}
+    for name, ts in times.items():
+        base = VARIANTS[name][3]
+        ratios = [t / b for t, b in zip(ts, times[base])] if base in times else []
+        out[name] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
+                     "paired_ratio": statistics.median(ratios) if ratios else None, "baseline": base,
+                     "times_s": ts}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model_path", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--pad_size", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    times = results.get()
+    for proc in procs:
+        proc.join()
+    rows = summarise(times)
+    print(f"world 2 x {args.threads} thread, all-MiniLM-L6-v2, batch {args.batch_size} x {args.pad_size}, "
+          f"{args.rounds} rounds after {args.warmup} warm-up")
+    print(f"{'variant':>14} | {'median ms':>9} {'min ms':>8} | {'paired vs':>14} {'ratio':>6}")
+    for name, r in rows.items():
+        ratio = "" if r["paired_ratio"] is None else f"{r['paired_ratio']:.3f}"
+        print(f"{name:>14} | {r['median_ms']:>9.1f} {r['min_ms']:>8.1f} | {r['baseline']:>14} {ratio:>6}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

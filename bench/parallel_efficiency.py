@@ -1,0 +1,178 @@
+"""Parallel efficiency: 2 ranks x 1 thread per plan against 1 process x 2 threads, same batch.
+
+all-MiniLM-L6-v2 with a 4-class head (checkpoint dropout), one global batch of real sentences
+(bench/ddp_vs_galaxy.make_batch) padded to --pad_size, AdamW; one step = forward, backward,
+gradient sync, AdamW, zero_grad. For each global batch size (default 1 4 16):
+
+  serial    one process, 2 threads (galaxy's serial model)
+  tp, sp, galaxy, megatron, dp     world 2 over gloo, 1 thread per rank (megatron: the galaxy
+            plan with even shares; galaxy: uneven token shares 74 / 54 and heads 7 / 5, as a
+            planner might give two unequal devices; dp: DDP over 2 replicas, batch 1 impossible)
+
+Each configuration runs --blocks times, in blocks that alternate (serial, world 2, serial, ...),
+each block --warmup + --steps steps; the figure is the median step over all its blocks, and the
+ratio world-2 plan / serial (> 1: the two ranks are slower than one process using both cores).
+Where the time goes, per rank, is in torch.profiler traces of one step with --trace DIR.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/parallel_efficiency.py [--batches 1 4 16]
+        [--plans tp sp galaxy megatron dp] [--steps 4] [--warmup 1] [--blocks 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+
+PLANS = {"tp": ("tp", None), "sp": ("sp", None), "megatron": ("galaxy", None),
+         "galaxy": ("galaxy", ((7, 5), (896, 640), (74, 54))), "dp": ("dp", None)}
+
+
+def serial_times(args, batch_size: int) -> list[float]:
+    from galaxy.distributed.group import GalaxyGroup
+    from galaxy.models.shape import read_model_shape
+    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.runtime.assemble import build_model
+    torch.set_num_threads(2)
+    shape = read_model_shape(args.model_path)
+    group = GalaxyGroup.serial(shape["num_attention_heads"], shape["intermediate_size"], args.pad_size)
+    torch.manual_seed(0)
+    model = build_model(args.model_path, ParallelPlan(), group, num_labels=NUM_LABELS, seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = make_batch(args.model_path, batch_size, args.pad_size)
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        model(**batch)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def serial_worker(args, batch_size: int, results) -> None:
+    results.put(serial_times(args, batch_size))
+
+
+def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.config import even_split
+    from galaxy.distributed.mesh import make_mesh
+    from galaxy.models.shape import read_model_shape
+    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.runtime.runners import build_runner
+    shape = read_model_shape(args.model_path)
+    preset, shares = PLANS[plan]
+    heads, inter = shape["num_attention_heads"], shape["intermediate_size"]
+    if preset == "dp":
+        mesh, plan_ = make_mesh(1, 2, (heads,), (inter,), (args.pad_size,)), ParallelPlan()
+    else:
+        shares = shares or (even_split(heads, 2), even_split(inter, 2), even_split(args.pad_size, 2))
+        mesh, plan_ = make_mesh(1, 1, *shares), ParallelPlan.preset(preset)
+    torch.manual_seed(0)
+    runner = build_runner(args.model_path, plan_, mesh, num_labels=NUM_LABELS, seed=0,
+                          comm_chunks=args.comm_chunks)
+    opt = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+    batch = make_batch(args.model_path, batch_size, args.pad_size)
+    if preset == "dp":
+        half = batch_size // 2
+        batch = {k: v[rank * half:(rank + 1) * half] for k, v in batch.items()}
+    times = []
+    for i in range(args.warmup + args.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if args.trace and i == args.warmup:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                runner.step(batch)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(f"{args.trace}/{plan}-b{batch_size}-rank{rank}.json")
+        else:
+            runner.step(batch)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= args.warmup:
+            times.append(elapsed.item())
+    if rank == 0:
+        results.put(times)
+    dist.destroy_process_group()
+
+
+def run_serial(ctx, args, b) -> list[float]:
+    q = ctx.Queue()
+    p = ctx.Process(target=serial_worker, args=(args, b, q))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
+def run_world2(ctx, args, plan, b) -> list[float]:
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=world2_worker, args=(r, args, plan, b, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = q.get()
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model_path", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    p.add_argument("--pad_size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--comm_chunks", type=int, default=1)
+    p.add_argument("--trace", default=None, help="folder for one step's torch.profiler trace per rank")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")
+    rows = {}
+    for b in args.batches:
+        plans = [pl for pl in args.plans if not (pl == "dp" and b % 2)]
+        times = {"serial": [], **{pl: [] for pl in plans}}
+        for _ in range(args.blocks):
+            for pl in plans:                        # serial before each plan: alternating blocks
+                times["serial"] += run_serial(ctx, args, b)
+                times[pl] += run_world2(ctx, args, pl, b)
+        serial = statistics.median(times["serial"])
+        rows[b] = {name: {"median_s": statistics.median(ts), "ratio_vs_serial": statistics.median(ts) / serial}
+                   for name, ts in times.items()}
+        line = "  ".join(f"{n} {r['median_s'] * 1e3:7.1f} ms (x{r['ratio_vs_serial']:.2f})" for n, r in rows[b].items())
+        print(f"batch {b:3d}: {line}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

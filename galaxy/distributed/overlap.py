@@ -1,0 +1,117 @@
+"""Collectives that travel while compute goes on, in forward and in backward.
+
+A transition's collective is split into two autograd nodes joined by a zero-size token:
+
+    start(x) -> token        forward: start the collective      backward: wait for the gradient's
+    wait(token) -> y         forward: wait, return the result   backward: start the gradient's
+
+Whatever is computed between start and wait overlaps the forward collective; in backward the
+autograd engine runs nodes in reverse creation order, so the same work runs between the
+gradient's start (in wait's backward) and its wait (in start's backward). Every rank builds the
+same graph, so every rank issues the same collectives in the same order.
+
+`chunked_tokenwise` uses this for a sub-block that works token by token (the MLP): the sequence
+is cut into chunks, every chunk's input all-gather starts up front, then chunk i's GEMMs run while
+chunk i+1's gather travels and chunk i-1's output reduce-scatter does (tile-based overlap), and
+the reverse in backward. Chunk j of the gathered sequence is every rank's own chunk j, so the
+token order inside a chunk differs from the full sequence's; a token-wise sub-block does not care
+and the reduce-scatter hands each rank back its own tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from galaxy.distributed.collectives import (Pending, start_all_gather_sequence, start_all_reduce,
+                                            start_reduce_scatter_sequence)
+
+
+class Link:
+    """One collective and the one its gradient needs: (forward start, backward start), each
+    tensor -> Pending; holds the pending ones between the two nodes."""
+
+    def __init__(self, forward, backward):
+        self.forward, self.backward = forward, backward
+        self.fwd: Pending | None = None
+        self.bwd: Pending | None = None
+
+
+class _Start(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, link):
+        ctx.link = link
+        link.fwd = link.forward(x)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        pending, ctx.link.bwd = ctx.link.bwd, None
+        return pending.wait(), None
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, link):
+        ctx.link = link
+        pending, link.fwd = link.fwd, None
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.link.bwd = ctx.link.backward(grad)
+        return grad.new_empty(0), None
+
+
+def start(x: torch.Tensor, link: Link) -> torch.Tensor:
+    return _Start.apply(x, link)
+
+
+def wait(token: torch.Tensor, link: Link) -> torch.Tensor:
+    return _Wait.apply(token, link)
+
+
+# --- the links of the layout transitions (galaxy.distributed.transitions) ---------------------
+
+def gather_link(sizes, rank: int, pg) -> Link:
+    """S -> R for a TP consumer: all-gather | reduce-scatter of the gradient (rank's own share)."""
+    return Link(lambda x: start_all_gather_sequence(x, sizes, pg),
+                lambda g: start_reduce_scatter_sequence(g, sizes, rank, pg))
+
+
+def scatter_link(sizes, rank: int, pg) -> Link:
+    """P -> S: reduce-scatter | all-gather of the gradient."""
+    return Link(lambda x: start_reduce_scatter_sequence(x, sizes, rank, pg),
+                lambda g: start_all_gather_sequence(g, sizes, pg))
+
+
+def copy_link(pg) -> Link:
+    """R -> R for a TP consumer: nothing | all-reduce of the gradient."""
+    return Link(lambda x: Pending(None, lambda: x.clone()),
+                lambda g: start_all_reduce(g.clone(), pg))
+
+
+def reduce_link(pg) -> Link:
+    """P -> R: all-reduce | nothing."""
+    return Link(lambda x: start_all_reduce(x.clone(), pg),
+                lambda g: Pending(None, lambda: g))
+
+
+def chunk_sizes(total: int, chunks: int) -> list[int]:
+    """`total` tokens in `chunks` near-equal parts (the first ones one longer)."""
+    return [total // chunks + (1 if j < total % chunks else 0) for j in range(chunks)]
+
+
+def chunked_tokenwise(x: torch.Tensor, fn, chunks: int, in_links, out_links):
+    """fn over the sequence in chunks, each chunk's collectives overlapped with the others' GEMMs.
+
+    x: [b, s, h], this rank's part of the input; chunk j is x's j-th part along the sequence
+    (chunk_sizes(s, chunks)). in_links[j] / out_links[j]: chunk j's transition into fn and out of it.
+    fn(x_j) -> (y_j, extra): y_j [b, s_j', h'], extra the same every call (a deferred bias).
+    Returns (y [b, sum of the chunks' results along the sequence, h'], extra).
+    """
+    parts = x.split(chunk_sizes(x.shape[1], chunks), dim=1)
+    tokens = [start(p, link) for p, link in zip(parts, in_links)]       # every input travels
+    outs, extra = [], None
+    for token, in_link, out_link in zip(tokens, in_links, out_links):
+        y, extra = fn(wait(token, in_link))
+        outs.append(start(y, out_link))
+    return torch.cat([wait(t, link) for t, link in zip(outs, out_links)], dim=1), extra
