@@ -197,7 +197,8 @@ def _bar_on_screen() -> bool:
     return any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
 
 
-def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None) -> None:
+def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None,
+         config_fn=None) -> None:
     """parse args -> load, preset and check the config -> output paths -> prepare_fn -> model
     checks (galaxy.preflight) -> [--check: print the summary, return] -> rendezvous and agreement
     -> init the process group -> train_fn.
@@ -207,11 +208,17 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     what train_fn receives in place of cfg: train_fn(prepare_fn(cfg), env). A script that adds
     its own options with add_arguments(parser) gets them too: prepare_fn(cfg, args).
 
+    config_fn(cfg) (optional) returns the config to check and run in place of the loaded one (a
+    job that measures rather than trains, e.g. plan.py profile-devices, drops the base config's
+    plan, which need not fit the world it measures).
+
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
     args = parse_args(argv, script, add_arguments)
     try:
         cfg = load_config(args.config_file)
+        if config_fn is not None:
+            cfg = config_fn(cfg)
         cfg = apply_preset(cfg, preset, script, args.world)
         validate_for_world(cfg, args.world, args.rank, read_model_shape(cfg.model_path))
         preflight.check_output_paths(cfg)
