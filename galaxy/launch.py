@@ -217,16 +217,19 @@ def _bar_on_screen() -> bool:
     return any(not bar.disable for bar in list(getattr(tqdm, "_instances", ())))
 
 
-def load_run_config(args, preset: str, script: str, model_type: str | None = None):
+def load_run_config(args, preset: str, script: str, model_type: str | None = None, config_fn=None):
     """The config a run uses: the file (Galaxy-LM keys translated), the command line's overrides,
     the script's preset, the model (a random one built now for shape keys without model_path),
-    checked for this world and rank. Rank 0 prints the notes and the ignored keys.
+    checked for this world and rank. Rank 0 prints the notes and the ignored keys. config_fn:
+    main's.
     Raises ConfigError (every problem of a stage at once) before any process group starts."""
     from galaxy.models.random_init import ensure_model
     if args.config_defaulted and not os.path.isfile(args.config_file):
         raise ConfigError(f"no --config_file given and the default {args.config_file} is not in the "
                           f"current directory {os.getcwd()!r}; run from the repository root or give --config_file")
     cfg = load_config(args.config_file)
+    if config_fn is not None:
+        cfg = config_fn(cfg)
     overrides = {k: getattr(args, k) for k in ("max_steps", "max_eval_samples") if getattr(args, k) is not None}
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides, _given=cfg._given | set(overrides))
@@ -252,7 +255,7 @@ def _report(script: str, error: Exception) -> None:
 
 
 def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arguments=None,
-         default_config: str | None = None, model_type: str | None = None) -> None:
+         default_config: str | None = None, model_type: str | None = None, config_fn=None) -> None:
     """parse args -> load, preset and check the config (load_run_config) and output paths ->
     prepare_fn -> model checks (galaxy.preflight) -> [--check: print the summary, return] ->
     rendezvous and agreement -> init the process group -> train_fn.
@@ -262,11 +265,15 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     what train_fn receives in place of cfg: train_fn(prepare_fn(cfg), env). A script that adds
     its own options with add_arguments(parser) gets them too: prepare_fn(cfg, args).
 
+    config_fn(cfg) (optional) returns the config to check and run in place of the loaded one (a
+    job that measures rather than trains, e.g. plan.py profile-devices, drops the base config's
+    plan, which need not fit the world it measures).
+
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
     args = parse_args(argv, script, add_arguments, default_config)
     try:
-        cfg = load_run_config(args, preset, script, model_type)
+        cfg = load_run_config(args, preset, script, model_type, config_fn)
         if prepare_fn is None:
             job = cfg
         else:

@@ -101,7 +101,7 @@ def test_rank0_report_text(dist_pool, tiny_bert_dir):
     expected = bert_plan_comm_bytes(plan, seq_shares=SHARES[2][2], batch=B, hidden=t["hidden_size"],
                                     layers=t["num_hidden_layers"], intermediate=t["intermediate_size"])
     from galaxy.models.build import load_hf_config
-    job = ProfileJob(SimpleNamespace(batch_size=B, pad_size=TINY_SEQ), Namespace(model="bert"), {},
+    job = ProfileJob(SimpleNamespace(batch_size=B, pad_size=TINY_SEQ, dp_deg=1, comm_chunks=1), Namespace(model="bert"), {},
                      load_hf_config(tiny_bert_dir), t["num_labels"])
     text = render(reports, job, 1, expected)
     assert "matches every rank" in text

@@ -1,0 +1,146 @@
+"""The planner's cost model against measured runs: predicted vs measured step time and peak memory.
+
+all-MiniLM-L6-v2, world 2 on this machine (gloo over loopback, one thread per rank, each rank
+pinned to its own core with --pin). plan.py profile-model and profile-devices (2 ranks, pinned as
+training) take the profiles once; then every plan below trains --steps AdamW steps under
+pretrain_galaxy.py as users run it (serial runs one process), and its median step time (steps after
+the first, from metrics_file) and every rank's peak RSS (the "done" event) are set against
+galaxy.planner.cost's prediction for it from the profiles:
+
+  serial, TP, SP, Galaxy (even and uneven shares), TP and SP uneven, the four mixed ATT/MLP x CON
+  combinations, pp 2 (even stages, 2 micro-batches; uneven stages, 4), dp 2, dp 2 with 2
+  accumulation steps, Galaxy with every layer recomputed
+
+Prints the table, the Spearman rank correlation of predicted vs measured step time, the median
+absolute error of step time and of peak memory (every rank), writes JSON and a predicted-vs-measured
+chart.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_accuracy.py [--pin] [--steps 6] [--pad_size 64]
+        [--batch_size 8] [--only N] [--out runs/bench/plan_accuracy]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from planning_runs import ROOT, profile, spearman, train, write_base
+
+sys.path.insert(0, str(ROOT))
+
+from galaxy.planner.cost import CostModel, Plan  # noqa: E402
+from galaxy.planner.profiles import load_devices, read_json  # noqa: E402
+from galaxy.planner.writer import plan_keys  # noqa: E402
+
+
+def plans(pad: int) -> list[tuple[str, int, Plan]]:
+    """(name, world, plan) on MiniLM: 12 heads, 1536 columns, 6 layers, pad tokens."""
+    h, c, s = 12, 1536, pad
+    third = (2 * s // 3, s - 2 * s // 3)
+    g = lambda a, m, n, heads=(6, 6), cols=(768, 768), tok=(s // 2, s - s // 2), **kw: \
+        Plan(1, 1, a, m, n, heads, cols, tok, (6,), **kw)                       # noqa: E731
+    whole = ((h,), (c,), (s,))
+    return [
+        ("serial", 1, Plan(1, 1, "TP", "TP", "SP", *whole, (6,))),
+        ("TP even", 2, g("TP", "TP", "None")),
+        ("SP even", 2, g("SP", "SP", "SP")),
+        ("Galaxy even", 2, g("TP", "TP", "SP")),
+        ("Galaxy uneven 2:1", 2, g("TP", "TP", "SP", (8, 4), (1024, 512), third)),
+        ("TP uneven 3:1", 2, g("TP", "TP", "None", (9, 3), (1152, 384))),
+        ("SP uneven", 2, g("SP", "SP", "SP", tok=(s * 11 // 16, s - s * 11 // 16))),
+        ("ATT TP MLP SP CON SP", 2, g("TP", "SP", "SP")),
+        ("ATT SP MLP TP CON SP", 2, g("SP", "TP", "SP")),
+        ("ATT TP MLP SP CON None", 2, g("TP", "SP", "None")),
+        ("ATT SP MLP TP CON None", 2, g("SP", "TP", "None")),
+        ("pp 2, 2 micro-batches", 2, Plan(2, 1, "TP", "TP", "SP", *whole, (3, 3), 2, "1f1b")),
+        ("pp 2 uneven, 4 micro", 2, Plan(2, 1, "TP", "TP", "SP", *whole, (4, 2), 4, "1f1b")),
+        ("dp 2", 2, Plan(1, 2, "TP", "TP", "SP", *whole, (6,))),
+        ("dp 2, accumulation 2", 2, Plan(1, 2, "TP", "TP", "SP", *whole, (6,), 2)),
+        ("Galaxy, all recomputed", 2, g("TP", "TP", "SP", checkpoint=(6,))),
+    ]
+
+
+def chart(rows, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 5))
+    FigureCanvasAgg(fig)
+    a, b = fig.subplots(1, 2)
+    pred = [r["predicted_s"] * 1e3 for r in rows]
+    meas = [r["measured_s"] * 1e3 for r in rows]
+    a.scatter(meas, pred)
+    for r, x, y in zip(rows, meas, pred):
+        a.annotate(r["name"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    top = max(pred + meas) * 1.1
+    a.plot([0, top], [0, top], color="grey", lw=0.8)
+    a.set_xlabel("measured step ms")
+    a.set_ylabel("predicted step ms")
+    a.set_title("step time")
+    pm = [m for r in rows for m in r["predicted_mib"]]
+    mm = [m for r in rows for m in r["measured_mib"]]
+    b.scatter(mm, pm, color="#dd8452")
+    lo, hi = min(pm + mm) * 0.9, max(pm + mm) * 1.1
+    b.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    b.set_xlabel("measured peak MiB (RSS)")
+    b.set_ylabel("predicted peak MiB")
+    b.set_title("peak memory per rank")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pad_size", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--pin", action="store_true", help="pin rank r to core r (taskset)")
+    p.add_argument("--only", type=int, help="run only the first N plans")
+    p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
+    p.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="of profile rounds and of measured steps alike: min on a machine shared with other work")
+    p.add_argument("--out", default="runs/bench/plan_accuracy")
+    args = p.parse_args()
+    out = ROOT / args.out
+    cores = [0, 1] if args.pin else [None, None]
+    base = write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps)
+    t0 = time.time()
+    model_path, devices_path = profile(out, base, 2, cores, args.repeats, args.statistic)
+    print(f"profiles taken in {time.time() - t0:.0f} s", flush=True)
+    model = read_json(model_path)
+    devices, link = load_devices(devices_path)
+    cost = {1: CostModel(model, devices[:1], None, batch_size=args.batch_size),
+            2: CostModel(model, devices, link, batch_size=args.batch_size)}
+    rows = []
+    chosen = plans(args.pad_size)[: args.only]
+    print(f"{'plan':<26} {'pred ms':>8} {'meas ms':>8} {'err':>7} | {'pred MiB':>13} {'meas MiB':>13} {'err':>13}")
+    for i, (name, world, plan) in enumerate(chosen):
+        est = cost[world].estimate(plan)
+        got = train(out, base, f"plan{i:02d}", plan_keys(plan, 6), world, cores[:world], args.statistic)
+        row = {"name": name, "world": world, "predicted_s": est.step_s, "measured_s": got["step_s"],
+               "step_times": got["step_times"], "predicted_mib": [round(m, 1) for m in est.memory_mib],
+               "measured_mib": got["peak_mib"], "keys": plan_keys(plan, 6)}
+        rows.append(row)
+        err = est.step_s / got["step_s"] - 1
+        merr = [pm / mm - 1 for pm, mm in zip(row["predicted_mib"], row["measured_mib"])]
+        print(f"{name:<26} {est.step_s * 1e3:>8.1f} {got['step_s'] * 1e3:>8.1f} {err:>+7.1%} | "
+              f"{','.join(f'{m:.0f}' for m in row['predicted_mib']):>13} "
+              f"{','.join(f'{m:.0f}' for m in row['measured_mib']):>13} "
+              f"{','.join(f'{e:+.1%}' for e in merr):>13}", flush=True)
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    time_err = statistics.median(abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows)
+    mem_err = [abs(pm / mm - 1) for r in rows for pm, mm in zip(r["predicted_mib"], r["measured_mib"])]
+    print(f"\n{len(rows)} plans: Spearman {rho:.3f} (target >= 0.9); median |step time error| {time_err:.1%} "
+          f"(target <= 15%); peak memory per rank: median |error| {statistics.median(mem_err):.1%}, "
+          f"max {max(mem_err):.1%}, within 10% for {sum(e <= 0.10 for e in mem_err)} of {len(mem_err)} ranks")
+    (out / "results.json").write_text(json.dumps({"rows": rows, "spearman": rho, "median_abs_time_error": time_err,
+                                                   "memory_abs_errors": mem_err, "args": vars(args)}, indent=1))
+    chart(rows, out / "plan_accuracy.png")
+    print(f"wrote {out / 'results.json'} and {out / 'plan_accuracy.png'}")
+
+
+if __name__ == "__main__":
+    main()

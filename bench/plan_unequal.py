@@ -1,0 +1,110 @@
+"""Unequal devices made with real contention: the searched plan against the even split and a grid.
+
+Two ranks on two cores: rank 0 pinned alone on core 0, rank 1 pinned on core 1 beside a CPU-bound
+process of equal priority (`while True: pass`, pinned there too), so rank 1 gets about half of
+its core: a 1 : 0.5 pair. Under that contention (kept for the whole run):
+
+  1. plan.py profile-model, profile-devices (both ranks, pinned) and plan.py search (ample memory)
+  2. the searched plan trains --steps steps under pretrain_galaxy.py, and so does the even split of
+     its methods (the same preset), and a brute-force grid of share choices of that preset: rank 0's
+     heads (--heads) x rank 0's fraction of the MLP columns and tokens (--fractions)
+
+and prints every measured step time (--statistic of the steps after the first), the searched plan's
+speed-up over the even split (target >= 1.3x) and its distance from the grid's best (target <= 5%).
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_unequal.py [--steps 6] [--heads 6 7 8 9 10]
+        [--fractions 0.5 0.6 0.667 0.75] [--statistic median] [--out runs/bench/plan_unequal]
+
+needs taskset (util-linux) and at least two cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from planning_runs import ROOT, env, pin, profile, train, write_base
+
+CORES = [0, 1]
+
+
+def start_competitor() -> subprocess.Popen:
+    """A CPU-bound process of equal priority pinned on rank 1's core."""
+    return subprocess.Popen([*pin(1), sys.executable, "-c", "while True: pass"], env=env())
+
+
+def shares_for(heads0: int, fraction: float, heads: int, columns: int, seq: int) -> dict:
+    c0, t0 = round(columns * fraction), round(seq * fraction)
+    return {"tp_num_attention_heads_list": [heads0, heads - heads0], "tp_intermediate_size_list": [c0, columns - c0],
+            "seq_scatter_list": [t0, seq - t0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--pad_size", type=int, default=64)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--heads", type=int, nargs="+", default=[6, 7, 8, 9, 10], help="rank 0's heads in the grid")
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.6, 0.667, 0.75],
+                   help="rank 0's fraction of columns and tokens in the grid")
+    p.add_argument("--statistic", choices=("median", "min"), default="median")
+    p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
+    p.add_argument("--out", default="runs/bench/plan_unequal")
+    args = p.parse_args()
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("plan_unequal.py needs two cores")
+    out = ROOT / args.out
+    base = write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps)
+    competitor = start_competitor()
+    try:
+        t0 = time.time()
+        model_path, devices_path = profile(out, base, 2, CORES, args.repeats, args.statistic)
+        planned = out / "planned.json"
+        search = subprocess.run([sys.executable, "plan.py", "search", "--config_file", base, "--devices", devices_path,
+                                 "--model", model_path, "--out", str(planned), "--png", str(out / "plan.png")],
+                                cwd=ROOT, env=env(), capture_output=True, text=True, check=True)
+        print(search.stdout, flush=True)
+        print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
+        cfg = json.loads(planned.read_text())
+        keys = {k: v for k, v in cfg.items() if k not in json.loads(Path(base).read_text()) and k != "_planned"}
+        methods = {k: cfg[k] for k in ("att_parallel_method", "mlp_parallel_method", "con_parallel_method")}
+        results = {}
+
+        def measure(name, keys):
+            got = train(out, base, name, keys, 2, CORES, args.statistic)
+            results[name] = {"keys": keys, **got}
+            print(f"{name:<34} {got['step_s'] * 1e3:8.1f} ms   {json.dumps(keys)[:110]}", flush=True)
+            return got["step_s"]
+
+        searched = measure("searched", keys)
+        even_keys = dict(keys, pp_deg=1, dp_deg=1, **shares_for(6, 0.5, 12, 1536, args.pad_size), **methods)
+        for k in ("stage_num_hidden_layers_list", "num_microbatches", "pipeline_schedule", "grad_accum_steps"):
+            even_keys.pop(k, None)
+        even = measure("even split, same methods", even_keys)
+        grid = {}
+        for h0 in args.heads:
+            for f in args.fractions:
+                grid[h0, f] = measure(f"grid heads {h0}:{12 - h0} frac {f:.3f}",
+                                      {**{k: v for k, v in even_keys.items()},
+                                       **shares_for(h0, f, 12, 1536, args.pad_size)})
+    finally:
+        competitor.kill()
+        competitor.wait()
+    best_key = min(grid, key=grid.get)
+    best = min(grid.values())
+    print(f"\nsearched {searched * 1e3:.1f} ms, even split {even * 1e3:.1f} ms: speed-up {even / searched:.2f}x "
+          f"(target >= 1.3x); grid of {len(grid)}: best {best * 1e3:.1f} ms at heads {best_key[0]}, fraction "
+          f"{best_key[1]}; searched / best {searched / best:.3f} (target <= 1.05)")
+    (out / "results.json").write_text(json.dumps({"results": {k: v for k, v in results.items()},
+                                                   "speedup_over_even": even / searched,
+                                                   "searched_over_grid_best": searched / best,
+                                                   "args": vars(args)}, indent=1, default=str))
+    print(f"wrote {out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()

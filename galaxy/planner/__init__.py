@@ -1,0 +1,13 @@
+"""The plan search behind plan.py (README.md, Planning).
+
+  profiles.py        device / link / cluster JSON: read, check, fit the link, compose
+  harness.py         one layer's sub-blocks run alone at any share (time, saved bytes, parameters)
+  model_profile.py   profile-model: parameters, activation bytes and FLOPs per sub-block and share
+  device_profile.py  profile-devices: every rank's compute and memory, the collectives between them
+  cost.py            step time and peak memory per rank of any plan
+  search.py          the search: mesh x methods x micro-batches, shares and stages by local moves
+  engine.py          what galaxy.config accepts (dp_sharding), asked in one place
+  writer.py          the chosen plan over the base config, checked by galaxy.config
+  draw.py            --png: the plan, ranks x sub-blocks, and predicted time per rank
+  cli.py             the three subcommands
+"""

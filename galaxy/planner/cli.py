@@ -1,0 +1,312 @@
+"""plan.py: profile the devices and the model, search the fastest plan that fits, write its config.
+
+    python plan.py profile-devices --config_file base.json --world 2 --rank R --out profiles/devices.json
+    python plan.py profile-model --config_file base.json --out profiles/model.json
+    python plan.py search --config_file base.json --devices profiles/devices.json \\
+        --model profiles/model.json --memory_mib 4000 2000 --out train_config/bert/planned.json [--png plan.png]
+
+profile-devices runs as training runs (galaxy.launch: one process per rank by hand or torchrun,
+timeout_s, exit codes); with --compose it joins devices profiled alone and a link into one
+cluster description instead (no process group). profile-model and search run in one process.
+Exit status: 0 done; 2 a mistake in the arguments, the config or a profile (one line), or no plan
+that fits (one line naming the budget that is short and by how much); 1 as training's.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from galaxy.config import ConfigError, apply_preset, load_config, peft_method
+
+PROG = "plan.py"
+SCRIPTS = {"classification": "pretrain_galaxy.py", "causal_lm": "finetune_llama.py"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def fail(command: str, message: str, status: int = 2):
+    sys.stderr.write(f"{PROG} {command}: error: {' '.join(str(message).splitlines())}\n")
+    sys.exit(status)
+
+
+def num_labels_of(cfg, family) -> int | None:
+    """The classifier's outputs the trainer would build (classification families), else None."""
+    if "classification" not in family.tasks:
+        return None
+    names = cfg.class_list
+    if names is None:
+        from galaxy.data import load_examples
+        names = load_examples(cfg.train_path, "train")[1]
+    return len(names)
+
+
+def measuring_config(cfg):
+    """The base config with its plan and outputs dropped: profiling measures, at any world."""
+    neutral = dict(att_parallel_method="SP", mlp_parallel_method="SP", con_parallel_method="SP",
+                   tp_num_attention_heads_list=None, tp_intermediate_size_list=None, seq_scatter_list=None,
+                   pp_deg=1, dp_deg=1, stage_num_hidden_layers_list=None, num_microbatches=1,
+                   grad_accum_steps=1, activation_checkpointing="none", metrics_file=None, save_dir=None,
+                   save_interval=None, keep_checkpoints=None, export_dir=None, resume=None)
+    from galaxy.planner.engine import engine_has_dp_sharding
+    if engine_has_dp_sharding():
+        neutral["dp_sharding"] = "none"
+    return dataclasses.replace(cfg, **neutral, _given=frozenset(cfg._given) - set(neutral))
+
+
+# --- profile-devices -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class DevicesJob:
+    cfg: object
+    opts: argparse.Namespace
+    num_labels: int | None
+
+
+def _devices_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = ("Measure every rank's device (the model's sub-blocks at a grid of shares, a GEMM, the "
+                     "optimizer, memory) and the collectives between them; rank 0 writes --out. "
+                     "Or, with --compose DEVICES.json [...] [--link LINK.json] --out PATH, join devices profiled "
+                     "apart into one devices profile (no process group).")
+    p.add_argument("--out", required=True, metavar="PATH", help="devices profile to write (rank 0)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement (default 5)")
+    p.add_argument("--statistic", choices=("median", "min"), default="median",
+                   help="of the rounds: median (default; what a step meets under the machine's usual load) or "
+                        "min (the device unloaded: for a machine shared with other work while profiling)")
+    p.add_argument("--quick", action="store_true", help="fewer shares, rows, sizes and repeats (tests)")
+
+
+def _devices_prepare(cfg, opts) -> DevicesJob:
+    from galaxy.models.registry import family_of
+    from galaxy.models.shape import read_model_shape
+    if opts.repeats < 1:
+        raise ConfigError("--repeats must be at least 1")
+    family = family_of(read_model_shape(cfg.model_path)["model_type"])
+    return DevicesJob(cfg, opts, num_labels_of(cfg, family))
+
+
+def profile_devices(argv) -> None:
+    if "--compose" in argv:
+        return compose_devices(argv)
+    from galaxy.launch import main as launch_main
+    from galaxy.planner.device_profile import run
+    launch_main(preset="galaxy", train_fn=run, script=f"{PROG} profile-devices", argv=argv,
+                prepare_fn=_devices_prepare, add_arguments=_devices_arguments, config_fn=measuring_config)
+
+
+def compose_devices(argv) -> None:
+    from galaxy.planner.profiles import ProfileError, compose, write_json
+    p = _Parser(prog=f"{PROG} profile-devices",
+                description="Join devices profiled alone (in rank order) and a link into one devices profile.")
+    p.add_argument("--compose", nargs="+", required=True, metavar="DEVICES.json",
+                   help="devices profiles, one per rank (a file may hold several ranks, or be named twice)")
+    p.add_argument("--link", metavar="LINK.json", help="link profile, or a devices profile taken on 2+ ranks")
+    p.add_argument("--out", required=True, metavar="PATH")
+    args = p.parse_args(argv)
+    try:
+        doc = compose(args.compose, args.link)
+        write_json(args.out, doc)
+    except ProfileError as e:
+        fail("profile-devices", e)
+    print(f"wrote {args.out}: {len(doc['devices'])} devices"
+          f"{', link ' + doc['link'].get('backend', 'given') if doc['link'] else ''}")
+
+
+# --- profile-model ----------------------------------------------------------------------------------
+
+def profile_model_command(argv) -> None:
+    p = _Parser(prog=f"{PROG} profile-model",
+                description="Measure the model's parameters, activation bytes and FLOPs per sub-block at any share.")
+    p.add_argument("--config_file", required=True, metavar="PATH", help="the base JSON config (model, pad_size)")
+    p.add_argument("--out", required=True, metavar="PATH", help="model profile to write")
+    args = p.parse_args(argv)
+    from galaxy.data.errors import DataError
+    from galaxy.models.registry import family_of
+    from galaxy.models.shape import read_model_shape
+    from galaxy.planner.model_profile import profile_model
+    from galaxy.planner.profiles import write_json
+    try:
+        cfg = load_config(args.config_file)
+        shape = read_model_shape(cfg.model_path)
+        if cfg.pad_size > shape["max_position_embeddings"]:
+            raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
+                              f"{shape['max_position_embeddings']}; lower pad_size")
+        doc = profile_model(cfg, num_labels_of(cfg, family_of(shape["model_type"])))
+        write_json(args.out, doc)
+    except (ConfigError, DataError, FileNotFoundError) as e:
+        fail("profile-model", e)
+    per_layer = doc["params"]["per_layer"]
+    acts = doc["profiler"]["layer_act_bytes_per_row"]
+    print(f"{doc['family']} {doc['model_type']}: {doc['params']['total']:,} parameters ({per_layer:,} per layer), "
+          f"{sum(acts.values()) / 2 ** 20:.2f} MiB saved for backward per row per layer at pad_size "
+          f"{doc['pad_size']}; forward FLOPs per row of a layer and head "
+          f"{doc['profiler']['fwd_flops_per_row_one_layer']:,} "
+          f"({'equal to' if doc['profiler']['flops_match_closed_form'] else 'DIFFERS from'} the closed form)")
+    print(f"wrote {args.out}")
+
+
+# --- search -----------------------------------------------------------------------------------------
+
+def _search_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=f"{PROG} search",
+                description="Search the fastest plan that fits every rank's memory; write it as a train config.")
+    p.add_argument("--config_file", required=True, metavar="PATH", help="the base JSON config (its other keys are kept)")
+    p.add_argument("--devices", required=True, nargs="+", metavar="PATH",
+                   help="devices profile(s), in rank order: one cluster file, or one per device (with --link)")
+    p.add_argument("--link", metavar="PATH", help="link profile, when --devices were profiled apart")
+    p.add_argument("--model", required=True, metavar="PATH", help="model profile (plan.py profile-model)")
+    p.add_argument("--memory_mib", nargs="+", type=float, metavar="MIB",
+                   help="memory budget per rank (one value: every rank; default: each device's memory_mib)")
+    p.add_argument("--out", required=True, metavar="PATH", help="the train config to write")
+    p.add_argument("--png", metavar="PATH", help="also draw the chosen plan")
+    p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    return p
+
+
+def _check_model_matches(model: dict, shape: dict, cfg, where: str) -> None:
+    hf = model["hf_config"]
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if hf.get(key) != shape.get(key):
+            raise ConfigError(f"model profile {where} is of a model with {key} {hf.get(key)!r}, but the config's "
+                              f"model_path has {shape.get(key)!r}; run plan.py profile-model on this config")
+    if model["pad_size"] != cfg.pad_size:
+        raise ConfigError(f"model profile {where} was taken at pad_size {model['pad_size']}, the config has "
+                          f"{cfg.pad_size}; run plan.py profile-model on this config")
+
+
+def search_command(argv) -> None:
+    args = _search_parser().parse_args(argv)
+    from galaxy.data.errors import DataError
+    from galaxy.models.shape import read_model_shape
+    from galaxy.planner.cost import CostModel, model_signature, tables_match
+    from galaxy.planner.engine import dp_sharding_choices
+    from galaxy.planner.model_profile import ModelProfileError, check_model_profile
+    from galaxy.planner.profiles import ProfileError, compose, read_json
+    from galaxy.planner.search import search
+    from galaxy.planner.writer import write_planned_config
+    try:
+        cfg = apply_preset(load_config(args.config_file), "galaxy")
+        shape = read_model_shape(cfg.model_path)
+        model = check_model_profile(read_json(args.model), args.model)
+        _check_model_matches(model, shape, cfg, args.model)
+        clus = compose(args.devices, args.link)
+        devices, link = clus["devices"], clus["link"]
+        world = len(devices)
+        budgets = args.memory_mib or [d["memory_mib"] for d in devices]
+        if len(budgets) == 1:
+            budgets = budgets * world
+        if len(budgets) != world:
+            raise ConfigError(f"--memory_mib gives {len(budgets)} budgets for {world} devices; give one per rank "
+                              f"or one for all")
+        if world > 1 and link is None:
+            raise ProfileError("several devices but no link; give --link")
+        if args.top < 1:
+            raise ConfigError("--top must be at least 1")
+        notes = []
+        if peft_method(cfg) != "full":
+            notes.append("note: the memory estimate counts every weight as trained (full fine-tuning): an "
+                         "upper bound under " + peft_method(cfg))
+        signature = model_signature(model)
+        for r, d in enumerate(devices):
+            if d.get("compute") and not tables_match(d, signature):
+                notes.append(f"note: rank {r}'s compute table was measured for another model or pad_size; "
+                             f"timing it by its GEMM rate")
+        cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
+        result = search(cost, budgets, top=args.top, dp_sharding=dp_sharding_choices())
+    except (ConfigError, ProfileError, ModelProfileError, DataError, FileNotFoundError) as e:
+        fail("search", e)
+    if not result.ranked:
+        fail("search", no_fit_line(result, devices))
+    for line in notes:
+        print(line)
+    print(f"searched {result.tried:,} plans in {result.seconds:.1f} s: world {world}, batch {cfg.batch_size}, "
+          f"pad_size {cfg.pad_size}, {shape['num_hidden_layers']} layers, memory budgets (MiB) "
+          f"{', '.join(mib(b) for b in budgets)}")
+    print(table(result.ranked))
+    best = result.ranked[0]
+    try:
+        write_planned_config(args.config_file, best, args.out, shape=shape, budgets=budgets)
+    except ConfigError as e:     # a plan the engine refuses is a planner bug: say so, loudly
+        fail("search", f"the written config fails galaxy.config's checks (a planner bug): {e}", 1)
+    script = SCRIPTS.get(model["task"], "pretrain_galaxy.py")
+    run = f"python {script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
+    print(f"wrote {args.out}; train it with: {run}")
+    if args.png:
+        from galaxy.planner.draw import draw_plan
+        print(f"plan drawn: {draw_plan(best, model, devices, args.png)}")
+
+
+def describe(plan) -> dict:
+    """The columns of the table for one plan."""
+    g = plan.group
+    splits = []
+    if g > 1 and plan.att == "TP":
+        splits.append("heads " + ",".join(map(str, plan.heads)))
+    if g > 1 and plan.mlp == "TP":
+        splits.append("cols " + ",".join(map(str, plan.columns)))
+    if g > 1 and "SP" in (plan.att, plan.mlp, plan.con):
+        splits.append("tok " + ",".join(map(str, plan.tokens)))
+    methods = f"{plan.att} {plan.mlp} {plan.con}" if g > 1 else "-"
+    mb = f"{plan.microbatches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
+    ck = "none" if not any(plan.checkpoint) else ",".join(map(str, plan.checkpoint))
+    extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""
+    return {"mesh": f"{plan.pp}x{plan.dp}x{g}{extra}", "methods": methods, "splits": " ".join(splits) or "-",
+            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck}
+
+
+def table(ranked) -> str:
+    head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
+            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank")
+    lines = [head]
+    for i, est in enumerate(ranked, 1):
+        d = describe(est.plan)
+        mem = ",".join(mib(m) for m in est.memory_mib)
+        lines.append(f"{i:>2} {est.step_s * 1e3:>9.1f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
+                     f"{d['mb']:<9} {d['ckpt']:<9} {max(est.sent_bytes) / 1e6:>12.2f}  {mem} | {d['splits']}")
+    return "\n".join(lines)
+
+
+def mib(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
+
+
+def no_fit_line(result, devices) -> str:
+    lean = result.leanest
+    if lean is None:
+        return "no plan can be formed for this world and batch (check batch_size and the devices)"
+    short = lean.shortfall(result.budgets)
+    worst = [r for r in range(len(short)) if short[r] > 0]
+    parts = [f"rank {r} ({devices[r].get('name', 'device')}) needs {mib(lean.memory_mib[r])} MiB, its budget is "
+             f"{mib(result.budgets[r])} MiB: short by {mib(short[r])} MiB" for r in worst[:4]]
+    more = f" and {len(worst) - 4} more ranks" if len(worst) > 4 else ""
+    d = describe(lean.plan)
+    methods = f"ATT MLP CON {d['methods']}, " if lean.plan.group > 1 else ""
+    return (f"no plan fits the memory budgets; under the leanest plan (pp x dp x g {d['mesh']}, {methods}"
+            f"{d['mb']} micro-batches, recomputed layers per stage {d['ckpt']}) " + "; ".join(parts) + more +
+            "; raise --memory_mib, lower batch_size or pad_size, or add devices")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"profile-devices": profile_devices, "profile-model": profile_model_command, "search": search_command}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        usage = (f"usage: {PROG} {{profile-devices,profile-model,search}} ...\n"
+                 f"  profile-devices  measure every rank's device and the link (one process per rank, like training)\n"
+                 f"  profile-model    measure the model's parameters, activations and FLOPs per sub-block\n"
+                 f"  search           find the fastest plan that fits and write its config\n"
+                 f"run {PROG} COMMAND --help for a command's options")
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return
+        sys.stderr.write(f"{PROG}: error: " + (f"unknown command {argv[0]!r}; " if argv else "") +
+                         "choose profile-devices, profile-model or search\n")
+        sys.exit(2)
+    commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

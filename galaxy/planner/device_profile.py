@@ -1,0 +1,286 @@
+"""`plan.py profile-devices`: measure every rank's device and the link between them, as training runs.
+
+Started like training (galaxy.launch: --world/--rank/--init_method or torchrun, timeout_s on the
+rendezvous and every collective, a dead peer an exit 1 with one line). Every rank, at the same
+time (so that ranks sharing a host contend as they will in training):
+
+  compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
+              of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
+              (the fallback rate); the optimizer's step per parameter (AdamW, SGD)
+  memory      what a rank may use (CPU: MemAvailable shared by the ranks on the host; CUDA: the
+              free device memory) and the process's RSS before any model exists (the baseline
+              every training process pays)
+
+then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
+with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
+send/receive between ranks 0 and 1) over a range of sizes; a call's time is the slowest rank's.
+Rank 0 writes the cluster description (galaxy.planner.profiles) to --out.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from galaxy.planner.harness import SubBlockBench
+from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
+
+
+def rss_mib() -> float:
+    """The process's resident memory now (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def available_mib() -> float:
+    """Memory the system can give new work (Linux MemAvailable; else physical memory)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 20
+
+
+def unit_grid(total: int, step: int, points: int) -> list[int]:
+    """About `points` shares from small to whole, multiples of step."""
+    units = total // step
+    if units <= points:
+        return [u * step for u in range(1, units + 1)]
+    fracs = [i / (points - 1) for i in range(points)]
+    grid = {max(1, round(units * (f if f > 0 else 1 / 8))) * step for f in fracs}
+    return sorted(grid | {total})
+
+
+def rows_grid(batch: int, quick: bool) -> list[int]:
+    return [batch] if quick else sorted({1, max(1, batch // 4), batch})
+
+
+STATISTICS = {"median": statistics.median, "min": min}
+
+
+def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: int, warmup: int,
+                    statistic: str = "median") -> dict:
+    """Forward and backward seconds of every kind on a grid of shares x rows. The points are timed
+    in rounds (every point once per round), so that a change in the machine's load while profiling
+    shifts every point alike instead of bending the table; `statistic` of the rounds is kept."""
+    rows = rows_grid(batch, quick)
+    points = 3 if quick else 5
+    grid = {}
+    for kind in ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head"):
+        total, step = bench.units[kind]
+        fixed = kind == "embed" or (kind == "head" and bench.task == "classification")
+        grid[kind] = [total] if fixed else unit_grid(total, step, points)
+    runs = {(k, u, r): bench.runner(k, u, r) for k, units in grid.items() for u in units for r in rows}
+    for run in runs.values():                   # first calls allocate
+        for _ in range(warmup):
+            run()
+    times = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            times[key].append(run())
+    pick = STATISTICS[statistic]
+    kinds = {}
+    for kind, units in grid.items():
+        kinds[kind] = {"units": units,
+                       "fwd_s": envelope([[pick([t[0] for t in times[kind, u, r]]) for r in rows] for u in units]),
+                       "bwd_s": envelope([[pick([t[1] for t in times[kind, u, r]]) for r in rows] for u in units])}
+    return {"rows": rows, "statistic": statistic, "kinds": kinds}
+
+
+def envelope(grid: list[list[float]]) -> list[list[float]]:
+    """More units or more rows never take less time: each point becomes the least time measured at
+    it or at any point with at least its units and rows (a point slowed by other work on the
+    machine while it was timed falls back to what a bigger point shows)."""
+    out = [list(row) for row in grid]
+    for i in range(len(out) - 1, -1, -1):
+        for j in range(len(out[i]) - 1, -1, -1):
+            later = [out[i + 1][j]] if i + 1 < len(out) else []
+            later += [out[i][j + 1]] if j + 1 < len(out[i]) else []
+            out[i][j] = min([out[i][j], *later])
+    return out
+
+
+def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic: str = "median") -> float:
+    """FLOPs per second of the model's largest projection (tokens x hidden -> intermediate)."""
+    hf = bench.hf
+    x = torch.randn(batch * bench.seq, hf.hidden_size, device=device)
+    w = torch.randn(hf.intermediate_size, hf.hidden_size, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2.0 * x.shape[0] * hf.hidden_size * hf.intermediate_size / STATISTICS[statistic](times)
+
+
+def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 21) -> dict:
+    """Seconds per parameter of one optimizer step (torch's defaults, as galaxy.train.optim makes them),
+    the two optimizers timed in alternation."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    opts = {}
+    for name, cls in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
+        p = torch.nn.Parameter(torch.randn(numel, device=device))
+        p.grad = torch.randn_like(p)
+        opts[name] = cls([p], lr=1e-4)
+        opts[name].step()
+    times = {name: [] for name in opts}
+    for _ in range(repeats):
+        for name, opt in opts.items():
+            sync()
+            t0 = time.perf_counter()
+            opt.step()
+            sync()
+            times[name].append(time.perf_counter() - t0)
+    return {name: STATISTICS[statistic](t) / numel for name, t in times.items()}
+
+
+# --- collectives ----------------------------------------------------------------------------------
+
+def measure_link(env, sizes: list[int], repeats: int, statistic: str = "median") -> list[dict]:
+    """Timed collectives on the world group: [{"kind", "group", "bytes", "uneven", "seconds"}]
+    (bytes: what one rank sends, ring convention; seconds: the slowest rank's median)."""
+    from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
+    n, rank, device = env.world, env.rank, env.device
+    pg = dist.group.WORLD
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    width = 64
+    out = []
+    pick = STATISTICS[statistic]
+
+    def _timed(fn, repeats: int, sync) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return pick(times)
+
+    def record(kind, wire, uneven, seconds):
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append({"kind": kind, "group": n, "bytes": int(wire), "uneven": uneven, "seconds": float(t.item())})
+
+    for size in sizes:
+        longest = max(1, size // (4 * width * (n - 1)))           # tokens of the largest shard
+        for uneven in (False, True):
+            if uneven and longest < 2:
+                continue
+            shares = [longest] * n if not uneven else [longest] + [max(1, longest // 2)] * (n - 1)
+            x = torch.randn(1, shares[rank], width, device=device)
+            full = torch.randn(1, sum(shares), width, device=device)
+            wire = (n - 1) * longest * width * 4
+            dist.barrier()
+            record("all_gather", wire, uneven, _timed(lambda: all_gather_sequence(x, shares, pg), repeats, sync))
+            dist.barrier()
+            record("reduce_scatter", wire, uneven,
+                   _timed(lambda: reduce_scatter_sequence(full, shares, rank, pg), repeats, sync))
+        numel = max(n, size // (8 * (n - 1)) * n)
+        y = torch.randn(numel, device=device)
+        dist.barrier()
+        record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, _timed(lambda: all_reduce(y, pg), repeats, sync))
+        z = torch.randn(max(1, size // 4), device=device)
+        dist.barrier()
+
+        def exchange():
+            if rank == 0:
+                dist.send(z, dst=1)
+            elif rank == 1:
+                dist.recv(z, src=0)
+        seconds = _timed(exchange, repeats, sync) if rank < 2 else 0.0
+        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out.append({"kind": "send_recv", "group": 2, "bytes": int(z.numel() * 4), "uneven": False,
+                    "seconds": float(t.item())})
+    return out
+
+
+def link_sizes(quick: bool) -> list[int]:
+    return [1 << 12, 1 << 18, 1 << 22] if quick else [1 << k for k in range(10, 25, 2)]
+
+
+def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
+                      statistic: str = "median") -> dict:
+    """This rank's DEVICE entry (galaxy.planner.profiles)."""
+    import galaxy.train.trainer  # noqa: F401  (the baseline: a process holding what training imports)
+    baseline = rss_mib() if env.device.type == "cpu" else 0.0
+    host = socket.gethostname()
+    hosts = [None] * env.world
+    dist.all_gather_object(hosts, (host, env.device.type, env.device.index))
+    sharing = sum(1 for h in hosts if h == (host, env.device.type, env.device.index)) if env.device.type == "cuda" \
+        else sum(1 for h in hosts if h[0] == host)
+    if env.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(env.device)
+        memory = free / 2 ** 20 / sharing
+    else:
+        memory = available_mib() / sharing
+    bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
+                          device=env.device, seed=cfg.seed)
+    dist.barrier()                      # every rank measures at the same time, as it will train
+    compute = measure_compute(bench, cfg.batch_size, quick=quick, repeats=repeats, warmup=warmup,
+                              statistic=statistic)
+    hf = bench.hf
+    compute["model"] = {"model_type": hf.model_type, "hidden_size": hf.hidden_size,
+                        "num_attention_heads": hf.num_attention_heads,
+                        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                        "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
+                        "pad_size": cfg.pad_size}
+    return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type,
+            "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
+            "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
+            "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
+            "compute": compute}
+
+
+def run(job, env) -> None:
+    """train_fn of galaxy.launch.main for profile-devices; job: galaxy.planner.cli.DevicesJob."""
+    opts = job.opts
+    repeats = 1 if opts.quick else opts.repeats
+    warmup = 1
+    mine = profile_this_rank(job.cfg, job.num_labels, env, quick=opts.quick, repeats=repeats, warmup=warmup,
+                             statistic=opts.statistic)
+    devices = [None] * env.world
+    dist.all_gather_object(devices, mine)
+    link = None
+    if env.world > 1:
+        measured = measure_link(env, link_sizes(opts.quick), repeats=max(3, repeats), statistic=opts.statistic)
+        fit = fit_link(measured)
+        link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
+                "measured": measured}
+    if env.rank == 0:
+        write_json(opts.out, cluster(devices, link))
+        print(summary_lines(devices, link, opts.out), flush=True)
+    dist.barrier()
+
+
+def summary_lines(devices, link, out) -> str:
+    lines = []
+    for i, d in enumerate(devices):
+        lines.append(f"rank {i}: {d['name']} ({d['device']}, {d['threads']} threads): GEMM "
+                     f"{d['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, memory {d['memory_mib']:.0f} MiB "
+                     f"(baseline {d['baseline_mib']:.0f} MiB)")
+    if link:
+        for kind, f in link["fit"].items():
+            lines.append(f"link {kind}: {f['latency_s'] * 1e6:.0f} us per ring step, "
+                         f"{f['bytes_per_s'] / 1e9:.2f} GB/s")
+    lines.append(f"wrote {out}")
+    return "\n".join(lines)

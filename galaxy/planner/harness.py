@@ -1,0 +1,178 @@
+"""One layer of a model, run one sub-block at a time at a given share: what a rank computes.
+
+The planner needs each sub-block's forward and backward time (galaxy.planner.device_profile) and
+saved activation bytes and parameters (galaxy.planner.model_profile) at any share of heads,
+MLP columns or tokens, without a process group. A one-layer model of the family is built from
+the model folder's config.json (random weights: values do not change the work), and each kind
+runs the family's own sub-block module, as a rank of a Galaxy group would:
+
+  att_tp  u query heads     the module sharded by its own shard_tp((u,), 0); full-sequence input
+  att_sp  u tokens          the whole module on u tokens; K/V padded to the full sequence where
+                            the real run gathers them (same shapes, no collective)
+  mlp_tp  u columns         shard_tp((u,), 0); full-sequence input
+  mlp_sp  u tokens          the whole module on u tokens
+  con     u tokens          one connective (CON1; CON2 has the same shape)
+  embed   the sequence      the model's embed(): replicated on every rank under every plan
+  head    u tokens          the model's head() on a carry of u tokens (and the loss)
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from galaxy.models.build import load_hf_config, model_class
+from galaxy.models.registry import family_of
+from galaxy.profiler.activations import SavedActivations
+
+KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head")
+
+
+def unit_totals(hf, pad_size: int) -> dict:
+    """kind -> (total units, the smallest step of a share) of the model."""
+    heads = hf.num_attention_heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    return {"att_tp": (heads, heads // kv), "att_sp": (pad_size, 1), "mlp_tp": (hf.intermediate_size, 1),
+            "mlp_sp": (pad_size, 1), "con": (pad_size, 1), "embed": (pad_size, pad_size),
+            "head": (pad_size, 1)}
+
+
+class SubBlockBench:
+    def __init__(self, model_path: str, *, seq: int, num_labels: int | None, dropout: float | None = None,
+                 device="cpu", seed: int = 0):
+        hf = load_hf_config(model_path, dropout)
+        hf.num_hidden_layers = 1
+        self.hf, self.seq, self.num_labels = hf, seq, num_labels
+        self.family = family_of(hf.model_type)
+        self.device = torch.device(device)
+        cls = model_class(self.family, None)
+        self.task = cls.task
+        with torch.device("meta"):
+            model = cls(hf, num_labels=num_labels)
+        model.to_empty(device="cpu")
+        model.materialize()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                else:
+                    p.fill_(1.0)
+        self.model = model.to(self.device).train()
+        self.layer = self.model.layers[0]
+        self.units = unit_totals(hf, seq)
+        self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._contexts: dict[int, dict] = {}
+
+    # --- what one kind runs ---------------------------------------------------------------
+
+    def _context(self, rows: int) -> dict:
+        if rows not in self._contexts:
+            mask = torch.ones(rows, self.seq, dtype=torch.long, device=self.device)
+            self._contexts[rows] = self.model.layer_context(mask)
+        return self._contexts[rows]
+
+    def _rand(self, *shape, grad=True):
+        t = torch.randn(*shape, generator=self._gen, device=self.device)
+        return t.requires_grad_(grad)
+
+    def module(self, kind: str, units: int):
+        """The module `kind` runs at `units` (a sharded copy for TP)."""
+        total, _ = self.units[kind]
+        if kind in ("att_tp", "mlp_tp"):
+            mod = copy.deepcopy(self.layer.att if kind == "att_tp" else self.layer.mlp)
+            if units != total:
+                mod.shard_tp((units,), 0)
+            return mod
+        if kind == "att_sp":
+            mod = copy.copy(self.layer.att)          # shares the weights; own kv_gather / local_rows
+            seq = self.seq
+            mod.kv_gather = lambda kv: F.pad(kv, (0, 0, 0, seq - kv.shape[1]))
+            mod.local_rows = slice(0, units)
+            return mod
+        if kind == "mlp_sp":
+            return self.layer.mlp
+        if kind == "con":
+            return self.layer.con1
+        return self.model
+
+    def prepare(self, kind: str, units: int, rows: int):
+        """(module, forward thunk returning the outputs, gradients for them)."""
+        mod, h = self.module(kind, units), self.hf.hidden_size
+        if kind in ("att_tp", "att_sp"):
+            tokens = self.seq if kind == "att_tp" else units
+            x, ctx = self._rand(rows, tokens, h), self._context(rows)
+            fwd = lambda: mod(x, **ctx)[0]     # noqa: E731  (the deferred bias is CON's)
+        elif kind in ("mlp_tp", "mlp_sp"):
+            x = self._rand(rows, self.seq if kind == "mlp_tp" else units, h)
+            fwd = lambda: mod(x)[0]            # noqa: E731
+        elif kind == "con":
+            x, res = self._rand(rows, units, h), self._rand(rows, units, h)
+            bias = getattr(self.layer.att, self.layer.att.deferred_bias.split(".")[0]).bias
+            fwd = lambda: mod(x, bias, res)    # noqa: E731
+        elif kind == "embed":
+            ids = torch.randint(1, self.hf.vocab_size, (rows, self.seq), generator=self._gen, device=self.device)
+            extra = {"token_type_ids": torch.zeros_like(ids)} if self.task == "classification" else {}
+            fwd = lambda: mod.embed(ids, **extra)   # noqa: E731
+        elif kind == "head":
+            carry = tuple(self._rand(rows, units, h) for _ in range(mod.carry_size))
+            if self.task == "classification":
+                labels = torch.randint(0, self.num_labels, (rows,), generator=self._gen, device=self.device)
+            else:
+                labels = torch.randint(0, self.hf.vocab_size, (rows, units), generator=self._gen, device=self.device)
+            fwd = lambda: (mod.head(carry, labels)[1],)   # noqa: E731
+        else:
+            raise ValueError(f"unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
+        return mod, fwd
+
+    # --- measurements ---------------------------------------------------------------------
+
+    def runner(self, kind: str, units: int, rows: int):
+        """A function running one forward and one backward of `kind` at `units` on `rows` rows,
+        returning their seconds (prepared once: a point can be timed many times, interleaved)."""
+        mod, fwd = self.prepare(kind, units, rows)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        params = list(mod.parameters())
+        grads = []
+
+        def run() -> tuple[float, float]:
+            for p in params:
+                p.grad = None
+            sync()
+            t0 = time.perf_counter()
+            out = fwd()
+            out = out if isinstance(out, tuple) else (out,)
+            sync()
+            t1 = time.perf_counter()
+            if not grads:
+                grads.extend(torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in out)
+            torch.autograd.backward(out, grads)
+            sync()
+            return t1 - t0, time.perf_counter() - t1
+        return run
+
+    def time(self, kind: str, units: int, rows: int, repeats: int = 3, warmup: int = 1) -> tuple[float, float]:
+        """Median seconds of one forward and one backward of `kind` at `units` on `rows` rows."""
+        run = self.runner(kind, units, rows)
+        for _ in range(warmup):
+            run()
+        times = [run() for _ in range(repeats)]
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+    def saved_bytes(self, kind: str, units: int, rows: int) -> int:
+        """Bytes autograd keeps for the backward of `kind` at `units` (galaxy.profiler's count:
+        each storage once, parameters excluded)."""
+        mod, fwd = self.prepare(kind, units, rows)
+        with SavedActivations(mod, lambda: "x") as saved:
+            out = fwd()
+        del out
+        return int(saved.bytes.get("x", 0))
+
+    def params(self, kind: str, units: int) -> int:
+        """Parameters a rank holds for `kind` at `units` (att_tp / mlp_tp: its shard; SP: whole)."""
+        if kind in ("embed", "head"):
+            raise ValueError("embed / head parameters are counted on the whole model")
+        return sum(p.numel() for p in self.module(kind, units).parameters())

@@ -1,0 +1,319 @@
+"""The plan search: the fastest plan whose every rank fits its memory budget.
+
+Enumerated: the mesh (pp x dp x Galaxy group size dividing the world), the methods (ATT TP|SP,
+MLP TP|SP, CON SP|None; one choice for a group of 1), the micro-batches (divisors of the rows per
+replica: pipeline micro-batches, or grad_accum_steps without a pipeline; 1f1b when there are at
+least pp of them, else gpipe) and sharded data parallelism when the engine has it
+(galaxy.planner.engine). For each, the integer choices are optimised by local search:
+
+  start    heads / columns / tokens per Galaxy rank proportional to its speed (the slowest device
+           holding that Galaxy rank in any group: every group uses the same lists), in whole
+           units (a K/V group of heads for grouped-query attention); layers per stage
+           proportional to the stage's speed
+  moves    a step of units from the rank that is most over its budget, or slowest at the
+           sub-blocks that share splits, to the one with the most room or the least time (steps
+           from about a quarter of a share down to one unit); a layer from the slowest or
+           fullest stage to the quickest or emptiest
+  accept   a move that lowers the total memory overflow, or keeps it and lowers the step time
+  memory   after every move each stage recomputes the fewest leading layers
+           (activation_checkpointing) that make its ranks fit, all of them when nothing else does
+
+so shares follow speed where memory is ample and leave it where a device's budget caps them.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+
+from galaxy.config import PLAN_METHODS
+from galaxy.planner.cost import CostModel, Estimate, Plan
+
+METHODS = [(a, m, c) for a in PLAN_METHODS["att"] for m in PLAN_METHODS["mlp"] for c in PLAN_METHODS["con"]]
+MAX_MICROBATCHES = 64
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Estimate]          # plans that fit, fastest first
+    leanest: Estimate | None        # the plan closest to fitting, when none fits
+    budgets: list[float]
+    tried: int
+    seconds: float
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def proportional(total: int, unit: int, weights: list[float]) -> tuple[int, ...]:
+    """Split total (a multiple of unit) in whole units proportional to weights, at least one unit
+    each (largest remainders first)."""
+    units, n = total // unit, len(weights)
+    if units < n:
+        raise ValueError(f"{units} units cannot give {n} ranks one each")
+    s = sum(weights)
+    raw = [units * w / s for w in weights]
+    parts = [max(1, int(x)) for x in raw]
+    while sum(parts) > units:                       # the max(1, .) floors overshot
+        i = max((i for i in range(n) if parts[i] > 1), key=lambda i: parts[i] - raw[i])
+        parts[i] -= 1
+    for i in sorted(range(n), key=lambda i: raw[i] - parts[i], reverse=True)[: units - sum(parts)]:
+        parts[i] += 1
+    while sum(parts) < units:
+        parts[max(range(n), key=lambda i: raw[i] - parts[i])] += 1
+    return tuple(p * unit for p in parts)
+
+
+class Searcher:
+    def __init__(self, cost: CostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
+                 meshes: list[tuple[int, int]] | None = None, methods=None, max_moves: int = 400):
+        self.cost, self.budgets = cost, list(budgets)
+        self.model = cost.model
+        self.sharding = dp_sharding
+        self.meshes = meshes
+        self.methods = methods
+        self.max_moves = max_moves
+        self.tried = 0
+        self._seen: dict[tuple, tuple] = {}
+        u = self.model["units"]
+        self.heads, self.head_unit = u["att_tp"]
+        self.columns = u["mlp_tp"][0]
+        self.seq = self.model["pad_size"]
+        self.layers = cost.layers
+        self.speed = [self._speed(r) for r in range(cost.world)]
+
+    def _speed(self, r: int) -> float:
+        c, rows = self.cost.compute[r], self.cost.batch
+        t = sum(sum(c(kind, units, rows)) for kind, units in
+                (("att_tp", self.heads), ("mlp_tp", self.columns), ("con", self.seq), ("con", self.seq)))
+        return 1.0 / max(t, 1e-12)
+
+    # --- scoring ----------------------------------------------------------------------------------
+
+    def evaluate(self, plan: Plan) -> tuple[tuple, Estimate]:
+        """(score, estimate): score = (total MiB over budget, step seconds), lower is better."""
+        key = plan.key()
+        hit = self._seen.get(key)
+        if hit is None:
+            fitted = self.fit_checkpointing(plan)
+            est = self.cost.estimate(fitted)
+            self.tried += 1
+            hit = self._seen[key] = ((round(sum(est.shortfall(self.budgets)), 3), est.step_s), est)
+        return hit
+
+    def fit_checkpointing(self, plan: Plan) -> Plan:
+        """The fewest leading layers per stage whose recomputation makes the stage's ranks fit."""
+        ckpt = [0] * plan.pp
+        plan = replace(plan, checkpoint=tuple(ckpt))
+        mem = self.cost.estimate_memory(plan)
+        for p in range(plan.pp):
+            ranks = self.cost.stage_ranks(plan, p)
+            if all(mem[r] <= self.budgets[r] for r in ranks):
+                continue
+            lo, hi = 1, plan.stages[p]
+            best = hi
+            while lo <= hi:                       # memory falls as layers are checkpointed
+                mid = (lo + hi) // 2
+                trial = list(ckpt)
+                trial[p] = mid
+                m2 = self.cost.estimate_memory(replace(plan, checkpoint=tuple(trial)))
+                if all(m2[r] <= self.budgets[r] for r in ranks):
+                    best, hi = mid, mid - 1
+                else:
+                    lo = mid + 1
+            ckpt[p] = best
+        return replace(plan, checkpoint=tuple(ckpt))
+
+    # --- the enumeration -------------------------------------------------------------------------
+
+    def candidates(self):
+        W, batch = self.cost.world, self.cost.batch
+        for pp in divisors(W):
+            if pp > self.layers:
+                continue
+            for dp in divisors(W // pp):
+                if self.meshes is not None and (pp, dp) not in self.meshes:
+                    continue
+                if batch % dp:
+                    continue
+                g = W // (pp * dp)
+                rows = batch // dp
+                methods = [("TP", "TP", "SP")] if g == 1 else [
+                    m for m in (self.methods or METHODS) if self._feasible(m, g)]
+                mbs = [m for m in divisors(rows) if m <= MAX_MICROBATCHES]
+                # sharded data parallelism: over dp replicas, without a pipeline (galaxy.planner.engine)
+                shardings = [s for s in self.sharding if s == "none" or (dp > 1 and pp == 1)]
+                for (att, mlp, con), m, shard in itertools.product(methods, mbs, shardings):
+                    yield pp, dp, g, att, mlp, con, m, shard
+
+    def _feasible(self, methods, g: int) -> bool:
+        att, mlp, con = methods
+        if att == "TP" and self.heads // self.head_unit < g:
+            return False
+        if mlp == "TP" and self.columns < g:
+            return False
+        if "SP" in methods and self.seq < g:
+            return False
+        return True
+
+    def initial(self, pp, dp, g, att, mlp, con, m, shard) -> Plan:
+        # Galaxy rank j's speed: its slowest device over every group (they all use the same shares).
+        pos = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for d in range(dp)) for j in range(g)]
+        # A split the plan does not use still needs one entry per rank (the writer leaves it out).
+        heads = proportional(self.heads, self.head_unit, pos) if self.heads // self.head_unit >= g \
+            else (self.heads,) * g
+        columns = proportional(self.columns, 1, pos) if self.columns >= g else (self.columns,) * g
+        tokens = proportional(self.seq, 1, pos) if self.seq >= g else (self.seq,) * g
+        stage_speed = [min(self.speed[(p * dp + d) * g + j] for d in range(dp) for j in range(g)) * g
+                       for p in range(pp)]
+        stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
+        schedule = "1f1b" if m >= pp else "gpipe"
+        return Plan(pp, dp, att, mlp, con, heads, columns, tokens, stages, m, schedule,
+                    (0,) * pp, shard)
+
+    # --- local search ----------------------------------------------------------------------------
+
+    def _vectors(self, plan: Plan):
+        """(field, unit, sub-blocks that use it) of the shares this plan actually uses."""
+        if plan.group == 1:
+            return []
+        out = []
+        if plan.att == "TP":
+            out.append(("heads", self.head_unit, ("ATT",)))
+        if plan.mlp == "TP":
+            out.append(("columns", 1, ("MLP",)))
+        uses = tuple(s for s, on in (("ATT", plan.att == "SP"), ("MLP", plan.mlp == "SP"),
+                                     ("CON", plan.con == "SP"), ("HEAD", plan.con == "SP")) if on)
+        if uses:
+            out.append(("tokens", 1, uses))
+        return out
+
+    def _steps(self, total: int, unit: int, g: int) -> list[int]:
+        step, out = unit, []
+        while step * g * 4 <= total:
+            out.append(step)
+            step *= 2
+        return sorted(set(out + [unit]), reverse=True)
+
+    def optimize(self, plan: Plan) -> tuple[tuple, Estimate]:
+        """Local search from `plan`: every round tries, for each share list at its current step and
+        for the stage split, the few moves that can help (below) and takes the best by `_better`;
+        when none helps, the steps halve; it ends when no move at one unit helps."""
+        score, est = self.evaluate(plan)
+        g = plan.group
+        vectors = self._vectors(plan)
+        steps = {name: self._steps(sum(getattr(plan, name)), unit, g)[0] for name, unit, _ in vectors}
+        for _ in range(self.max_moves):
+            candidates = []
+            for name, unit, subs in vectors:
+                candidates += self._share_moves(est, name, steps[name], unit, subs)
+            if plan.pp > 1:
+                candidates += self._stage_moves(est)
+            best = None
+            for trial in dict.fromkeys(candidates):
+                s, e = self.evaluate(trial)
+                if self._better(s, score, best[0] if best else None):
+                    best = (s, e)
+            if best is not None:
+                score, est = best
+                continue
+            coarse = [name for name, unit, _ in vectors if steps[name] > unit]
+            if not coarse:
+                break
+            for name, unit, _ in vectors:
+                steps[name] = max(unit, steps[name] // 2 // unit * unit)
+        return score, est
+
+    @staticmethod
+    def _better(new: tuple, current: tuple, best: tuple | None) -> bool:
+        """Over budget: the move must cut the overflow, and the most MiB freed per second added wins.
+        Within budget: it must stay within and be faster; the fastest wins."""
+        over, t = current
+
+        def gain(s):                    # what a move buys, bigger is better
+            if over > 0:
+                freed = over - s[0]
+                return float("inf") if s[1] <= t else freed / (s[1] - t)
+            return -s[1]
+        if over > 0 and not new[0] < over:
+            return False
+        if over == 0 and not (new[0] == 0 and new[1] < t):
+            return False
+        return best is None or gain(new) > gain(best)
+
+    def _position_load(self, est: Estimate, subs) -> tuple[list[float], list[float]]:
+        """Per Galaxy rank: its worst time at the sub-blocks `subs` over every group, and its worst
+        memory room (budget - need) over every group."""
+        plan = est.plan
+        g = plan.group
+        t, room = [0.0] * g, [float("inf")] * g
+        for r in range(self.cost.world):
+            j = r % g
+            t[j] = max(t[j], sum(est.sub_block_s[r].get(s, 0.0) for s in subs))
+            room[j] = min(room[j], self.budgets[r] - est.memory_mib[r])
+        return t, room
+
+    def _share_moves(self, est: Estimate, name: str, step: int, unit: int, subs) -> list[Plan]:
+        """Plans with `step` units of `name` moved: from the rank with the least memory room to those
+        with the most (when over budget), from the slowest at `subs` to the quickest."""
+        plan = est.plan
+        shares = list(getattr(plan, name))
+        g = len(shares)
+        t, room = self._position_load(est, subs)
+        order_t = sorted(range(g), key=lambda j: t[j])
+        order_room = sorted(range(g), key=lambda j: room[j])
+        pairs = []
+        if any(r < 0 for r in room):
+            pairs += [(order_room[0], b) for b in order_room[::-1][:2]]
+        pairs += [(order_t[-1], b) for b in order_t[:2]]
+        if g > 2:
+            pairs.append((order_t[-2], order_t[0]))
+        out = []
+        for a, b in dict.fromkeys(pairs):
+            if a == b or shares[a] - step < unit:
+                continue
+            trial = list(shares)
+            trial[a] -= step
+            trial[b] += step
+            out.append(replace(plan, **{name: tuple(trial)}))
+        return out
+
+    def _stage_moves(self, est: Estimate) -> list[Plan]:
+        """Plans with one layer moved from the slowest (or fullest) stage to the others."""
+        plan = est.plan
+        stages, pp = list(plan.stages), plan.pp
+        stage_t = [max(est.compute_s[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
+        room = [min(self.budgets[r] - est.memory_mib[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
+        slow = max(range(pp), key=lambda p: stage_t[p])
+        pairs = [(slow, b) for b in range(pp)]
+        if min(room) < 0:
+            full = min(range(pp), key=lambda p: room[p])
+            pairs += [(full, b) for b in range(pp)]
+        out = []
+        for a, b in dict.fromkeys(pairs):
+            if a == b or stages[a] <= 1:
+                continue
+            trial = list(stages)
+            trial[a] -= 1
+            trial[b] += 1
+            out.append(replace(plan, stages=tuple(trial)))
+        return out
+
+    def run(self, top: int = 5) -> SearchResult:
+        start = time.perf_counter()
+        results: dict[tuple, tuple] = {}
+        for cand in self.candidates():
+            score, est = self.optimize(self.initial(*cand))
+            results.setdefault(est.plan.key(), (score, est))
+        ordered = sorted(results.values(), key=lambda se: se[0])
+        fitting = [e for s, e in ordered if s[0] == 0]
+        leanest = None if fitting else (ordered[0][1] if ordered else None)
+        if not fitting and ordered:      # closest: the least total overflow, then the least worst rank
+            leanest = min((e for _, e in ordered),
+                          key=lambda e: (sum(e.shortfall(self.budgets)), max(e.shortfall(self.budgets))))
+        return SearchResult(fitting[:top], leanest, self.budgets, self.tried, time.perf_counter() - start)
+
+
+def search(cost: CostModel, budgets: list[float], *, top: int = 5, dp_sharding=("none",), **kw) -> SearchResult:
+    return Searcher(cost, budgets, dp_sharding=dp_sharding, **kw).run(top)

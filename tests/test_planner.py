@@ -1,0 +1,366 @@
+"""plan.py and galaxy.planner: the cost model and the search on synthetic profiles whose optimum
+is known by hand, the profile files, the CLI end to end on tiny models, a searched config training
+under pretrain_galaxy.py with HF's losses, and profile-devices on a real 2-process gloo group."""
+import json
+import time
+
+import pytest
+
+from script_runner import launch, run_script
+from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job: the module fixture)
+
+from galaxy.config import apply_preset, load_config, validate_for_world
+from galaxy.models.shape import read_model_shape
+from galaxy.planner import cli
+from galaxy.planner.cost import MIB, CostModel, Plan
+from galaxy.planner.engine import dp_sharding_choices, engine_has_dp_sharding
+from galaxy.planner.profiles import (ProfileError, check_cluster, check_link, compose, fit_link, link_time,
+                                     load_devices, write_json)
+from galaxy.planner.search import Searcher, proportional, search
+from galaxy.planner.writer import plan_keys
+from galaxy.train.metrics import read_metrics
+
+FREE_LINK = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free link")
+ATT_F, MLP_F = 6e7, 1.2e8          # forward matrix FLOPs per row of a whole sub-block
+PER_HEAD, PER_COLUMN = 49152, 769  # parameters per head / per MLP column
+
+
+def synthetic_model(layers=6, heads=12, intermediate=1536, seq=48, act_per_token=0.0, kv_heads=None):
+    """A hand-written model profile (BERT's shape for the closed forms): FLOPs only in ATT and MLP,
+    parameters proportional to heads / columns, activations act_per_token bytes per token and
+    sub-block, nothing outside the layers."""
+    flops = lambda f: {"fwd": f, "bwd": 2 * f, "fwd_elementwise": 0, "bwd_elementwise": 0}  # noqa: E731
+    kv = kv_heads or heads
+    return {
+        "format": "galaxy-model-profile", "version": 1, "model_type": "bert", "family": "bert",
+        "task": "classification", "num_labels": 2, "pad_size": seq, "dropout": 0.0,
+        "hf_config": {"model_type": "bert", "hidden_size": 384, "num_hidden_layers": layers,
+                      "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": intermediate,
+                      "vocab_size": 1000, "max_position_embeddings": 512},
+        "carry_tensors": 1,
+        "units": {"att_tp": [heads, heads // kv], "att_sp": [seq, 1], "mlp_tp": [intermediate, 1],
+                  "mlp_sp": [seq, 1], "con": [seq, 1], "embed": [seq, seq], "head": [seq, 1]},
+        "params": {"embed": 0, "head": 0, "tied": 0, "other": 0,
+                   "layer": {"att_tp": [0, PER_HEAD], "mlp_tp": [0, PER_COLUMN], "att_sp": PER_HEAD * heads,
+                             "mlp_sp": PER_COLUMN * intermediate, "con": 0}},
+        "act_bytes_per_row": {"att_tp": [seq * act_per_token, 0], "mlp_tp": [seq * act_per_token, 0],
+                              "att_sp": [0, act_per_token], "mlp_sp": [0, act_per_token],
+                              "con": [0, act_per_token], "embed": [0, 0], "head": [0, 0]},
+        "flops_per_row": {"att": flops(ATT_F), "mlp": flops(MLP_F), "con": flops(0), "head": flops(0)},
+    }
+
+
+def device(rate, memory=1e6, name=None):
+    return {"name": name or f"{rate:g} FLOP/s", "gemm_flops_per_s": rate, "memory_mib": memory, "baseline_mib": 0.0,
+            "optimizer_s_per_param": {"adamw": 0.0, "sgd": 0.0}}
+
+
+def galaxy_plan(heads, columns, tokens, layers=6, **kw):
+    return Plan(1, 1, "TP", "TP", "SP", tuple(heads), tuple(columns), tuple(tokens), (layers,), **kw)
+
+
+# --- the cost model ----------------------------------------------------------------------------------
+
+def test_step_time_of_a_balanced_split_by_hand():
+    """Speeds 2:1, shares 2:1, a free link: each sub-block takes the same time on both ranks,
+    F x rows x share / rate, so a step is layers x rows x 3 (F_att + F_mlp) / 3 / R."""
+    R, rows = 1e10, 16
+    cost = CostModel(synthetic_model(), [device(2 * R), device(R)], FREE_LINK, batch_size=rows)
+    est = cost.estimate(galaxy_plan((8, 4), (1024, 512), (32, 16)))
+    want = 6 * rows * 3 * (ATT_F + MLP_F) / 3 / R
+    assert est.step_s == pytest.approx(want, rel=1e-6)                  # (the free link's bytes: 1e-8)
+    even = cost.estimate(galaxy_plan((6, 6), (768, 768), (24, 24)))
+    assert even.step_s == pytest.approx(1.5 * want, rel=1e-6)          # the slow rank does half
+
+
+def test_pipeline_bubble_and_memory_in_flight_by_hand():
+    """pp 2 on equal devices, 3 layers a stage, m micro-batches: (m + pp - 1) stage times; 1f1b keeps
+    pp - stage micro-batches of activations in flight, gpipe all m."""
+    R, rows, m = 1e10, 16, 4
+    model = synthetic_model(act_per_token=1000.0)
+    cost = CostModel(model, [device(R), device(R)], FREE_LINK, batch_size=rows)
+    plan = Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "1f1b")
+    t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
+    assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
+    # saved bytes (+ backward's working space), x 1.5 on CPU (the allocator's slack, galaxy.planner.cost)
+    act = lambda inflight: 1.5 * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
+    weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
+    mem = cost.estimate(plan).memory_mib
+    assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
+    assert mem[1] * MIB == pytest.approx(weights + act(1), rel=1e-9)
+    gpipe = cost.estimate(Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
+    assert gpipe[1] * MIB == pytest.approx(weights + act(m), rel=1e-9)
+
+
+def test_checkpointing_trades_activations_for_a_forward():
+    R, rows = 1e10, 8
+    model = synthetic_model(act_per_token=1e5)
+    cost = CostModel(model, [device(R)], None, batch_size=rows)
+    base = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    none, two = cost.estimate(base), cost.estimate(Plan(**{**base.__dict__, "checkpoint": (2,)}))
+    fwd_layer = rows * (ATT_F + MLP_F) / R
+    assert two.step_s - none.step_s == pytest.approx(2 * fwd_layer, rel=1e-9)
+    saved_per_layer = rows * 4 * 48 * 1e5 - rows * 48 * 384 * 4          # four sub-blocks' bytes - the input carry
+    assert (none.memory_mib[0] - two.memory_mib[0]) * MIB == pytest.approx(
+        1.5 * (2 * saved_per_layer - rows * 4 * 48 * 1e5), rel=1e-9)     # one layer is rebuilt at a time
+
+
+def test_sharded_data_parallel_divides_state_over_replicas():
+    model = synthetic_model()
+    cost = CostModel(model, [device(1e10), device(1e10)], FREE_LINK, batch_size=8)
+    plain = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    n = 6 * (12 * PER_HEAD + 1536 * PER_COLUMN)
+    full = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "full"})).memory_mib[0] * MIB
+    keep = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "no_reshard"})).memory_mib[0] * MIB
+    ddp = cost.estimate(plain).memory_mib[0] * MIB
+    assert ddp == pytest.approx(4 * n * 6)            # weights, grads, 2 moments, DDP buckets, AdamW's temporary
+    assert keep == pytest.approx(4 * (n + 4 * n / 2))
+    assert full == pytest.approx(4 * (5 * n / 2 + 2 * n / 6))            # plus two gathered layers
+
+
+def test_dp_sharding_is_searched_only_when_the_engine_has_it():
+    plan = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
+    assert ("dp_sharding" in plan_keys(plan, 6)) == engine_has_dp_sharding()
+    assert ("full" in dp_sharding_choices()) == engine_has_dp_sharding()
+
+
+# --- the search -----------------------------------------------------------------------------------------
+
+def test_two_to_one_speeds_give_two_to_one_shares():
+    cost = CostModel(synthetic_model(), [device(2e10), device(1e10)], FREE_LINK, batch_size=16)
+    best = search(cost, [1e6, 1e6]).ranked[0].plan
+    assert best.group == 2 and best.pp == best.dp == 1
+    used = {"heads": best.heads if best.att == "TP" else None, "columns": best.columns if best.mlp == "TP" else None,
+            "tokens": best.tokens if "SP" in (best.att, best.mlp, best.con) else None}
+    want = {"heads": (8, 4), "columns": (1024, 512), "tokens": (32, 16)}
+    assert any(used.values())
+    for name, shares in used.items():
+        if shares is not None:
+            assert shares == want[name], (name, shares)
+
+
+def test_a_memory_cap_moves_shares_off_the_proportional_split():
+    """The fast rank cannot hold 2/3 of the weights: it gets as much as its budget allows, no more."""
+    model = synthetic_model()
+    per_head, per_col = 20 * 6 * PER_HEAD, 20 * 6 * PER_COLUMN          # bytes per unit: 6 layers, AdamW
+    total = (12 * per_head + 1536 * per_col) / MIB
+    budgets = [0.55 * total, total]                                      # proportional needs 0.67
+    cost = CostModel(model, [device(2e10), device(1e10)], FREE_LINK, batch_size=16)
+    res = search(cost, budgets, meshes=[(1, 1)], methods=[("TP", "TP", "SP")])
+    est = res.ranked[0]
+    assert est.fits(budgets)
+    h0, c0 = est.plan.heads[0], est.plan.columns[0]
+    assert (h0 * per_head + c0 * per_col) / MIB <= budgets[0]
+    assert h0 / 12 < 2 / 3 or c0 / 1536 < 2 / 3
+    assert budgets[0] - est.memory_mib[0] < per_head / MIB              # no head's worth of room left unused
+    even = cost.estimate(galaxy_plan((6, 6), (768, 768), (24, 24)))
+    assert est.step_s < even.step_s
+
+
+def test_memory_short_of_activations_turns_on_the_fewest_recomputed_layers():
+    model = synthetic_model(act_per_token=2e5)
+    cost = CostModel(model, [device(1e10)], None, batch_size=8)
+    plan = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    need = cost.estimate(plan).memory_mib[0]
+    lean = cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (6,)})).memory_mib[0]
+    budget = (need + lean) / 2
+    k = Searcher(cost, [budget]).fit_checkpointing(plan).checkpoint[0]
+    assert 0 < k < 6
+    assert cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k,)})).memory_mib[0] <= budget
+    assert cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k - 1,)})).memory_mib[0] > budget
+    best = search(cost, [budget]).ranked[0]             # the search may also cut micro-batches instead
+    assert best.fits([budget]) and best.step_s <= cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k,)})).step_s
+
+
+def test_unequal_stages_get_layers_by_speed():
+    cost = CostModel(synthetic_model(), [device(2e10), device(1e10)], FREE_LINK, batch_size=16)
+    best = search(cost, [1e6, 1e6], meshes=[(2, 1)]).ranked[0].plan
+    assert best.stages == (4, 2)
+
+
+def test_llama_heads_stay_in_whole_kv_groups():
+    model = synthetic_model(heads=8, kv_heads=2, intermediate=96, seq=12)   # groups of 4 query heads
+    cost = CostModel(model, [device(3e10), device(1e10)], FREE_LINK, batch_size=4)
+    for est in search(cost, [1e6, 1e6], top=20).ranked:
+        if est.plan.att == "TP" and est.plan.group > 1:
+            assert all(h % 4 == 0 and h > 0 for h in est.plan.heads), est.plan.heads
+
+
+def test_24_layers_at_world_8_search_within_10_s():
+    model = synthetic_model(layers=24, heads=16, intermediate=4096, seq=128)
+    model["hf_config"]["hidden_size"] = 1024
+    devices = [device(r) for r in (4e10, 2e10, 2e10, 1e10, 4e10, 2e10, 3e10, 1e10)]
+    cost = CostModel(model, devices, check_link({"latency_s": 5e-5, "bytes_per_s": 1e9}, "link"), batch_size=16)
+    start = time.perf_counter()
+    res = search(cost, [d["memory_mib"] for d in devices])
+    assert time.perf_counter() - start <= 10.0
+    assert res.ranked and res.tried > 100
+
+
+def test_proportional_split_in_whole_units():
+    assert proportional(12, 1, [2, 1]) == (8, 4)
+    assert proportional(8, 2, [3, 1]) == (6, 2)
+    assert proportional(5, 1, [100, 1, 1]) == (3, 1, 1)
+    assert sum(proportional(1536, 1, [1, 1.3, 2.2])) == 1536
+
+
+# --- profile files --------------------------------------------------------------------------------------
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    a, bw = 3e-5, 2e9
+    measured = [{"kind": k, "group": 2, "bytes": b, "uneven": False, "seconds": a * (2 if k == "all_reduce" else 1) + b / bw}
+                for k in ("all_gather", "reduce_scatter", "all_reduce") for b in (1024, 65536, 1 << 22)]
+    fit = fit_link(measured)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert fit[kind]["latency_s"] == pytest.approx(a, rel=1e-6)
+        assert fit[kind]["bytes_per_s"] == pytest.approx(bw, rel=1e-6)
+    link = check_link({"measured": measured}, "link")
+    assert link["fit"]["send_recv"] == link["fit"]["all_gather"]
+    assert link_time(link, "all_reduce", 4, 1e6, 2) == pytest.approx(2 * a * 6 + 1e6 / bw, rel=1e-6)
+
+
+def test_profiles_round_trip_and_compose(tmp_path):
+    fast, slow = device(2e10, 4000, "fast box"), device(1e10, 2000, "slow box")
+    link = {"backend": "gloo", "world": 2, "fit": {k: {"latency_s": 1e-4, "bytes_per_s": 1e9}
+                                                   for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")}}
+    (tmp_path / "fast.json").write_text(json.dumps(fast))       # a device profiled alone: one DEVICE object
+    write_json(str(tmp_path / "slow.json"), {"format": "galaxy-devices", "version": 1, "devices": [slow], "link": None})
+    write_json(str(tmp_path / "pair.json"), {"format": "galaxy-devices", "version": 1, "devices": [fast, slow],
+                                             "link": link})
+    devices, got = load_devices(str(tmp_path / "pair.json"))
+    assert [d["name"] for d in devices] == ["fast box", "slow box"] and got["fit"] == link["fit"]
+    three = compose([str(tmp_path / "fast.json"), str(tmp_path / "slow.json"), str(tmp_path / "slow.json")],
+                    str(tmp_path / "pair.json"))                 # the link taken from a 2-rank profile
+    assert [d["name"] for d in three["devices"]] == ["fast box", "slow box", "slow box"]
+    write_json(str(tmp_path / "three.json"), three)
+    again = check_cluster(json.loads((tmp_path / "three.json").read_text()), "three.json")
+    assert again["devices"] == three["devices"] and again["link"]["fit"] == link["fit"]
+    with pytest.raises(ProfileError, match="give --link"):
+        compose([str(tmp_path / "fast.json"), str(tmp_path / "slow.json")])
+    (tmp_path / "bad.json").write_text(json.dumps(dict(fast, memory_mib=-1)))
+    with pytest.raises(ProfileError, match="'memory_mib' must be a positive number"):
+        compose([str(tmp_path / "bad.json")])
+
+
+def test_compose_on_the_command_line(tmp_path, capsys):
+    (tmp_path / "a.json").write_text(json.dumps(device(2e10, 4000, "a")))
+    (tmp_path / "link.json").write_text(json.dumps({"latency_s": 5e-5, "bytes_per_s": 1e9}))
+    cli.main(["profile-devices", "--compose", str(tmp_path / "a.json"), str(tmp_path / "a.json"),
+              "--link", str(tmp_path / "link.json"), "--out", str(tmp_path / "c.json")])
+    doc = check_cluster(json.loads((tmp_path / "c.json").read_text()), "c.json")
+    assert len(doc["devices"]) == 2 and doc["link"]["fit"]["all_reduce"]["bytes_per_s"] == 1e9
+
+
+# --- the CLI end to end on tiny models ------------------------------------------------------------------
+
+def _base(tmp_path, model_dir, **extra) -> str:
+    cfg = {"model_path": model_dir, "pad_size": 12, "batch_size": 4, "max_steps": 2, "timeout_s": 30, **extra}
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _devices(tmp_path, memory=(4000, 2000), rates=(2e9, 1e9), link=(1e-5, 1e9)) -> str:
+    doc = {"format": "galaxy-devices", "version": 1,
+           "devices": [device(r, m, f"dev{i}") for i, (r, m) in enumerate(zip(rates, memory))],
+           "link": {"latency_s": link[0], "bytes_per_s": link[1]}}
+    path = tmp_path / "devices.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _plan(tmp_path, base, devices, *extra) -> tuple[str, str]:
+    cli.main(["profile-model", "--config_file", base, "--out", str(tmp_path / "model.json")])
+    out = str(tmp_path / "planned.json")
+    cli.main(["search", "--config_file", base, "--devices", devices, "--model", str(tmp_path / "model.json"),
+              "--out", out, *extra])
+    return out, str(tmp_path / "model.json")
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_cli_profiles_searches_and_writes_a_valid_config(family, tmp_path, tiny_bert_dir, tiny_lm_dir, capsys):
+    model_dir = tiny_bert_dir if family == "bert" else tiny_lm_dir("llama")
+    base = _base(tmp_path, model_dir, **({"class_list": ["a", "b", "c"]} if family == "bert" else {}))
+    out, model_path = _plan(tmp_path, base, _devices(tmp_path), "--png", str(tmp_path / "plan.png"))
+    printed = capsys.readouterr().out
+    assert "equal to the closed form" in printed and "wrote" in printed
+    table = printed[printed.index(" #"):printed.index(f"wrote {out}")].splitlines()
+    assert len(table) == 6                                          # the header, the best and the next four
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    written = json.loads(open(out).read())
+    assert written["max_steps"] == 2 and written["timeout_s"] == 30    # the base's keys carried over
+    cfg = apply_preset(load_config(out), "galaxy")
+    shape = read_model_shape(model_dir)
+    for rank in range(2):
+        validate_for_world(cfg, 2, rank, shape)
+    if cfg.att_parallel_method == "TP" and cfg.tp_num_attention_heads_list:
+        group = shape["num_attention_heads"] // shape["num_key_value_heads"]
+        assert all(h % group == 0 for h in cfg.tp_num_attention_heads_list)
+    profile = json.loads(open(model_path).read())
+    assert profile["profiler"]["flops_match_closed_form"] is True
+
+
+def test_nothing_fits_exits_2_with_one_line(tmp_path, tiny_bert_dir, capsys):
+    base = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"])
+    with pytest.raises(SystemExit) as exit_info:
+        _plan(tmp_path, base, _devices(tmp_path), "--memory_mib", "0.2", "0.1")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("plan.py search: error: no plan fits the memory budgets")
+    assert "rank 0" in err[0] and "short by" in err[0] and "its budget is 0.2 MiB" in err[0]
+    assert not (tmp_path / "planned.json").exists()
+
+
+def test_search_refuses_a_model_profile_of_another_pad_size(tmp_path, tiny_bert_dir, capsys):
+    base = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"])
+    _plan(tmp_path, base, _devices(tmp_path))
+    other = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"], pad_size=16)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--config_file", other, "--devices", _devices(tmp_path), "--model",
+                  str(tmp_path / "model.json"), "--out", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    assert "pad_size 12" in capsys.readouterr().err
+
+
+# --- a searched config trains with HF's losses ---------------------------------------------------------
+
+def test_searched_config_trains_with_hf_losses(job, tmp_path):        # noqa: F811
+    """The entry-script parity test (tests/test_entry_scripts.py) with a config the planner wrote:
+    two devices at speeds 2:1 and a fast link give uneven shares."""
+    base, metrics_file = write_config(job, "planner-base")
+    devices = _devices(tmp_path, rates=(2e9, 1e9), link=(0.0, 1e12))
+    out, _ = _plan(tmp_path, base, devices)
+    planned = json.loads(open(out).read())
+    splits = [planned[k] for k in ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
+              if k in planned]
+    assert splits and all(s[0] > s[1] for s in splits), planned      # the faster rank takes more
+    run_script("pretrain_galaxy.py", out, 2)
+    steps = [r for r in read_metrics(metrics_file) if "step" in r and "event" not in r]
+    want = hf_losses(job)
+    assert len(steps) == len(want)
+    for r, ref in zip(steps, want):
+        assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
+
+
+# --- profile-devices on a real process group ------------------------------------------------------------
+
+def test_profile_devices_on_two_gloo_ranks(tmp_path, tiny_bert_dir):
+    base = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"], distributed_backend="gloo",
+                 tp_num_attention_heads_list=[1, 2, 3])               # a plan for world 3: profiling drops it
+    out = tmp_path / "devices.json"
+    results = launch(["plan.py", "profile-devices"], base, 2, "--out", str(out), "--quick", timeout=240)
+    for rank, (code, stdout, stderr) in enumerate(results):
+        assert code == 0, f"rank {rank} exited {code}:\n{stdout}\n{stderr}"
+    assert f"wrote {out}" in results[0][1]
+    doc = check_cluster(json.loads(out.read_text()), str(out))
+    assert len(doc["devices"]) == 2
+    for d in doc["devices"]:
+        assert d["memory_mib"] > 0 and d["baseline_mib"] > 0 and d["gemm_flops_per_s"] > 0
+        assert set(d["compute"]["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head"}
+        assert d["compute"]["model"]["pad_size"] == 12
+    kinds = {m["kind"] for m in doc["link"]["measured"]}
+    assert kinds == {"all_gather", "reduce_scatter", "all_reduce", "send_recv"}
+    assert any(m["uneven"] for m in doc["link"]["measured"])
+    for fit in doc["link"]["fit"].values():
+        assert fit["bytes_per_s"] > 0 and fit["latency_s"] >= 0
