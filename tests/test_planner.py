@@ -13,7 +13,6 @@ from galaxy.config import apply_preset, load_config, validate_for_world
 from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
 from galaxy.planner.cost import MIB, CostModel, Plan
-from galaxy.planner.engine import dp_sharding_choices, engine_has_dp_sharding
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_link, compose, fit_link, link_time,
                                      load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
@@ -118,10 +117,10 @@ def test_sharded_data_parallel_divides_state_over_replicas():
     assert full == pytest.approx(4 * (5 * n / 2 + 2 * n / 6))            # plus two gathered layers
 
 
-def test_dp_sharding_is_searched_only_when_the_engine_has_it():
+def test_dp_sharding_is_written_for_replicas_only():
     plan = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
-    assert ("dp_sharding" in plan_keys(plan, 6)) == engine_has_dp_sharding()
-    assert ("full" in dp_sharding_choices()) == engine_has_dp_sharding()
+    assert plan_keys(plan, 6)["dp_sharding"] == "full"
+    assert "dp_sharding" not in plan_keys(Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,)), 6)
 
 
 # --- the search -----------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@
   device_profile.py  profile-devices: every rank's compute and memory, the collectives between them
   cost.py            step time and peak memory per rank of any plan
   search.py          the search: mesh x methods x micro-batches, shares and stages by local moves
-  engine.py          what galaxy.config accepts (dp_sharding), asked in one place
   writer.py          the chosen plan over the base config, checked by galaxy.config
   draw.py            --png: the plan, ranks x sub-blocks, and predicted time per rank
   cli.py             the three subcommands

@@ -51,10 +51,7 @@ def measuring_config(cfg):
                    tp_num_attention_heads_list=None, tp_intermediate_size_list=None, seq_scatter_list=None,
                    pp_deg=1, dp_deg=1, stage_num_hidden_layers_list=None, num_microbatches=1,
                    grad_accum_steps=1, activation_checkpointing="none", metrics_file=None, save_dir=None,
-                   save_interval=None, keep_checkpoints=None, export_dir=None, resume=None)
-    from galaxy.planner.engine import engine_has_dp_sharding
-    if engine_has_dp_sharding():
-        neutral["dp_sharding"] = "none"
+                   save_interval=None, keep_checkpoints=None, export_dir=None, resume=None, dp_sharding="none")
     return dataclasses.replace(cfg, **neutral, _given=frozenset(cfg._given) - set(neutral))
 
 
@@ -183,7 +180,7 @@ def search_command(argv) -> None:
     from galaxy.data.errors import DataError
     from galaxy.models.shape import read_model_shape
     from galaxy.planner.cost import CostModel, model_signature, tables_match
-    from galaxy.planner.engine import dp_sharding_choices
+    from galaxy.config import DP_SHARDING
     from galaxy.planner.model_profile import ModelProfileError, check_model_profile
     from galaxy.planner.profiles import ProfileError, compose, read_json
     from galaxy.planner.search import search
@@ -216,7 +213,7 @@ def search_command(argv) -> None:
                 notes.append(f"note: rank {r}'s compute table was measured for another model or pad_size; "
                              f"timing it by its GEMM rate")
         cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
-        result = search(cost, budgets, top=args.top, dp_sharding=dp_sharding_choices())
+        result = search(cost, budgets, top=args.top, dp_sharding=DP_SHARDING)
     except (ConfigError, ProfileError, ModelProfileError, DataError, FileNotFoundError) as e:
         fail("search", e)
     if not result.ranked:

@@ -23,7 +23,7 @@ plus one layer's activations while it is recomputed, plus the largest sub-block'
 as backward's working space + the optimizer step's temporaries (AdamW: one fp32 tensor per
 parameter). On CPU the peak is resident memory, and glibc keeps freed activation memory, so the
 activations count 1.5x and the temporaries come on top; on CUDA the larger of the two. With sharded
-data parallelism (dp_sharding, once galaxy.config has the key: galaxy.planner.engine), parameters
+data parallelism (dp_sharding), parameters
 ("full") or not ("no_reshard"), gradients and optimizer state are divided over the dp replicas.
 """
 from __future__ import annotations

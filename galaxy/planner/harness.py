@@ -90,7 +90,7 @@ class SubBlockBench:
         if kind == "att_sp":
             mod = copy.copy(self.layer.att)          # shares the weights; own kv_gather / local_rows
             seq = self.seq
-            mod.kv_gather = lambda kv: F.pad(kv, (0, 0, 0, seq - kv.shape[1]))
+            mod.kv_gather = _PaddedKV(seq)
             mod.local_rows = slice(0, units)
             return mod
         if kind == "mlp_sp":
@@ -176,3 +176,18 @@ class SubBlockBench:
         if kind in ("embed", "head"):
             raise ValueError("embed / head parameters are counted on the whole model")
         return sum(p.numel() for p in self.module(kind, units).parameters())
+
+
+class _PaddedKV:
+    """Stands in for KVGather on one process: pads this rank's K/V to the whole sequence, as the
+    gather would, so the timed attention does the full-sequence work (galaxy.distributed.transitions)."""
+
+    def __init__(self, seq: int):
+        self.seq = seq
+
+    def __call__(self, kv):
+        return F.pad(kv, (0, 0, 0, self.seq - kv.shape[1]))
+
+    def start(self, kv):
+        out = self(kv)
+        return lambda: out

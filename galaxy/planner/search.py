@@ -3,8 +3,7 @@
 Enumerated: the mesh (pp x dp x Galaxy group size dividing the world), the methods (ATT TP|SP,
 MLP TP|SP, CON SP|None; one choice for a group of 1), the micro-batches (divisors of the rows per
 replica: pipeline micro-batches, or grad_accum_steps without a pipeline; 1f1b when there are at
-least pp of them, else gpipe) and sharded data parallelism when the engine has it
-(galaxy.planner.engine). For each, the integer choices are optimised by local search:
+least pp of them, else gpipe) and sharded data parallelism (with replicas). For each, the integer choices are optimised by local search:
 
   start    heads / columns / tokens per Galaxy rank proportional to its speed (the slowest device
            holding that Galaxy rank in any group: every group uses the same lists), in whole
@@ -142,8 +141,8 @@ class Searcher:
                 methods = [("TP", "TP", "SP")] if g == 1 else [
                     m for m in (self.methods or METHODS) if self._feasible(m, g)]
                 mbs = [m for m in divisors(rows) if m <= MAX_MICROBATCHES]
-                # sharded data parallelism: over dp replicas, without a pipeline (galaxy.planner.engine)
-                shardings = [s for s in self.sharding if s == "none" or (dp > 1 and pp == 1)]
+                # sharded data parallelism: over dp replicas (pipeline stages included)
+                shardings = [s for s in self.sharding if s == "none" or dp > 1]
                 for (att, mlp, con), m, shard in itertools.product(methods, mbs, shardings):
                     yield pp, dp, g, att, mlp, con, m, shard
 

@@ -14,7 +14,6 @@ import os
 from galaxy.config import apply_preset, load_config, validate_for_world
 from galaxy.files import write_json_atomic
 from galaxy.planner.cost import Estimate, Plan
-from galaxy.planner.engine import engine_has_dp_sharding
 
 PLAN_KEYS = ("att_parallel_method", "mlp_parallel_method", "con_parallel_method", "tp_num_attention_heads_list",
              "tp_intermediate_size_list", "seq_scatter_list", "pp_deg", "dp_deg", "stage_num_hidden_layers_list",
@@ -52,7 +51,7 @@ def plan_keys(plan: Plan, layers: int) -> dict:
                     pipeline_schedule=plan.schedule)
     elif plan.microbatches > 1:
         keys["grad_accum_steps"] = plan.microbatches
-    if engine_has_dp_sharding() and plan.dp > 1:
+    if plan.dp > 1:
         keys["dp_sharding"] = plan.dp_sharding
     return keys
 
