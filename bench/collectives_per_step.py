@@ -50,7 +50,7 @@ PLANS = {
 }
 COUNTED = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
            "reduce_scatter_single", "broadcast", "all_gather", "all_gather_object", "broadcast_object_list",
-           "reduce_scatter", "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+           "reduce_scatter", "all_to_all_single", "send", "recv", "isend", "irecv",
            "barrier", "gather", "scatter", "reduce")
 KIND = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
         "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
@@ -60,19 +60,20 @@ KIND = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather
 def install_counter(counts: dict) -> None:
     """Wrap torch.distributed's functions: each call adds 1 to counts['now'][kind] while counting."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     def wrap(name, fn):
         def counted(*args, **kwargs):
             if counts.get("now") is not None:
-                if name == "batch_isend_irecv":
-                    counts["now"]["p2p"] += len(args[0])
-                else:
-                    counts["now"][KIND.get(name, name)] += 1
+                counts["now"][KIND.get(name, name)] += 1
             return fn(*args, **kwargs)
         return counted
     for name in COUNTED:
         if hasattr(dist, name):
-            setattr(dist, name, wrap(name, getattr(dist, name)))
+            wrapped = wrap(name, getattr(dist, name))
+            setattr(dist, name, wrapped)
+            if name in ("isend", "irecv"):     # P2POp checks its op against c10d's own names
+                setattr(c10d, name, wrapped)
 
 
 def workspace(root: str) -> dict:
@@ -87,6 +88,15 @@ def workspace(root: str) -> dict:
 
 
 def count_on_rank(rank: int, port: int, src: str, plan: str, args, out) -> None:
+    try:
+        _count_on_rank(rank, port, src, plan, args, out)
+    except BaseException:
+        import traceback
+        out.put((rank, traceback.format_exc()))
+        raise
+
+
+def _count_on_rank(rank: int, port: int, src: str, plan: str, args, out) -> None:
     sys.path.insert(0, src)
     import torch
     import torch.distributed as dist
@@ -145,6 +155,9 @@ def count(src: str, plan: str, args) -> list[dict]:
     for p in procs:
         p.start()
     results = dict(out.get(timeout=1800) for _ in procs)
+    for r, res in results.items():
+        if isinstance(res, str):
+            raise RuntimeError(f"{plan}, rank {r}:\n{res}")
     for p in procs:
         p.join()
     if plan != "pp" and results[0] != results[1]:     # pipeline stages differ (sends vs receives)

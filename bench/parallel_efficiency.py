@@ -12,7 +12,9 @@ gradient sync, AdamW, zero_grad. For each global batch size (default 1 4 16):
 Each configuration runs --blocks times, in blocks that alternate (serial, world 2, serial, ...),
 each block --warmup + --steps steps; the figure is the median step over all its blocks, and the
 ratio world-2 plan / serial (> 1: the two ranks are slower than one process using both cores).
-Where the time goes, per rank, is in torch.profiler traces of one step with --trace DIR.
+With --trace DIR, one step per plan and batch runs under torch.profiler: its trace is written per
+rank, and rank 0's self CPU time is split into collectives (issuing and waiting), matmul, copies
+(padding, concatenation, layout changes) and other.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/parallel_efficiency.py [--batches 1 4 16]
         [--plans tp sp galaxy megatron dp] [--steps 4] [--warmup 1] [--blocks 2] [--json out.json]
@@ -41,6 +43,26 @@ from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 
 PLANS = {"tp": ("tp", None), "sp": ("sp", None), "megatron": ("galaxy", None),
          "galaxy": ("galaxy", ((7, 5), (896, 640), (74, 54))), "dp": ("dp", None)}
+
+
+CATEGORIES = (   # (category, name fragments) of torch.profiler's CPU ops, first match wins
+    ("collectives", ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "allgather",
+                     "reduce_scatter", "broadcast", "barrier", "wait")),
+    ("matmul", ("mm", "addmm", "bmm", "linear", "matmul", "scaled_dot_product", "attention")),
+    ("copies", ("copy_", "cat", "pad", "clone", "contiguous", "narrow", "split", "index")),
+)
+
+
+def where_time_goes(prof) -> dict[str, float]:
+    """Self CPU seconds of one traced step by category: collectives (issuing them and waiting),
+    matmul (GEMMs and attention), copies (padding, concatenation, layout), other (element-wise,
+    optimizer, autograd)."""
+    out = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    for e in prof.key_averages():
+        name = e.key.lower()
+        cat = next((c for c, frags in CATEGORIES if any(f in name for f in frags)), "other")
+        out[cat] += e.self_cpu_time_total / 1e6
+    return out
 
 
 def serial_times(args, batch_size: int) -> list[float]:
@@ -94,7 +116,7 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
     if preset == "dp":
         half = batch_size // 2
         batch = {k: v[rank * half:(rank + 1) * half] for k, v in batch.items()}
-    times = []
+    times, split = [], None
     for i in range(args.warmup + args.steps):
         dist.barrier()
         t0 = time.perf_counter()
@@ -106,6 +128,7 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
                 opt.zero_grad(set_to_none=True)
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(f"{args.trace}/{plan}-b{batch_size}-rank{rank}.json")
+            split = where_time_goes(prof)
         else:
             runner.step(batch)
             opt.step()
@@ -115,7 +138,7 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
         if i >= args.warmup:
             times.append(elapsed.item())
     if rank == 0:
-        results.put(times)
+        results.put((times, split))
     dist.destroy_process_group()
 
 
@@ -128,7 +151,7 @@ def run_serial(ctx, args, b) -> list[float]:
     return out
 
 
-def run_world2(ctx, args, plan, b) -> list[float]:
+def run_world2(ctx, args, plan, b) -> tuple[list[float], dict | None]:
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,15 +183,23 @@ def main() -> None:
     for b in args.batches:
         plans = [pl for pl in args.plans if not (pl == "dp" and b % 2)]
         times = {"serial": [], **{pl: [] for pl in plans}}
+        splits = {}
         for _ in range(args.blocks):
             for pl in plans:                        # serial before each plan: alternating blocks
                 times["serial"] += run_serial(ctx, args, b)
-                times[pl] += run_world2(ctx, args, pl, b)
+                ts, split = run_world2(ctx, args, pl, b)
+                times[pl] += ts
+                splits[pl] = split or splits.get(pl)
         serial = statistics.median(times["serial"])
         rows[b] = {name: {"median_s": statistics.median(ts), "ratio_vs_serial": statistics.median(ts) / serial}
                    for name, ts in times.items()}
         line = "  ".join(f"{n} {r['median_s'] * 1e3:7.1f} ms (x{r['ratio_vs_serial']:.2f})" for n, r in rows[b].items())
         print(f"batch {b:3d}: {line}", flush=True)
+        for pl, split in splits.items():
+            if split:
+                rows[b][pl]["where_s"] = split
+                print(f"    {pl} rank 0, one traced step (self CPU s): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in split.items()), flush=True)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -82,13 +82,14 @@ def test_step_tokens_ride_with_the_loss(dist_pool, ws):
     from galaxy.train.metrics import read_metrics
     pool = dist_pool(2)
     tokens, losses = {}, {}
-    for preset, keys in (("galaxy", GALAXY_W2), ("dp", {"dp_deg": 2}), ("pp", {"pp_deg": 2, "num_microbatches": 2})):
+    galaxy = {**GALAXY_W2, "seq_scatter_list": [36, 28]}
+    for preset, keys in (("galaxy", galaxy), ("dp", {"dp_deg": 2}), ("pp", {"pp_deg": 2, "num_microbatches": 2})):
         name = f"tokens_{preset}"
-        pool.run(train_on_rank, write_config(ws, name, max_steps=3, shuffle=False, **keys), preset)
+        pool.run(train_on_rank, write_config(ws, name, max_steps=3, shuffle=False, pad_size=64, **keys), preset)
         records = [r for r in read_metrics(f"{ws['root']}/{name}/metrics.jsonl") if "event" not in r]
         tokens[preset] = [r["tokens"] for r in records]
         losses[preset] = [r["loss"] for r in records]
-    assert len(set(tokens["galaxy"])) > 1, "batches must differ in tokens for the test to mean something"
+    assert len(set(tokens["galaxy"])) > 1 and max(tokens["galaxy"]) < 8 * 64, "padding must vary"
     assert tokens["dp"] == tokens["galaxy"] == tokens["pp"], tokens
     for preset in ("dp", "pp"):
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(losses[preset], losses["galaxy"])), losses

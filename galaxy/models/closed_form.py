@@ -11,6 +11,7 @@ seq_shares). The keyword forms below them take plain numbers (the tests call tho
 from __future__ import annotations
 
 from galaxy.distributed.buckets import BUCKET_CAP_BYTES, bucket_numels
+from galaxy.distributed.overlap import chunk_sizes
 
 
 def ring_bytes(kind: str, numel: int, element_size: int, group_size: int) -> int:
@@ -137,13 +138,13 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
         if name == "mlp" and tp and comm_chunks > 1:
             if con_s:       # chunk j: every rank's j-th part of its share, padded to the longest
                 c = min(comm_chunks, min(seq_shares))
-                parts = [_chunk_sizes(s, c) for s in seq_shares]
+                parts = [chunk_sizes(s, c) for s in seq_shares]
                 for j in range(c):
                     numel = batch * max(p[j] for p in parts) * hidden
                     for kind in ("all_gather", "reduce_scatter"):   # in and out, fwd and bwd
                         add(kind, numel, 2 * layers)
             else:           # chunk j of the replicated sequence: all-reduce in bwd, out fwd
-                for s_j in _chunk_sizes(seq, min(comm_chunks, seq)):
+                for s_j in chunk_sizes(seq, min(comm_chunks, seq)):
                     add("all_reduce", batch * s_j * hidden, 2 * layers)
             continue
         # CON -> sub-block (forward | backward)
@@ -175,11 +176,6 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
     for numel in grad_sync_all_reduces(units, element_size):
         add("all_reduce", numel)
     return out
-
-
-def _chunk_sizes(total: int, chunks: int) -> list[int]:
-    """galaxy.distributed.overlap.chunk_sizes: near-equal parts, the first ones one longer."""
-    return [total // chunks + (1 if j < total % chunks else 0) for j in range(chunks)]
 
 
 def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int,
