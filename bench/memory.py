@@ -263,16 +263,17 @@ def draw(rows: list[dict], args, path: str) -> None:
     import matplotlib.pyplot as plt
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(2, len(models), figsize=(6.5 * len(models), 8), squeeze=False)
-    parts = (("weights", "#4c72b0"), ("grads", "#dd8452"), ("optim", "#55a868"), ("act", "#c44e52"))
+    parts = (("weights", "#4c72b0"), ("grads", "#dd8452"), ("optim", "#55a868"),
+             ("act", "#c44e52", "activations, buffers, temporaries"))
     for col, model in enumerate(models):
         mine = [r for r in rows if r["model"] == model]
         labels = [f"{r['mode']}\n{'ckpt' if r['ckpt'] == 'full' else 'no ckpt'}" for r in mine]
         x = range(len(mine))
         bottom = [0.0] * len(mine)
         ax = axes[0][col]
-        for key, color in parts:
+        for key, color, *label in parts:
             vals = [max(r[key], 0) / MIB for r in mine]
-            ax.bar(x, vals, bottom=bottom, color=color, label=key)
+            ax.bar(x, vals, bottom=bottom, color=color, label=label[0] if label else key)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_ylabel("MiB per rank (peak of one step)")
