@@ -32,7 +32,7 @@ from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
 from galaxy.models.family import GalaxyModel
-from galaxy.models.weights import NameMap
+from galaxy.models.weights import NameMap, pre_norm_names
 
 
 def unsupported(cfg) -> str | None:
@@ -216,15 +216,7 @@ def hf_names(cfg):
         "side_in.{rest}": "side.input.{rest}",
         "side_out.{rest}": "side.output.{rest}",
     })
-    last = cfg.num_hidden_layers - 1
-
-    def to_hf(name: str) -> str:
-        parts = name.split(".")
-        if parts[0] == "layers" and parts[2] == "con2" and parts[3] == "norm":
-            i = int(parts[1])
-            return f"transformer.ln_f.{parts[4]}" if i == last else f"transformer.h.{i + 1}.ln_1.{parts[4]}"
-        return table(name)
-    return to_hf
+    return pre_norm_names(table, cfg.num_hidden_layers, "transformer.h.{i}.ln_1.{w}", "transformer.ln_f.{w}")
 
 
 # Hugging Face's Conv1D weights ([in, out]); galaxy's nn.Linear holds them [out, in].

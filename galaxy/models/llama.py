@@ -25,7 +25,7 @@ from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
 from galaxy.models.family import GalaxyModel
-from galaxy.models.weights import NameMap
+from galaxy.models.weights import NameMap, pre_norm_names
 
 
 class RMSNorm(nn.Module):
@@ -300,12 +300,4 @@ def hf_names(cfg):
         "side_in.{rest}": "side.input.{rest}",
         "side_out.{rest}": "side.output.{rest}",
     })
-    last = cfg.num_hidden_layers - 1
-
-    def to_hf(name: str) -> str:
-        parts = name.split(".")
-        if parts[0] == "layers" and parts[2] == "con2" and parts[3] == "norm":
-            i = int(parts[1])
-            return "model.norm.weight" if i == last else f"model.layers.{i + 1}.input_layernorm.weight"
-        return table(name)
-    return to_hf
+    return pre_norm_names(table, cfg.num_hidden_layers, "model.layers.{i}.input_layernorm.{w}", "model.norm.{w}")

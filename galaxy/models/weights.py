@@ -175,3 +175,19 @@ class NameMap:
             if m:
                 return target.format(**m.groupdict())
         raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def pre_norm_names(table: NameMap, num_layers: int, next_norm: str, final_norm: str):
+    """galaxy name -> HF name for a pre-norm decoder, whose CON2 of layer i holds the norm that
+    Hugging Face files under layer i + 1 (`next_norm`, e.g. "model.layers.{i}.input_layernorm.{w}")
+    and, after the last layer, the final norm (`final_norm`, e.g. "model.norm.{w}"); every other
+    name goes through `table`."""
+    last = num_layers - 1
+
+    def to_hf(name: str) -> str:
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[2] == "con2" and parts[3] == "norm":
+            i, w = int(parts[1]), parts[4]
+            return final_norm.format(w=w) if i == last else next_norm.format(i=i + 1, w=w)
+        return table(name)
+    return to_hf
