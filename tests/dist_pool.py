@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import socket
 import sys
 import traceback
@@ -18,9 +19,32 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, drawn from below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the ephemeral range, which it also hands to
+    every outgoing connection (gloo opens one per peer pair); a test that picks ports for jobs it
+    starts minutes later would then find one taken. Ports below the range are only ever bound on
+    purpose.
+    """
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):   # not Linux: IANA's dynamic range starts at 49152
+        return 49152
 
 
 def _worker(rank, world, port, tasks, results, path):

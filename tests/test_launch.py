@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_pool import free_port
 from galaxy.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,12 +17,6 @@ TARGET = str(REPO / "tests" / "launch_target.py")
 BERT = {"model_type": "bert", "num_attention_heads": 6, "intermediate_size": 96,
         "hidden_size": 48, "num_hidden_layers": 2, "max_position_embeddings": 64}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
