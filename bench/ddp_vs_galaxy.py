@@ -121,6 +121,8 @@ def measure(args, runners: dict, batch_size: int) -> dict:
 def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.distributed import waiting
+    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
     from galaxy.models.shape import read_model_shape
     runners = build_runners(args, read_model_shape(args.model_path))
     rows = {}
@@ -199,6 +201,8 @@ def main() -> None:
     p.add_argument("--plan", default="galaxy", choices=("galaxy", "galaxy2", "tp", "sp"))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--pad_size", type=int, default=128)
+    p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
+                   help="how ranks wait for collectives (config key comm_wait)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")

@@ -117,6 +117,8 @@ def timed(fn) -> float:
 def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.distributed import waiting
+    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
     count_functional_collectives()
     from galaxy.profiler.comm import CommRecorder
     batch = make_batch(args.model_path, args.batch_size, args.pad_size)
@@ -160,6 +162,8 @@ def worker(rank: int, args, port: int, results) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model_path", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
+    p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
+                   help="how ranks wait for collectives (config key comm_wait)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--pad_size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=6)

@@ -95,6 +95,8 @@ def serial_worker(args, batch_size: int, results) -> None:
 def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.distributed import waiting
+    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
     from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.models.shape import read_model_shape
@@ -175,6 +177,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--comm_chunks", type=int, default=1)
+    p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
+                   help="how ranks wait for collectives (config key comm_wait)")
     p.add_argument("--trace", default=None, help="folder for one step's torch.profiler trace per rank")
     p.add_argument("--json", default=None)
     args = p.parse_args()

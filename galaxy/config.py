@@ -57,6 +57,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # dp_sharding: replicas hold whole copies (DDP), or FSDP2 shards them and frees each layer's
 # gathered parameters after its forward ("full", ZeRO-3 like) or keeps them to backward ("no_reshard").
 DP_SHARDING = ("none", "full", "no_reshard")
+COMM_WAITS = ("auto", "poll", "block")   # galaxy.distributed.waiting
 # PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
 PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
               "use_side_only": "side_only"}
@@ -112,6 +113,9 @@ class GalaxyConfig:
     # A TP MLP's collectives travel in this many chunks of the sequence, overlapped with the GEMMs
     # (galaxy.layers.block); 1: one collective per transition.
     comm_chunks: int = 1
+    # How a rank waits for CPU collectives (galaxy.distributed.waiting): poll them, yielding the
+    # core, or block; auto polls on gloo when every rank on the host has a core of its own.
+    comm_wait: str = "auto"
     mixed_precision: str = "none"  # "bf16": autocast the forward pass; JSON null is stored as "none"
     eval_interval: int | None = None  # None: evaluate the dev set at the end only
     save_dir: str | None = None  # None: no checkpoints
@@ -197,6 +201,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "clip_grad": (float, True),
     "grad_accum_steps": (int, False),
     "comm_chunks": (int, False),
+    "comm_wait": (COMM_WAITS, False),
     "mixed_precision": (("bf16", "none"), True),
     "eval_interval": (int, True),
     "save_dir": (str, True),

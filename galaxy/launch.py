@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import os
 import re
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from galaxy import preflight
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.data.errors import DataError
+from galaxy.distributed import waiting
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
@@ -191,8 +193,21 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
         # The prefix init_process_group itself puts on a store it creates.
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=args.rank,
                                 world_size=args.world, timeout=timeout)
+    waiting.set_polling(waiting.choose_poll(cfg.comm_wait, backend, *ranks_and_cores_on_this_host()))
     return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
                    timeout_s=cfg.timeout_s, local_rank=local_rank)
+
+
+def ranks_and_cores_on_this_host() -> tuple[int, int]:
+    """(ranks of the default group on this host, cores they may use together): one all-gather of
+    every rank's host name and CPU affinity, so that ranks pinned one to a core count as a core each."""
+    cores = sorted(waiting.usable_core_ids())
+    if dist.get_world_size() == 1:
+        return 1, len(cores)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (socket.gethostname(), cores))
+    here = [c for host, c in every if host == socket.gethostname()]
+    return len(here), len(set().union(*here))
 
 
 def _first_line(error: BaseException) -> str:

@@ -3,7 +3,8 @@
 LAUNCH_TARGET_DIE_RANK=<r> makes rank r exit abruptly between its two collectives, to
 stand in for a peer that crashes or is killed mid-training. LAUNCH_TARGET_BAR=1 shows a progress
 bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_SLEEP=<s> keeps every rank
-busy for s seconds after the rendezvous, to stand in for a job that is running.
+busy for s seconds after the rendezvous, to stand in for a job that is running. Each rank prints
+how it waits for collectives (config key comm_wait, galaxy.distributed.waiting).
 """
 
 import os
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from galaxy.distributed import waiting
 from galaxy.launch import main
 
 
@@ -27,7 +29,8 @@ def train(cfg, env):
         os._exit(9)
     dist.all_reduce(t)
     bar.close()
-    print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device}", flush=True)
+    waits = "poll" if waiting.polling() else "block"
+    print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device} waits={waits}", flush=True)
 
 
 if __name__ == "__main__":

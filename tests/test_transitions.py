@@ -9,12 +9,15 @@ destination layout:
   R, sharded consumer    sum(y * W_r), sum_r W_r = W    (partial losses, as a TP projection)
 Then the forward value must be X in the destination layout, and the input gradient must be
 W in the source layout (P and R sources need the full W on every rank).
+The uneven cases wait for their collectives by polling (galaxy.distributed.waiting), the even ones
+by blocking, so both ways of waiting are checked on every transition.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 from galaxy.distributed import transitions as T
+from galaxy.distributed import waiting
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import Layout
 
@@ -34,7 +37,15 @@ def _shard(t, seq, rank):
     return t[:, start:start + seq[rank]]
 
 
-def check_transition(case_index, seq):
+def check_transition(case_index, seq, poll):
+    waiting.set_polling(poll)
+    try:
+        return _check_transition(case_index, seq)
+    finally:
+        waiting.set_polling(False)
+
+
+def _check_transition(case_index, seq):
     fn, src, dst, sharded = CASES[case_index]
     rank, world = dist.get_rank(), dist.get_world_size()
     group = GalaxyGroup(rank, world, dist.group.WORLD, (1,) * world, (1,) * world, tuple(seq))
@@ -66,7 +77,7 @@ def check_transition(case_index, seq):
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[1]}->{c[2]}{'-tp' if c[3] else ''}" for c in CASES])
 def test_transition_matches_reference(dist_pool, world, uneven, case):
     seq = SPLITS[world][int(uneven)]
-    for rank, (fwd_err, bwd_err) in enumerate(dist_pool(world).run(check_transition, case, seq)):
+    for rank, (fwd_err, bwd_err) in enumerate(dist_pool(world).run(check_transition, case, seq, uneven)):
         assert fwd_err < 1e-12, f"rank {rank}: forward off by {fwd_err}"
         assert bwd_err < 1e-12, f"rank {rank}: backward off by {bwd_err}"
 
@@ -78,3 +89,14 @@ def test_pick_transition_covers_every_layout_pair():
     assert T.pick_transition(Layout.S, Layout.R, True) is T.gather_for_sharded_consumer
     with pytest.raises(ValueError):
         T.pick_transition(Layout.R, Layout.P, False)
+
+
+def test_auto_wait_polls_only_on_gloo_with_a_core_per_rank():
+    assert waiting.choose_poll("auto", "gloo", ranks_on_host=2, cores_on_host=2)
+    assert not waiting.choose_poll("auto", "gloo", ranks_on_host=4, cores_on_host=2)     # would steal a computing rank's core
+    assert not waiting.choose_poll("auto", "nccl", ranks_on_host=1, cores_on_host=8)     # NCCL waits are stream dependencies
+    assert waiting.choose_poll("poll", "gloo", ranks_on_host=4, cores_on_host=2)
+    assert not waiting.choose_poll("poll", "nccl", ranks_on_host=1, cores_on_host=8)
+    assert not waiting.choose_poll("block", "gloo", ranks_on_host=1, cores_on_host=8)
+    with pytest.raises(ValueError, match="comm_wait"):
+        waiting.choose_poll("spin", "gloo", 1, 1)

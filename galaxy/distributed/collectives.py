@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from galaxy.distributed import waiting
+
 SEQ_DIM = 1
 
 # torch 2.13 renamed the tensor forms; older releases only have the old names.
@@ -26,14 +28,15 @@ comm_recorder = None
 
 
 class Pending:
-    """A started collective: wait() blocks until it is done and returns its result."""
+    """A started collective: wait() returns its result once it is done (galaxy.distributed.waiting
+    says whether the wait blocks or polls; pollable=False for works that only complete in wait())."""
 
-    def __init__(self, work, finish):
-        self._work, self._finish = work, finish
+    def __init__(self, work, finish, pollable: bool = True):
+        self._work, self._finish, self._pollable = work, finish, pollable
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            waiting.wait(self._work, self._pollable)
             self._work = None
         return self._finish()
 
@@ -110,8 +113,30 @@ def start_reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> Pend
     out = x.new_empty((longest, *x.shape[1:]))
     if comm_recorder is not None:
         comm_recorder("reduce_scatter", out, len(sizes))
+    summed = _start_reduce_scatter(out, x, pg)
+    return Pending(summed.work, lambda: summed.finish()[: sizes[rank]].movedim(0, SEQ_DIM).contiguous(),
+                   summed.pollable)
+
+
+class _Summed:
+    def __init__(self, work, finish, pollable):
+        self.work, self.finish, self.pollable = work, finish, pollable
+
+
+def _start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg) -> _Summed:
+    """out = this rank's block of the sum over ranks of x (x: [n * m, ...] in rank blocks, out: [m, ...]).
+
+    On gloo, as an all-to-all of the blocks and a local sum: every rank sends the other n - 1 ranks
+    their blocks, (n - 1) / n of x, the bytes of a ring reduce-scatter, and gloo's all-to-all is
+    much faster than its reduce-scatter (1.5 MB between two ranks on loopback: 0.8 ms against
+    2.7 ms), and reports completion to a polling wait, which gloo's reduce-scatter never does.
+    The blocks are summed in rank order, the same order on every run."""
+    if dist.get_backend(pg) == "gloo":
+        recv = torch.empty_like(x)
+        work = dist.all_to_all_single(recv, x, group=pg, async_op=True)
+        return _Summed(work, lambda: torch.sum(recv.view(-1, *out.shape), 0, out=out), True)
     work = _reduce_scatter_tensor(out, x, group=pg, async_op=True)
-    return Pending(work, lambda: out[: sizes[rank]].movedim(0, SEQ_DIM).contiguous())
+    return _Summed(work, lambda: out, False)
 
 
 def all_gather_dim(x: torch.Tensor, sizes, dim: int, pg) -> torch.Tensor:

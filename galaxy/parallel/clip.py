@@ -14,8 +14,8 @@ stays whole on every replica and is counted once).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from galaxy.distributed import waiting
 from galaxy.models.attached import written_names
 from galaxy.parallel.sharded_dp import dp_group_of, is_dtensor, local
 
@@ -43,11 +43,11 @@ def global_grad_norm(model: torch.nn.Module) -> torch.Tensor:
                                             if (rules[name].kind == "sharded") == galaxy_sharded
                                             and is_dtensor(g) == dp_sharded], device)
     if group.pg is not None and any(rules[name].kind == "sharded" for name, _ in grads):
-        dist.all_reduce(sq[0], group=group.pg)
+        waiting.all_reduce(sq[0], group=group.pg)
     per_rank = sq.sum(dim=0)                      # [dp-sharded, dp-replicated]
     dp_pg = dp_group_of(g for _, g in grads)      # dp_sharding: each replica holds its own slices
     if dp_pg is not None:
-        dist.all_reduce(per_rank[:1], group=dp_pg)
+        waiting.all_reduce(per_rank[:1], group=dp_pg)
     return per_rank.sum().sqrt()
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
-from galaxy.distributed import collectives
+from galaxy.distributed import collectives, waiting
 from galaxy.distributed.buckets import BUCKET_CAP_BYTES, group_into_buckets
 from galaxy.parallel.sharded_dp import local
 
@@ -139,7 +139,7 @@ class GradientSync:
         changed_outside = False
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                waiting.wait(b.work)
                 if all(p.grad is g and g._version == v for p, (g, v) in zip(b.params, b.read)):
                     self._write_back([p.grad for p in b.params], b.flat)
                     continue

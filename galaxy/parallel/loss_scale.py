@@ -27,6 +27,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from galaxy.distributed import waiting
+
 
 def total_loss_units(model, labels: torch.Tensor, dp_pg) -> torch.Tensor:
     """U: the loss terms of the global batch (this replica's labels summed over replicas)."""
@@ -37,7 +39,7 @@ def total_loss_units(model, labels: torch.Tensor, dp_pg) -> torch.Tensor:
             # evenly; runners split them into equal micro-batches).
             return units * dist.get_world_size(dp_pg)
         units = units.clone()
-        dist.all_reduce(units, group=dp_pg)
+        waiting.all_reduce(units, group=dp_pg)
     return units
 
 
@@ -90,7 +92,7 @@ def mean_over_replicas(local: torch.Tensor, dp_pg, dp_size: int) -> torch.Tensor
     packed = local.detach().reshape(1).to(torch.float64)        # [1 + riders]: exact for counts
     if rider is not None:
         packed = torch.cat([packed, rider.local.to(packed)])
-    dist.all_reduce(packed, group=dp_pg)
+    waiting.all_reduce(packed, group=dp_pg)
     if rider is not None:
         rider.settle(packed[1:])
     return (packed[0] / dp_size).to(local.dtype)

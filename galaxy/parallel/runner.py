@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from galaxy.distributed import waiting
 from galaxy.models.attached import written_names
 from galaxy.parallel.clip import clip_grad_norm_, global_grad_norm
 from galaxy.parallel.full_state import gather_full
@@ -76,7 +77,7 @@ class Runner:
         """L2 norm of the full model's gradient (after step), the same on every rank."""
         sq = global_grad_norm(self.model).square()
         if self.mesh.pp_pg is not None:
-            dist.all_reduce(sq, group=self.mesh.pp_pg)
+            waiting.all_reduce(sq, group=self.mesh.pp_pg)
         return sq.sqrt()
 
     @torch.no_grad()

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from galaxy.distributed import waiting
 from galaxy.config import DP_SHARDING
 
 
@@ -99,7 +100,7 @@ class WholeGradients:
         if self.dp_pg is None or not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_pg)
+        waiting.all_reduce(flat, group=self.dp_pg)
         flat /= dist.get_world_size(self.dp_pg)
         for g, mean in zip(grads, flat):
             g.copy_(mean)

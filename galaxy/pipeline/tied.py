@@ -10,8 +10,7 @@ identical optimizer steps and stay equal. Middle stages hold neither copy.
 """
 from __future__ import annotations
 
-import torch.distributed as dist
-
+from galaxy.distributed import waiting
 from galaxy.distributed.mesh import pipeline_ends_group
 from galaxy.parallel.sharded_dp import local
 
@@ -31,4 +30,4 @@ class TiedWeightSync:
         for p in self.params:
             if p.requires_grad:       # frozen under PEFT: frozen on both ends alike
                 # dp_sharding: both copies have one shape, so both ends hold the same dp slice
-                dist.all_reduce(local(p.grad), group=self.pg)
+                waiting.all_reduce(local(p.grad), group=self.pg)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from galaxy.distributed import waiting
 from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
 from galaxy.distributed.mesh import build_mesh
@@ -204,7 +205,7 @@ class Trainer:
             return int(summed.sum().item())
         tokens = batch["attention_mask"].sum()
         if self.mesh.dp_pg is not None:
-            dist.all_reduce(tokens, group=self.mesh.dp_pg)
+            waiting.all_reduce(tokens, group=self.mesh.dp_pg)
         return int(tokens)
 
     # --- checkpoint state -------------------------------------------------------------------
