@@ -9,15 +9,16 @@ destination layout:
   R, sharded consumer    sum(y * W_r), sum_r W_r = W    (partial losses, as a TP projection)
 Then the forward value must be X in the destination layout, and the input gradient must be
 W in the source layout (P and R sources need the full W on every rank).
-The uneven cases wait for their collectives by polling (galaxy.distributed.waiting), the even ones
-by blocking, so both ways of waiting are checked on every transition.
+The uneven cases wait for their collectives by polling (galaxy.distributed.waiting) and reduce-scatter
+as gloo runs it in training (an all-to-all and a local sum); the even ones block and use the
+backend's own reduce-scatter (NCCL's path): both ways of waiting and of reducing, every transition.
 """
 import pytest
 import torch
 import torch.distributed as dist
 
 from galaxy.distributed import transitions as T
-from galaxy.distributed import waiting
+from galaxy.distributed import collectives, waiting
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import Layout
 
@@ -39,10 +40,12 @@ def _shard(t, seq, rank):
 
 def check_transition(case_index, seq, poll):
     waiting.set_polling(poll)
+    collectives.reduce_scatter_as_all_to_all = poll     # blocking cases: the backend's own reduce-scatter
     try:
         return _check_transition(case_index, seq)
     finally:
         waiting.set_polling(False)
+        collectives.reduce_scatter_as_all_to_all = True
 
 
 def _check_transition(case_index, seq):

@@ -25,6 +25,9 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 # Communication accounting (galaxy.profiler.comm.CommRecorder): when set, called as
 # comm_recorder(kind, tensor moved per rank, group size) by every collective; None costs nothing.
 comm_recorder = None
+# On gloo, a reduce-scatter runs as an all-to-all and a local sum (_start_reduce_scatter); False
+# (tests only) runs gloo's own, the path every other backend takes.
+reduce_scatter_as_all_to_all = True
 
 
 class Pending:
@@ -73,26 +76,34 @@ def all_gather_sequence(x: torch.Tensor, sizes, pg) -> torch.Tensor:
 
 
 def start_all_gather_sequence(x: torch.Tensor, sizes, pg) -> Pending:
-    """all_gather_sequence, started: one padded all-gather; the trim happens at wait()."""
+    """all_gather_sequence, started: one padded all-gather; the trim happens at wait().
+
+    The shards are gathered as they lie ([b, s_rank, ...], padded to the longest share) into a
+    [n, b, longest, ...] stack, and wait() lays the stack out along the sequence: one copy (none
+    for b == 1 with even shares)."""
     if pg is None:
         return _done(x)
     n, longest = len(sizes), max(sizes)
     pad = longest - x.shape[SEQ_DIM]
-    x = x.movedim(SEQ_DIM, 0)                         # [s_rank, b, ...]: gathers stack on dim 0
     if pad:
-        x = F.pad(x, (0,) * (2 * (x.dim() - 1)) + (0, pad))
+        x = F.pad(x, _pad_seq(x, pad))
     x = x.contiguous()
-    out = x.new_empty((n * longest, *x.shape[1:]))
+    flat = x.new_empty((n * x.shape[0], *x.shape[1:]))     # the concatenation gloo's all-gather takes
     if comm_recorder is not None:
         comm_recorder("all_gather", x, n)
-    work = _all_gather_tensor(out, x, group=pg, async_op=True)
+    work = _all_gather_tensor(flat, x, group=pg, async_op=True)
 
     def finish():
-        full = out
+        out = flat.view(n, *x.shape)
         if any(s != longest for s in sizes):
-            full = torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
-        return full.movedim(0, SEQ_DIM).contiguous()
+            return torch.cat([out[i].narrow(SEQ_DIM, 0, s) for i, s in enumerate(sizes)], dim=SEQ_DIM)
+        return out.movedim(0, SEQ_DIM).reshape(x.shape[0], n * longest, *x.shape[2:])
     return Pending(work, finish)
+
+
+def _pad_seq(x: torch.Tensor, pad: int) -> tuple[int, ...]:
+    """F.pad's argument that appends `pad` zero tokens to dim 1 of x."""
+    return (0,) * (2 * (x.dim() - 2)) + (0, pad)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tensor:
@@ -101,20 +112,26 @@ def reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> torch.Tens
 
 
 def start_reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> Pending:
-    """reduce_scatter_sequence, started: one padded reduce-scatter; the trim happens at wait()."""
+    """reduce_scatter_sequence, started: one padded reduce-scatter; the trim happens at wait().
+
+    x [b, S, ...] is laid out as a [n, b, longest, ...] stack of the ranks' token ranges (padded
+    to the longest: one copy, none for b == 1 with even shares); the sum of every rank's block is
+    a [b, longest, ...] tensor, already in this rank's layout."""
     if pg is None:
         return _done(x)
-    longest = max(sizes)
-    x = x.movedim(SEQ_DIM, 0)                         # [S, b, ...]
+    n, longest = len(sizes), max(sizes)
     if any(s != longest for s in sizes):
-        chunks = torch.split(x, list(sizes))
-        x = torch.cat([F.pad(c, (0,) * (2 * (x.dim() - 1)) + (0, longest - c.shape[0])) for c in chunks])
-    x = x.contiguous()
-    out = x.new_empty((longest, *x.shape[1:]))
+        blocks = torch.stack([F.pad(c, _pad_seq(c, longest - c.shape[SEQ_DIM]))
+                              for c in torch.split(x, list(sizes), dim=SEQ_DIM)])
+    else:
+        blocks = x.reshape(x.shape[0], n, longest, *x.shape[2:]).movedim(1, 0).contiguous()
+    out = blocks.new_empty(blocks.shape[1:])
     if comm_recorder is not None:
-        comm_recorder("reduce_scatter", out, len(sizes))
-    summed = _start_reduce_scatter(out, x, pg)
-    return Pending(summed.work, lambda: summed.finish()[: sizes[rank]].movedim(0, SEQ_DIM).contiguous(),
+        comm_recorder("reduce_scatter", out, n)
+    summed = _start_reduce_scatter(out, blocks, pg)
+    if sizes[rank] == longest:
+        return Pending(summed.work, summed.finish, summed.pollable)
+    return Pending(summed.work, lambda: summed.finish().narrow(SEQ_DIM, 0, sizes[rank]).contiguous(),
                    summed.pollable)
 
 
@@ -124,18 +141,19 @@ class _Summed:
 
 
 def _start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg) -> _Summed:
-    """out = this rank's block of the sum over ranks of x (x: [n * m, ...] in rank blocks, out: [m, ...]).
+    """out = this rank's block of the sum over ranks of x (x: [n, ...] rank blocks, out: [...]).
 
     On gloo, as an all-to-all of the blocks and a local sum: every rank sends the other n - 1 ranks
     their blocks, (n - 1) / n of x, the bytes of a ring reduce-scatter, and gloo's all-to-all is
     much faster than its reduce-scatter (1.5 MB between two ranks on loopback: 0.8 ms against
     2.7 ms), and reports completion to a polling wait, which gloo's reduce-scatter never does.
     The blocks are summed in rank order, the same order on every run."""
-    if dist.get_backend(pg) == "gloo":
+    if reduce_scatter_as_all_to_all and dist.get_backend(pg) == "gloo":
         recv = torch.empty_like(x)
         work = dist.all_to_all_single(recv, x, group=pg, async_op=True)
-        return _Summed(work, lambda: torch.sum(recv.view(-1, *out.shape), 0, out=out), True)
-    work = _reduce_scatter_tensor(out, x, group=pg, async_op=True)
+        return _Summed(work, lambda: torch.sum(recv, 0, out=out), True)
+    concatenated = x.view(-1, *x.shape[2:])             # the primary-dimension concatenation every backend takes
+    work = _reduce_scatter_tensor(out, concatenated, group=pg, async_op=True)
     return _Summed(work, lambda: out, False)
 
 
