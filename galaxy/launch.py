@@ -193,7 +193,9 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
         # The prefix init_process_group itself puts on a store it creates.
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=args.rank,
                                 world_size=args.world, timeout=timeout)
-    waiting.set_polling(waiting.choose_poll(cfg.comm_wait, backend, *ranks_and_cores_on_this_host()))
+    # Every rank has the same comm_wait and backend, so all or none join the all-gather.
+    on_host = ranks_and_cores_on_this_host() if backend == "gloo" and cfg.comm_wait == "auto" else (1, 1)
+    waiting.set_polling(waiting.choose_poll(cfg.comm_wait, backend, *on_host))
     return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
                    timeout_s=cfg.timeout_s, local_rank=local_rank)
 

@@ -128,20 +128,16 @@ def start_reduce_scatter_sequence(x: torch.Tensor, sizes, rank: int, pg) -> Pend
     out = blocks.new_empty(blocks.shape[1:])
     if comm_recorder is not None:
         comm_recorder("reduce_scatter", out, n)
-    summed = _start_reduce_scatter(out, blocks, pg)
+    work, summed, pollable = _start_reduce_scatter(out, blocks, pg)
     if sizes[rank] == longest:
-        return Pending(summed.work, summed.finish, summed.pollable)
-    return Pending(summed.work, lambda: summed.finish().narrow(SEQ_DIM, 0, sizes[rank]).contiguous(),
-                   summed.pollable)
+        return Pending(work, summed, pollable)
+    return Pending(work, lambda: summed().narrow(SEQ_DIM, 0, sizes[rank]).contiguous(), pollable)
 
 
-class _Summed:
-    def __init__(self, work, finish, pollable):
-        self.work, self.finish, self.pollable = work, finish, pollable
-
-
-def _start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg) -> _Summed:
-    """out = this rank's block of the sum over ranks of x (x: [n, ...] rank blocks, out: [...]).
+def _start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg):
+    """out = this rank's block of the sum over ranks of x (x: [n, ...] rank blocks, out: [...]);
+    returns (the started work, a function that finishes out and returns it, whether the work
+    reports completion to a polling wait).
 
     On gloo, as an all-to-all of the blocks and a local sum: every rank sends the other n - 1 ranks
     their blocks, (n - 1) / n of x, the bytes of a ring reduce-scatter, and gloo's all-to-all is
@@ -151,10 +147,10 @@ def _start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, pg) -> _Summed:
     if reduce_scatter_as_all_to_all and dist.get_backend(pg) == "gloo":
         recv = torch.empty_like(x)
         work = dist.all_to_all_single(recv, x, group=pg, async_op=True)
-        return _Summed(work, lambda: torch.sum(recv, 0, out=out), True)
+        return work, lambda: torch.sum(recv, 0, out=out), True
     concatenated = x.view(-1, *x.shape[2:])             # the primary-dimension concatenation every backend takes
     work = _reduce_scatter_tensor(out, concatenated, group=pg, async_op=True)
-    return _Summed(work, lambda: out, False)
+    return work, lambda: out, False
 
 
 def all_gather_dim(x: torch.Tensor, sizes, dim: int, pg) -> torch.Tensor:

@@ -6,8 +6,7 @@ backward, the sum over its sub-blocks (ATT, CON, MLP, CON) of the slowest rank's
 share (the device profile's measured table, or FLOPs / its GEMM rate), plus the layer's collectives
 (the family's closed-form bytes per kind, galaxy.models.closed_form, timed with the link profile).
 A recomputed (activation-checkpointed) layer runs its forward again in backward, collectives
-included (the forward half of the layer's collectives), its compute scaled by the device's
-measured recompute_factor (the checkpoint's bookkeeping and re-allocation on top of the forward). Per micro-batch a pipeline stage takes
+included (the forward half of the layer's collectives). Per micro-batch a pipeline stage takes
 t_p = forward + backward + its layers' collectives + its sends to the next / previous stage; a step
 of m micro-batches takes sum_p t_p + (m - 1) max_p t_p (gpipe and 1f1b alike: the bubble is the
 fill and drain of the slowest stage), then the once-per-step work, in parallel on every stage: the
@@ -203,7 +202,6 @@ class CostModel:
         self.layers = model["hf_config"]["num_hidden_layers"]
         signature = model_signature(model)
         self.compute = [DeviceCompute(d, model, tables_match(d, signature)) for d in devices]
-        self.recompute = [d.get("recompute_factor", 1.0) for d in devices]
         self.comm = CommForms(model)
         p = model["params"]
         self.embed_params, self.head_params, self.tied = p["embed"], p["head"], p["tied"]
@@ -331,14 +329,13 @@ class CostModel:
                         (ak, au), (mk, mu), con = kinds_of[j]
                         kind, units = ((ak, au), ("con", con), (mk, mu), ("con", con))[i]
                         tf, tb = self.compute[r](kind, units, rows)
-                        tr = tf * self.recompute[r]               # a recomputed forward, in backward
-                        times.append((tf, tb, tr))
+                        times.append((tf, tb))
                         per_rank[j][0] += L * tf
-                        per_rank[j][1] += L * tb + c * tr
-                        sub_s[r][sub] = sub_s[r].get(sub, 0.0) + m * (L * (tf + tb) + c * tr)
-                    f_max, b_max, r_max = (max(t[i] for t in times) for i in range(3))
+                        per_rank[j][1] += L * tb + c * tf
+                        sub_s[r][sub] = sub_s[r].get(sub, 0.0) + m * (L * (tf + tb) + c * tf)
+                    f_max, b_max = max(t[0] for t in times), max(t[1] for t in times)
                     fwd += L * f_max
-                    bwd += L * b_max + c * r_max
+                    bwd += L * b_max + c * f_max
                 for kind, on in (("embed", first), ("head", last)):
                     if not on:
                         continue

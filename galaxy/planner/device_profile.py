@@ -6,8 +6,7 @@ time (so that ranks sharing a host contend as they will in training):
 
   compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
               of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
-              (the fallback rate); the optimizer's step per parameter (AdamW, SGD); what
-              recomputing a checkpointed layer costs in backward, in forwards
+              (the fallback rate); the optimizer's step per parameter (AdamW, SGD)
   memory      what a rank may use (CPU: MemAvailable shared by the ranks on the host; CUDA: the
               free device memory) and the process's RSS before any model exists (the baseline
               every training process pays)
@@ -99,27 +98,6 @@ def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: i
                        "fwd_s": envelope([[pick([t[0] for t in times[kind, u, r]]) for r in rows] for u in units]),
                        "bwd_s": envelope([[pick([t[1] for t in times[kind, u, r]]) for r in rows] for u in units])}
     return {"rows": rows, "statistic": statistic, "kinds": kinds}
-
-
-def recompute_factor(bench: SubBlockBench, batch: int, repeats: int, statistic: str = "median") -> float:
-    """What a recomputed (activation-checkpointed) layer adds to backward, in forwards: the extra
-    backward seconds of ATT and MLP at the whole share on `batch` rows when their forward ran under
-    checkpointing, over their plain forward seconds (1: exactly one more forward; more: the
-    checkpoint's own bookkeeping and re-allocating the activations), plain and checkpointed runs
-    interleaved."""
-    pick = STATISTICS[statistic]
-    extra = forward = 0.0
-    for kind in ("att_tp", "mlp_tp"):
-        whole = bench.units[kind][0]
-        plain, ckpt = bench.runner(kind, whole, batch), bench.runner(kind, whole, batch, recompute=True)
-        plain(), ckpt()                             # first calls allocate
-        p_t, c_t = [], []
-        for _ in range(repeats):
-            p_t.append(plain())
-            c_t.append(ckpt())
-        forward += pick([t[0] for t in p_t])
-        extra += pick([t[1] for t in c_t]) - pick([t[1] for t in p_t])
-    return max(0.0, extra / forward)
 
 
 def envelope(grid: list[list[float]]) -> list[list[float]]:
@@ -270,7 +248,6 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
-            "recompute_factor": round(recompute_factor(bench, cfg.batch_size, max(3, repeats), statistic), 3),
             "compute": compute}
 
 

@@ -24,7 +24,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from galaxy.layers.recompute import run_checkpointed
 from galaxy.models.build import load_hf_config, model_class
 from galaxy.models.registry import family_of
 from galaxy.profiler.activations import SavedActivations
@@ -131,15 +130,10 @@ class SubBlockBench:
 
     # --- measurements ---------------------------------------------------------------------
 
-    def runner(self, kind: str, units: int, rows: int, recompute: bool = False):
+    def runner(self, kind: str, units: int, rows: int):
         """A function running one forward and one backward of `kind` at `units` on `rows` rows,
-        returning their seconds (prepared once: a point can be timed many times, interleaved).
-        recompute: the forward runs under activation checkpointing as a recomputed layer does
-        (galaxy.layers.recompute: torch's non-reentrant checkpoint), so backward runs it again."""
+        returning their seconds (prepared once: a point can be timed many times, interleaved)."""
         mod, fwd = self.prepare(kind, units, rows)
-        if recompute:
-            plain = fwd
-            fwd = lambda: run_checkpointed(plain)      # noqa: E731
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         params = list(mod.parameters())
         grads = []

@@ -12,7 +12,6 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
               "baseline_mib": float,             # a training process before its model (CPU RSS; 0 on CUDA)
               "gemm_flops_per_s": float,         # matmul rate at the model's largest GEMM
               "optimizer_s_per_param": {"adamw": float, "sgd": float},
-              "recompute_factor": float,         # a recomputed layer's extra backward, in forwards (default 1)
               "compute": COMPUTE | absent}       # measured sub-block times (absent: FLOPs / gemm rate)
 
     COMPUTE = {"model": {shape keys it was measured at}, "rows": [r, ...],
@@ -135,8 +134,6 @@ def check_device(device, where: str) -> dict:
     for name in opt:
         _number(f"{where} optimizer_s_per_param", opt, name, positive=False)
     out["optimizer_s_per_param"] = dict(opt)
-    factor = _number(where, out, "recompute_factor", positive=False, required=False)
-    out["recompute_factor"] = 1.0 if factor is None else factor
     return out
 
 
