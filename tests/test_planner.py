@@ -113,8 +113,10 @@ def test_sharded_data_parallel_divides_state_over_replicas():
     keep = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "no_reshard"})).memory_mib[0] * MIB
     ddp = cost.estimate(plain).memory_mib[0] * MIB
     assert ddp == pytest.approx(4 * n * 6)            # weights, grads, 2 moments, DDP buckets, AdamW's temporary
-    assert keep == pytest.approx(4 * (n + 4 * n / 2))
-    assert full == pytest.approx(4 * (5 * n / 2 + 2 * n / 6))            # plus two gathered layers
+    # shards of weights, grads, 2 moments, AdamW's temporary; the unsharded gradients before their
+    # reduce-scatter; no_reshard: the gathered weights, full: two gathered layers
+    assert keep == pytest.approx(4 * (5 * n / 2 + n + n))
+    assert full == pytest.approx(4 * (5 * n / 2 + n + 2 * n / 6))
 
 
 def test_dp_sharding_is_written_for_replicas_only():

@@ -24,7 +24,9 @@ as backward's working space + the optimizer step's temporaries (AdamW: one fp32 
 parameter). On CPU the peak is resident memory, and glibc keeps freed activation memory, so the
 activations count 1.5x and the temporaries come on top; on CUDA the larger of the two. With sharded
 data parallelism (dp_sharding), parameters
-("full") or not ("no_reshard"), gradients and optimizer state are divided over the dp replicas.
+("full") or not ("no_reshard", which keeps the gathered parameters beside their shards), gradients
+and optimizer state are divided over the dp replicas; the unsharded gradients before their
+reduce-scatter still count once, as DDP's buckets do.
 """
 from __future__ import annotations
 
@@ -399,12 +401,17 @@ class CostModel:
         the optimizer step's temporaries) in bytes."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
-        weights = n if not sharded or plan.dp_sharding == "no_reshard" else n / dp
+        weights = n / dp if sharded else n
         if sharded and plan.dp_sharding == "full":
             weights += 2 * self.layer_params_of(plan, j)          # a layer gathered, the next prefetched
+        elif sharded:                                             # no_reshard: the gathered parameters stay
+            weights += n                                          # beside their shards until the step ends
         held = n / dp if sharded else n                           # what grads and optimizer state cover
         opt = OPT_STATE.get(self.optimizer, 0) * held
-        buckets = n if dp > 1 and not sharded else 0
+        # A second copy of the gradients: DDP's buckets; under sharding, each unit's unsharded
+        # gradients before their reduce-scatter (freed unit by unit, but the allocator keeps the
+        # memory: bench/plan_memory.py measured 929 MiB where the shards alone predicted 728).
+        buckets = n if dp > 1 else 0
         layer, biggest = self.layer_act_per_row(plan, j)
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry
