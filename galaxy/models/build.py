@@ -8,7 +8,6 @@ from torch import nn
 from transformers import AutoConfig
 
 from galaxy.models.family import FamilySpec
-from galaxy.models.registry import family_of
 from galaxy.models.weights import LazyCheckpoint
 
 

@@ -34,10 +34,9 @@ import re
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
-from galaxy.distributed import collectives, waiting
+from galaxy.distributed import collectives
 from galaxy.distributed.buckets import BUCKET_CAP_BYTES, group_into_buckets
 from galaxy.parallel.sharded_dp import local
 
@@ -122,12 +121,7 @@ class GradientSync:
         grads = [p.grad for p in b.params]
         b.read = [(g, g._version) for g in grads]
         b.flat = torch.cat([g.reshape(-1) for g in grads])
-        b.work = self._all_reduce(b.flat, async_op=True)
-
-    def _all_reduce(self, flat: torch.Tensor, async_op: bool = False):
-        if collectives.comm_recorder is not None:
-            collectives.comm_recorder("all_reduce", flat, dist.get_world_size(self.galaxy_pg))
-        return dist.all_reduce(flat, group=self.galaxy_pg, async_op=async_op)
+        b.work = collectives.start_all_reduce(b.flat, self.galaxy_pg)
 
     # --- after backward -----------------------------------------------------------------------
 
@@ -139,7 +133,7 @@ class GradientSync:
         changed_outside = False
         for b in self.buckets:
             if b.work is not None:
-                waiting.wait(b.work)
+                b.work.wait()
                 if all(p.grad is g and g._version == v for p, (g, v) in zip(b.params, b.read)):
                     self._write_back([p.grad for p in b.params], b.flat)
                     continue
@@ -161,7 +155,7 @@ class GradientSync:
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._all_reduce(flat)
+        collectives.all_reduce(flat, self.galaxy_pg)
         self._write_back(grads, flat)
 
     @staticmethod
