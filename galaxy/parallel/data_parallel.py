@@ -49,7 +49,10 @@ def wrap_data_parallel(module: nn.Module, dp_pg, device=None) -> nn.Module:
     # Buffers (rotary tables) are constants: no need to re-broadcast them every forward.
     quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
              else {"broadcast_buffers": False})
-    ddp = DistributedDataParallel(module, process_group=dp_pg,
+    # Gradients live in DDP's buckets (views), so backward writes them there directly: no copy into
+    # the buckets before the all-reduce and back after it, and no second copy of every gradient
+    # (all-MiniLM-L6-v2: 87 MiB per rank, and about 60 ms of copying per CPU step).
+    ddp = DistributedDataParallel(module, process_group=dp_pg, gradient_as_bucket_view=True,
                                   device_ids=[device] if device.type == "cuda" else None, **quiet)
     ddp.register_comm_hook(dp_pg, _recorded_allreduce)
     return ddp

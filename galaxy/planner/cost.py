@@ -15,8 +15,8 @@ backward), the all-reduce of a weight tied across the pipeline's ends, and the o
 the rank's parameters.
 
 Memory, per rank (MiB): the process baseline (device profile) + parameters, gradients and optimizer
-state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none) + DDP's
-gradient buckets (a second copy of the gradients, dp > 1) + the activations saved for backward
+state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none; DDP's
+gradients are views of its buckets, no second copy) + the activations saved for backward
 (model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
 pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only its input carry,
 plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
@@ -26,7 +26,7 @@ activations count 1.5x and the temporaries come on top; on CUDA the larger of th
 data parallelism (dp_sharding), parameters
 ("full") or not ("no_reshard", which keeps the gathered parameters beside their shards), gradients
 and optimizer state are divided over the dp replicas; the unsharded gradients before their
-reduce-scatter still count once, as DDP's buckets do.
+reduce-scatter still count once.
 """
 from __future__ import annotations
 
@@ -397,7 +397,7 @@ class CostModel:
 
     @functools.lru_cache(maxsize=65536)
     def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last) -> tuple[float, float, float]:
-        """(weights, gradients, optimizer state and DDP buckets; activations at the backward's peak;
+        """(weights, gradients, optimizer state and unsharded gradients; activations at the backward's peak;
         the optimizer step's temporaries) in bytes."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
@@ -408,10 +408,10 @@ class CostModel:
             weights += n                                          # beside their shards until the step ends
         held = n / dp if sharded else n                           # what grads and optimizer state cover
         opt = OPT_STATE.get(self.optimizer, 0) * held
-        # A second copy of the gradients: DDP's buckets; under sharding, each unit's unsharded
-        # gradients before their reduce-scatter (freed unit by unit, but the allocator keeps the
-        # memory: bench/plan_memory.py measured 929 MiB where the shards alone predicted 728).
-        buckets = n if dp > 1 else 0
+        # A second copy of the gradients under sharding: each unit's unsharded gradients before their
+        # reduce-scatter (freed unit by unit, but the allocator keeps the memory: bench/plan_memory.py
+        # measured 929 MiB where the shards alone predicted 728). DDP's gradients are its buckets.
+        buckets = n if sharded else 0
         layer, biggest = self.layer_act_per_row(plan, j)
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry

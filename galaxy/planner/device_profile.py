@@ -69,6 +69,7 @@ def rows_grid(batch: int, quick: bool) -> list[int]:
 
 
 STATISTICS = {"median": statistics.median, "min": min}
+BATCH_S, MAX_CALLS = 0.02, 32       # the link profile's batches of back-to-back calls (see measure_link)
 
 
 def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: int, warmup: int,
@@ -130,15 +131,20 @@ def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic:
     return 2.0 * x.shape[0] * hf.hidden_size * hf.intermediate_size / STATISTICS[statistic](times)
 
 
-def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 21) -> dict:
-    """Seconds per parameter of one optimizer step (torch's defaults, as galaxy.train.optim makes them),
-    the two optimizers timed in alternation."""
+def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> dict:
+    """Seconds per parameter of one optimizer step (built by galaxy.train.optim.make_optimizer, as
+    training builds it), the two optimizers timed in alternation. 8 M parameters: with gradient and
+    two moments 128 MiB, past any cache, as a model's state is (a 2 M probe, 32 MiB, ran 1.4x faster
+    than all-MiniLM-L6-v2's real step)."""
+    from types import SimpleNamespace
+
+    from galaxy.train.optim import make_optimizer
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     opts = {}
-    for name, cls in (("adamw", torch.optim.AdamW), ("sgd", torch.optim.SGD)):
+    for name in ("adamw", "sgd"):
         p = torch.nn.Parameter(torch.randn(numel, device=device))
         p.grad = torch.randn_like(p)
-        opts[name] = cls([p], lr=1e-4)
+        opts[name] = make_optimizer(SimpleNamespace(optimizer=name, learning_rate=1e-4, weight_decay=0.0), [p])
         opts[name].step()
     times = {name: [] for name in opts}
     for _ in range(repeats):
@@ -165,15 +171,25 @@ def measure_link(env, sizes: list[int], repeats: int, statistic: str = "median")
     pick = STATISTICS[statistic]
 
     def _timed(fn, repeats: int, sync) -> float:
+        """Mean seconds per call over batches of back-to-back calls; `statistic` of the batches.
+        A step pays every call, its slow ones too (a waiting thread woken a scheduler tick late:
+        4 ms on some VMs, against 0.3 ms typical), so a call's median would hide part of the cost.
+        A batch is about BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
+        sync()
+        t0 = time.perf_counter()
         fn()
         sync()
-        times = []
+        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(once, op=dist.ReduceOp.MAX)           # every rank must make as many calls
+        calls = max(1, min(MAX_CALLS, int(BATCH_S / max(once.item(), 1e-6))))
+        means = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            fn()
+            for _ in range(calls):
+                fn()
             sync()
-            times.append(time.perf_counter() - t0)
-        return pick(times)
+            means.append((time.perf_counter() - t0) / calls)
+        return pick(means)
 
     def record(kind, wire, uneven, seconds):
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -206,7 +222,7 @@ def measure_link(env, sizes: list[int], repeats: int, statistic: str = "median")
                 dist.send(z, dst=1)
             elif rank == 1:
                 dist.recv(z, src=0)
-        seconds = _timed(exchange, repeats, sync) if rank < 2 else 0.0
+        seconds = _timed(exchange, repeats, sync)     # ranks past 1 call a no-op, as many times
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out.append({"kind": "send_recv", "group": 2, "bytes": int(z.numel() * 4), "uneven": False,

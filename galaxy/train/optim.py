@@ -1,11 +1,32 @@
-"""Optimizer from the config: sgd or adamw, torch's defaults except where the config speaks."""
+"""Optimizer from the config: sgd or adamw, torch's defaults except where the config speaks, and
+torch's fused kernels wherever every parameter allows them.
+
+Why fused: torch's default AdamW on CPU is the one-tensor-at-a-time loop, which allocates fresh
+temporaries per tensor (sqrt(v), then the division); a vocabulary table's are tens of MB each, and
+on CPU every fresh mapping is paid in page faults. all-MiniLM-L6-v2's step took 148 ms that way,
+17 ms fused (one thread), the same update up to rounding. CUDA defaults to foreach; fused is one
+kernel per tensor group there too.
+"""
 from __future__ import annotations
 
 import torch
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+
+def fused_allowed(params: list[torch.Tensor]) -> bool:
+    """torch's fused kernels take floating-point parameters on one of their devices (a DTensor is
+    judged by its local shard)."""
+    devices = set(_get_fused_kernels_supported_devices())
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not torch.is_floating_point(local) or local.device.type not in devices:
+            return False
+    return bool(params)
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]   # frozen weights get no optimizer state
+    fused = {"fused": True} if fused_allowed(params) else {}
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **fused)
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **fused)
