@@ -58,6 +58,7 @@ def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torc
 
 
 def build_runners(args, shape: dict) -> dict:
+    from galaxy.train.optim import build_optimizer
     from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
@@ -69,7 +70,7 @@ def build_runners(args, shape: dict) -> dict:
     runners = {}
     for mode in MODES:
         runner = build_runner(args.model_path, plans[mode], meshes[mode], num_labels=NUM_LABELS, seed=0)
-        runner.optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+        runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
         runners[mode] = runner
     return runners
 

@@ -148,6 +148,7 @@ class MemoryTrace:
 
 
 def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, mode: str, ckpt: str, results):
+    from galaxy.train.optim import build_optimizer
     torch.set_num_threads(args.threads)
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
@@ -171,7 +172,7 @@ def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, m
         runner = build_runner(model_dir, plan, mesh, num_labels=NUM_LABELS, seed=0, device=device, dropout=0.0,
                               activation_checkpointing=ckpt, dp_sharding=sharding)
         runner.train()
-        optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+        optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
         rows = batch_size // dp
         batch = {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows].to(device) for k, v in full.items()}
 

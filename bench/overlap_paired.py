@@ -51,6 +51,7 @@ VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline)
 
 
 def build(args, name: str, shape: dict):
+    from galaxy.train.optim import build_optimizer
     from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
@@ -62,7 +63,7 @@ def build(args, name: str, shape: dict):
     runner = build_runner(args.model_path, ParallelPlan.preset(preset), mesh, num_labels=NUM_LABELS, seed=0,
                           comm_chunks=chunks)
     runner.sync.overlap = early
-    runner.optimizer = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+    runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     return runner
 
 

@@ -66,6 +66,7 @@ def where_time_goes(prof) -> dict[str, float]:
 
 
 def serial_times(args, batch_size: int) -> list[float]:
+    from galaxy.train.optim import build_optimizer
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.models.shape import read_model_shape
     from galaxy.parallel.plan import ParallelPlan
@@ -75,7 +76,7 @@ def serial_times(args, batch_size: int) -> list[float]:
     group = GalaxyGroup.serial(shape["num_attention_heads"], shape["intermediate_size"], args.pad_size)
     torch.manual_seed(0)
     model = build_model(args.model_path, ParallelPlan(), group, num_labels=NUM_LABELS, seed=0).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = build_optimizer("adamw", model.parameters(), lr=1e-5)
     batch = make_batch(args.model_path, batch_size, args.pad_size)
     times = []
     for i in range(args.warmup + args.steps):
@@ -93,6 +94,7 @@ def serial_worker(args, batch_size: int, results) -> None:
 
 
 def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, results) -> None:
+    from galaxy.train.optim import build_optimizer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from galaxy.distributed import waiting
@@ -113,7 +115,7 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
     torch.manual_seed(0)
     runner = build_runner(args.model_path, plan_, mesh, num_labels=NUM_LABELS, seed=0,
                           comm_chunks=args.comm_chunks)
-    opt = torch.optim.AdamW(runner.parameters(), lr=1e-5)
+    opt = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     batch = make_batch(args.model_path, batch_size, args.pad_size)
     if preset == "dp":
         half = batch_size // 2

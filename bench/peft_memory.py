@@ -75,6 +75,7 @@ def saved_bytes(model, batch) -> int:
 
 
 def run_method(args) -> dict:
+    from galaxy.train.optim import build_optimizer
     from step_time_vs_hf import make_batch
 
     from galaxy.distributed.group import GalaxyGroup
@@ -93,7 +94,7 @@ def run_method(args) -> dict:
                            seed=0)
     model.train()
     batch = {k: v.to(device) for k, v in make_batch(args.model_dir, args.batch_size, args.pad_size).items()}
-    opt = torch.optim.AdamW(trainable.values(), lr=1e-5)
+    opt = build_optimizer("adamw", trainable.values(), lr=1e-5)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)

@@ -79,6 +79,7 @@ def step(model, loss_fn, opt, batch) -> float:
 
 
 def main() -> None:
+    from galaxy.train.optim import build_optimizer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model_dir", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
     ap.add_argument("--batch_size", type=int, default=8)
@@ -103,7 +104,7 @@ def main() -> None:
     galaxy.train(), hf.train()
 
     runs = {"galaxy": (galaxy, galaxy_loss), "hf": (hf, hf_loss)}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-5) for k, (m, _) in runs.items()}
+    opts = {k: build_optimizer("adamw", m.parameters(), lr=1e-5) for k, (m, _) in runs.items()}
     for _ in range(args.warmup):
         for k, (m, fn) in runs.items():
             step(m, fn, opts[k], batch)

@@ -43,7 +43,7 @@ from galaxy.planner.profiles import link_time
 MIB = 2 ** 20
 DDP_BUCKET_BYTES = 25 * MIB          # torch DDP's default bucket_cap_mb
 OPT_STATE = {"adamw": 2, "sgd": 0}   # fp32 tensors per parameter the optimizer keeps
-OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of its step (foreach AdamW: sqrt(v))
+OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of an unfused step (AdamW: sqrt(v))
 # CPU peak RSS: glibc keeps most freed activation memory in its heap, so the optimizer's temporaries
 # land beside it, and backward's gradients of activations come on top: activations x (1 + slack),
 # then + the temporaries (measured on all-MiniLM-L6-v2, batch 8 and 16 x 64 tokens: 1.5x within 2%).
@@ -274,6 +274,8 @@ class CostModel:
         """Bytes of rank r (stage p, Galaxy rank j, n parameters) at its peak."""
         dev = self.devices[r]
         state, acts, temp = self._memory_parts(plan, p, j, n, rows, c, inflight, L, s_con, first, last)
+        if dev.get("optimizer_fused"):                # one kernel per tensor group: no temporaries
+            temp = 0.0
         if dev.get("device", "cpu") == "cuda":       # the caching allocator reuses freed activations
             return dev.get("baseline_mib", 0.0) * MIB + state + max(acts, temp)
         slack = dev.get("activation_slack", CPU_ACTIVATION_SLACK)
@@ -410,8 +412,9 @@ class CostModel:
         opt = OPT_STATE.get(self.optimizer, 0) * held
         # A second copy of the gradients under sharding: each unit's unsharded gradients before their
         # reduce-scatter (freed unit by unit, but the allocator keeps the memory: bench/plan_memory.py
-        # measured 929 MiB where the shards alone predicted 728). DDP's gradients are its buckets.
-        buckets = n if sharded else 0
+        # measured 929 MiB where the shards alone predicted 728). DDP's gradients are its buckets,
+        # except while micro-batches accumulate outside them (no_sync) before the last one's copy in.
+        buckets = n if sharded or (dp > 1 and plan.microbatches > 1) else 0
         layer, biggest = self.layer_act_per_row(plan, j)
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from galaxy.planner.harness import SubBlockBench
+from galaxy.train.optim import fused_allowed
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
 
 
@@ -132,19 +133,17 @@ def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic:
 
 
 def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> dict:
-    """Seconds per parameter of one optimizer step (built by galaxy.train.optim.make_optimizer, as
-    training builds it), the two optimizers timed in alternation. 8 M parameters: with gradient and
-    two moments 128 MiB, past any cache, as a model's state is (a 2 M probe, 32 MiB, ran 1.4x faster
-    than all-MiniLM-L6-v2's real step)."""
-    from types import SimpleNamespace
-
-    from galaxy.train.optim import make_optimizer
+    """Seconds per parameter of one optimizer step (built as training builds it: galaxy.train.optim),
+    the two optimizers timed in alternation. 8 M parameters: with gradient and two moments 128 MiB,
+    past any cache, as a model's state is (a 2 M probe, 32 MiB, ran 1.4x faster per parameter than
+    all-MiniLM-L6-v2's real step)."""
+    from galaxy.train.optim import build_optimizer
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     opts = {}
     for name in ("adamw", "sgd"):
         p = torch.nn.Parameter(torch.randn(numel, device=device))
         p.grad = torch.randn_like(p)
-        opts[name] = make_optimizer(SimpleNamespace(optimizer=name, learning_rate=1e-4, weight_decay=0.0), [p])
+        opts[name] = build_optimizer(name, [p], lr=1e-4)
         opts[name].step()
     times = {name: [] for name in opts}
     for _ in range(repeats):
@@ -264,6 +263,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
+            "optimizer_fused": fused_allowed(list(bench.model.parameters())),
             "compute": compute}
 
 

@@ -12,6 +12,7 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
               "baseline_mib": float,             # a training process before its model (CPU RSS; 0 on CUDA)
               "gemm_flops_per_s": float,         # matmul rate at the model's largest GEMM
               "optimizer_s_per_param": {"adamw": float, "sgd": float},
+              "optimizer_fused": bool | absent,  # torch's fused step (no temporaries); absent: false
               "compute": COMPUTE | absent}       # measured sub-block times (absent: FLOPs / gemm rate)
 
     COMPUTE = {"model": {shape keys it was measured at}, "rows": [r, ...],
@@ -134,6 +135,8 @@ def check_device(device, where: str) -> dict:
     for name in opt:
         _number(f"{where} optimizer_s_per_param", opt, name, positive=False)
     out["optimizer_s_per_param"] = dict(opt)
+    if not isinstance(out.get("optimizer_fused", False), bool):
+        raise ProfileError(f"{where}: 'optimizer_fused' must be true or false")
     return out
 
 

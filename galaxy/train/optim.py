@@ -24,9 +24,14 @@ def fused_allowed(params: list[torch.Tensor]) -> bool:
     return bool(params)
 
 
-def make_optimizer(cfg, params) -> torch.optim.Optimizer:
+def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """`name` ("adamw" | "sgd") over the trainable ones of params, as training builds it."""
     params = [p for p in params if p.requires_grad]   # frozen weights get no optimizer state
     fused = {"fused": True} if fused_allowed(params) else {}
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **fused)
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, **fused)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay, **fused)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **fused)
+
+
+def make_optimizer(cfg, params) -> torch.optim.Optimizer:
+    return build_optimizer(cfg.optimizer, params, cfg.learning_rate, cfg.weight_decay)
