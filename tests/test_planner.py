@@ -12,7 +12,7 @@ from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job:
 from galaxy.config import apply_preset, load_config, validate_for_world
 from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
-from galaxy.planner.cost import MIB, CostModel, Plan
+from galaxy.planner.cost import CPU_ACTIVATION_SLACK, MIB, CostModel, Plan
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_link, compose, fit_link, link_time,
                                      load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
@@ -81,8 +81,8 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     plan = Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "1f1b")
     t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
     assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
-    # saved bytes (+ backward's working space), x 1.5 on CPU (the allocator's slack, galaxy.planner.cost)
-    act = lambda inflight: 1.5 * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
+    # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
+    act = lambda inflight: (1 + CPU_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
     weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
     mem = cost.estimate(plan).memory_mib
     assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
@@ -101,7 +101,7 @@ def test_checkpointing_trades_activations_for_a_forward():
     assert two.step_s - none.step_s == pytest.approx(2 * fwd_layer, rel=1e-9)
     saved_per_layer = rows * 4 * 48 * 1e5 - rows * 48 * 384 * 4          # four sub-blocks' bytes - the input carry
     assert (none.memory_mib[0] - two.memory_mib[0]) * MIB == pytest.approx(
-        1.5 * (2 * saved_per_layer - rows * 4 * 48 * 1e5), rel=1e-9)     # one layer is rebuilt at a time
+        (1 + CPU_ACTIVATION_SLACK) * (2 * saved_per_layer - rows * 4 * 48 * 1e5), rel=1e-9)     # one layer is rebuilt at a time
 
 
 def test_sharded_data_parallel_divides_state_over_replicas():
@@ -112,11 +112,25 @@ def test_sharded_data_parallel_divides_state_over_replicas():
     full = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "full"})).memory_mib[0] * MIB
     keep = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "no_reshard"})).memory_mib[0] * MIB
     ddp = cost.estimate(plain).memory_mib[0] * MIB
-    assert ddp == pytest.approx(4 * n * 5)            # weights, grads (DDP's buckets), 2 moments, AdamW's temporary
+    assert ddp == pytest.approx(4 * n * 6)            # weights, grads, 2 moments, DDP buckets, AdamW's temporary
     # shards of weights, grads, 2 moments, AdamW's temporary; the unsharded gradients before their
     # reduce-scatter; no_reshard: the gathered weights, full: two gathered layers
     assert keep == pytest.approx(4 * (5 * n / 2 + n + n))
     assert full == pytest.approx(4 * (5 * n / 2 + n + 2 * n / 6))
+
+
+def test_summed_gradients_and_a_fused_step_by_hand():
+    """No activations: a rank's state is fp32 weights, grads, 2 AdamW moments and an unfused step's
+    temporary per parameter it holds; under SP the Galaxy group sums every layer weight's gradient,
+    flattened into its buckets (one more copy); a fused step keeps no temporary."""
+    n_layer = PER_HEAD * 12 + PER_COLUMN * 1536
+    sp = Plan(1, 1, "SP", "SP", "SP", (12, 0), (1536, 0), (24, 24), (6,))
+    tp = galaxy_plan((6, 6), (768, 768), (24, 24))
+    unfused = CostModel(synthetic_model(), [device(1e10), device(1e10)], FREE_LINK, batch_size=8)
+    fused = CostModel(synthetic_model(), [{**device(1e10), "optimizer_fused": True}] * 2, FREE_LINK, batch_size=8)
+    assert unfused.estimate(sp).memory_mib[0] * MIB == pytest.approx(4 * 6 * n_layer * (5 + 1))
+    assert fused.estimate(sp).memory_mib[0] * MIB == pytest.approx(4 * 6 * n_layer * (4 + 1))
+    assert fused.estimate(tp).memory_mib[1] * MIB == pytest.approx(4 * 6 * n_layer / 2 * 4)   # nothing summed
 
 
 def test_dp_sharding_is_written_for_replicas_only():

@@ -15,18 +15,19 @@ backward), the all-reduce of a weight tied across the pipeline's ends, and the o
 the rank's parameters.
 
 Memory, per rank (MiB): the process baseline (device profile) + parameters, gradients and optimizer
-state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none; DDP's
-gradients are views of its buckets, no second copy) + the activations saved for backward
+state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none) + DDP's
+gradient buckets (a second copy of the gradients, dp > 1) + the Galaxy group's buckets (a second
+copy of the gradients it sums: the sequence-parallel sub-blocks' weights) + the activations saved for backward
 (model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
 pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only its input carry,
 plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
-as backward's working space + the optimizer step's temporaries (AdamW: one fp32 tensor per
-parameter). On CPU the peak is resident memory, and glibc keeps freed activation memory, so the
-activations count 1.5x and the temporaries come on top; on CUDA the larger of the two. With sharded
-data parallelism (dp_sharding), parameters
-("full") or not ("no_reshard", which keeps the gathered parameters beside their shards), gradients
+as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
+parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
+resident memory, and glibc keeps freed activation memory, so the activations count twice
+(CPU_ACTIVATION_SLACK) and the temporaries come on top; on CUDA the larger of the two. With sharded
+data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered parameters beside their shards), gradients
 and optimizer state are divided over the dp replicas; the unsharded gradients before their
-reduce-scatter still count once.
+reduce-scatter still count once, as DDP's buckets do.
 """
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ MIB = 2 ** 20
 DDP_BUCKET_BYTES = 25 * MIB          # torch DDP's default bucket_cap_mb
 OPT_STATE = {"adamw": 2, "sgd": 0}   # fp32 tensors per parameter the optimizer keeps
 OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of an unfused step (AdamW: sqrt(v))
-# CPU peak RSS: glibc keeps most freed activation memory in its heap, so the optimizer's temporaries
-# land beside it, and backward's gradients of activations come on top: activations x (1 + slack),
-# then + the temporaries (measured on all-MiniLM-L6-v2, batch 8 and 16 x 64 tokens: 1.5x within 2%).
-# A device profile may set its own "activation_slack". CUDA (caching allocator): max(acts, temps).
-CPU_ACTIVATION_SLACK = 0.5
+# CPU peak RSS: glibc keeps most freed activation memory in its heap, and backward's gradients of
+# activations come on top: activations x (1 + slack), then + an unfused optimizer's temporaries.
+# Measured with the fused step on all-MiniLM-L6-v2 (bench/plan_accuracy.py, 8 x 64 tokens, 16 plans):
+# slack 1.0 puts all 31 ranks within 10% (median 2.4%); 0.5 left plans with few activations (pipeline
+# stages, accumulation, recomputation) 9-11% under. A device profile may set its own
+# "activation_slack". CUDA (caching allocator): max(acts, temps).
+CPU_ACTIVATION_SLACK = 1.0
 FP32 = 4
 
 
@@ -230,6 +233,20 @@ class CostModel:
             return v[0] + v[1] * units if isinstance(v, list) else v
         return of(ak, au) + of(mk, mu) + lp["con"]
 
+    def summed_layer_params_of(self, plan: Plan, j: int) -> float:
+        """Parameters of one layer at rank j whose gradients the Galaxy group sums (galaxy.parallel.
+        grad_sync: the sequence-parallel sub-blocks' weights, which saw only this rank's tokens)."""
+        if plan.group == 1:
+            return 0.0
+        (ak, au), (mk, mu), _ = self._kinds(plan, j)
+        lp = self.layer_params
+
+        def of(kind, units):
+            v = lp[kind]
+            return v[0] + v[1] * units if isinstance(v, list) else v
+        return ((of(ak, au) if ak == "att_sp" else 0.0) + (of(mk, mu) if mk == "mlp_sp" else 0.0)
+                + (lp["con"] if plan.con == "SP" else 0.0))
+
     def params_of(self, plan: Plan, p: int, j: int) -> float:
         n = plan.stages[p] * self.layer_params_of(plan, j) + self.other_params
         if p == 0:
@@ -410,11 +427,15 @@ class CostModel:
             weights += n                                          # beside their shards until the step ends
         held = n / dp if sharded else n                           # what grads and optimizer state cover
         opt = OPT_STATE.get(self.optimizer, 0) * held
-        # A second copy of the gradients under sharding: each unit's unsharded gradients before their
-        # reduce-scatter (freed unit by unit, but the allocator keeps the memory: bench/plan_memory.py
-        # measured 929 MiB where the shards alone predicted 728). DDP's gradients are its buckets,
-        # except while micro-batches accumulate outside them (no_sync) before the last one's copy in.
-        buckets = n if sharded or (dp > 1 and plan.microbatches > 1) else 0
+        # A second copy of the gradients: DDP's buckets (its gradients are views of them, but
+        # backward makes each gradient afresh after zero_grad(set_to_none) and the bucket takes a copy);
+        # under sharding, each unit's unsharded gradients before their reduce-scatter (freed unit by
+        # unit, but the allocator keeps the memory: bench/plan_memory.py measured 929 MiB where the
+        # shards alone predicted 728).
+        buckets = n if dp > 1 else 0
+        # The Galaxy group's "sum" gradients are flattened into their all-reduce buckets (one more
+        # copy, until written back after backward).
+        buckets += L * self.summed_layer_params_of(plan, j) / (dp if sharded else 1)
         layer, biggest = self.layer_act_per_row(plan, j)
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry
