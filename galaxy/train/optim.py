@@ -14,14 +14,16 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 
 def fused_allowed(params: list[torch.Tensor]) -> bool:
-    """torch's fused kernels take floating-point parameters on one of their devices (a DTensor is
-    judged by its local shard)."""
+    """torch's fused kernels take floating-point parameters on one of their devices: all plain
+    tensors, or all DTensors (sharded data parallelism shards every parameter; a DTensor is judged
+    by its local shard). A mix (torch's own tensor parallelism leaves embeddings and norms plain)
+    is refused by the fused kernel, so it gets torch's default."""
+    from torch.distributed.tensor import DTensor
     devices = set(_get_fused_kernels_supported_devices())
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        if not torch.is_floating_point(local) or local.device.type not in devices:
-            return False
-    return bool(params)
+    if not params or len({isinstance(p, DTensor) for p in params}) > 1:
+        return False
+    locals_ = [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return all(torch.is_floating_point(t) and t.device.type in devices for t in locals_)
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
