@@ -17,17 +17,17 @@ the rank's parameters.
 Memory, per rank (MiB): the process baseline (device profile) + parameters, gradients and optimizer
 state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none) + DDP's
 gradient buckets (a second copy of the gradients, dp > 1) + the Galaxy group's buckets (a second
-copy of the gradients it sums: the sequence-parallel sub-blocks' weights) + the activations saved for backward
-(model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
+copy of the gradients it sums: the sequence-parallel sub-blocks' weights) + the activations saved
+for backward (model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
 pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only its input carry,
 plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
 as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
 parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
 resident memory, and glibc keeps freed activation memory, so the activations count twice
 (CPU_ACTIVATION_SLACK) and the temporaries come on top; on CUDA the larger of the two. With sharded
-data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered parameters beside their shards), gradients
-and optimizer state are divided over the dp replicas; the unsharded gradients before their
-reduce-scatter still count once, as DDP's buckets do.
+data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered
+parameters beside their shards), gradients and optimizer state are divided over the dp replicas;
+the unsharded gradients before their reduce-scatter still count once, as DDP's buckets do.
 """
 from __future__ import annotations
 
@@ -224,14 +224,14 @@ class CostModel:
         con = plan.tokens[j] if plan.con == "SP" and plan.group > 1 else self.seq
         return att, mlp, con
 
+    def _kind_params(self, kind: str, units: int) -> float:
+        """Parameters of one sub-block kind at a share (the model profile: [c0, c1] or a constant)."""
+        v = self.layer_params[kind]
+        return v[0] + v[1] * units if isinstance(v, list) else v
+
     def layer_params_of(self, plan: Plan, j: int) -> float:
         (ak, au), (mk, mu), _ = self._kinds(plan, j)
-        lp = self.layer_params
-
-        def of(kind, units):
-            v = lp[kind]
-            return v[0] + v[1] * units if isinstance(v, list) else v
-        return of(ak, au) + of(mk, mu) + lp["con"]
+        return self._kind_params(ak, au) + self._kind_params(mk, mu) + self.layer_params["con"]
 
     def summed_layer_params_of(self, plan: Plan, j: int) -> float:
         """Parameters of one layer at rank j whose gradients the Galaxy group sums (galaxy.parallel.
@@ -239,13 +239,9 @@ class CostModel:
         if plan.group == 1:
             return 0.0
         (ak, au), (mk, mu), _ = self._kinds(plan, j)
-        lp = self.layer_params
-
-        def of(kind, units):
-            v = lp[kind]
-            return v[0] + v[1] * units if isinstance(v, list) else v
-        return ((of(ak, au) if ak == "att_sp" else 0.0) + (of(mk, mu) if mk == "mlp_sp" else 0.0)
-                + (lp["con"] if plan.con == "SP" else 0.0))
+        return ((self._kind_params(ak, au) if ak == "att_sp" else 0.0)
+                + (self._kind_params(mk, mu) if mk == "mlp_sp" else 0.0)
+                + (self.layer_params["con"] if plan.con == "SP" else 0.0))
 
     def params_of(self, plan: Plan, p: int, j: int) -> float:
         n = plan.stages[p] * self.layer_params_of(plan, j) + self.other_params
@@ -416,8 +412,8 @@ class CostModel:
 
     @functools.lru_cache(maxsize=65536)
     def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last) -> tuple[float, float, float]:
-        """(weights, gradients, optimizer state and unsharded gradients; activations at the backward's peak;
-        the optimizer step's temporaries) in bytes."""
+        """(weights, gradients, optimizer state and the buckets' gradient copies; activations at the
+        backward's peak; an unfused optimizer step's temporaries) in bytes."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
         weights = n / dp if sharded else n

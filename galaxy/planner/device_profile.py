@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from galaxy.planner.harness import SubBlockBench
-from galaxy.train.optim import fused_allowed
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
+from galaxy.train.optim import build_optimizer, fused_allowed
 
 
 def rss_mib() -> float:
@@ -137,7 +137,6 @@ def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int 
     the two optimizers timed in alternation. 8 M parameters: with gradient and two moments 128 MiB,
     past any cache, as a model's state is (a 2 M probe, 32 MiB, ran 1.4x faster per parameter than
     all-MiniLM-L6-v2's real step)."""
-    from galaxy.train.optim import build_optimizer
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     opts = {}
     for name in ("adamw", "sgd"):
