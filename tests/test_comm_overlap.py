@@ -1,12 +1,14 @@
-"""Chunked, overlapped MLP collectives (comm_chunks > 1) train like comm_chunks 1, and Hugging Face.
+"""Chunked, overlapped ATT and MLP collectives (comm_chunks > 1) train like comm_chunks 1, and Hugging Face.
 
 World 2, tiny BERT, uneven token shares (7, 5): under the galaxy plan (CON SP: chunked all-gather
 in, reduce-scatter out) and the tp plan (CON None: chunked all-reduces), with activation
 checkpointing in one case, a model with comm_chunks 3 matches one with comm_chunks 1 in loss,
 logits and every gradient over two SGD steps (the second step also runs the gradient sync's early
 starts; a gradient that is zero in exact arithmetic, the key bias's, is compared against the
-model's largest, as in parity.worst_param_error), and matches HF's serial model; the collectives it issues are the closed form's with the
-MLP's transitions in 3 chunks (3 x the calls, each chunk padded to its longest part).
+model's largest, as in parity.worst_param_error), and matches HF's serial model; the collectives it
+issues are the closed form's with the ATT's and MLP's transitions in 3 chunks (3 x the calls, each
+chunk padded to its longest part). BERT's padding mask checks that the attention core sees the
+chunks' keys in sequence order (the decoders' causal masks and rotary positions: test_parity_llama).
 """
 import pytest
 import torch
@@ -66,7 +68,7 @@ def chunked_vs_whole(model_dir, plan, checkpointing):
 
 
 @pytest.mark.parametrize("preset,checkpointing", [("galaxy", "full"), ("tp", "none")])
-def test_chunked_mlp_matches_whole_and_hf(dist_pool, tiny_bert_dir, preset, checkpointing):
+def test_chunked_att_and_mlp_match_whole_and_hf(dist_pool, tiny_bert_dir, preset, checkpointing):
     plan = ParallelPlan.preset(preset)
     t = TINY_BERT
     expected = bert_plan_comm_bytes(plan, seq_shares=SHARES[2], batch=B, hidden=t["hidden_size"],

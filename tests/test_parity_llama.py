@@ -8,7 +8,9 @@ values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels t
 Llama and GPT-2: all 8 ATT x MLP x CON combinations at world 2 with uneven shares (Llama: whole
 K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three column ranges of
 HF's tensor; SP attention causal across shards with global positions), three plans at world 3,
-and serial; Llama's tied embeddings under both CON methods (GPT-2's are always tied); GPT-2 with
+and serial (at world 3 a TP ATT's and a TP MLP's transitions travel in 2 chunks, comm_chunks: the
+chunks' projections are put back in sequence order for the causal mask and the rotary positions);
+Llama's tied embeddings under both CON methods (GPT-2's are always tied); GPT-2 with
 scale_attn_by_inverse_layer_idx under the Galaxy plan. Qwen2, whose difference is in ATT only:
 four plans at world 2 that pair each ATT and each MLP method with both CON methods, the galaxy
 and sp plans at world 3, tied embeddings and serial. Each: logits, loss, every gathered
@@ -64,8 +66,9 @@ def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp,
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD3, ids=[plan_id(*c) for c in WORLD3])
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
+    chunks = 2 if "TP" in (att, mlp) else 1
     check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
-                           SHARES[family][1], tiny_lm_batch))
+                           SHARES[family][1], tiny_lm_batch, 5, 0.5, {"comm_chunks": chunks}))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])

@@ -16,6 +16,11 @@ chunk i+1's gather travels and chunk i-1's output reduce-scatter does (tile-base
 the reverse in backward. Chunk j of the gathered sequence is every rank's own chunk j, so the
 token order inside a chunk differs from the full sequence's; a token-wise sub-block does not care
 and the reduce-scatter hands each rank back its own tokens.
+
+`chunked_attention` does the same for a TP ATT, whose projections are token-wise and whose
+attention core is not: Q/K/V are projected chunk by chunk as the input chunks arrive, put back in
+sequence order for the core (one index_select each), and the context is projected out chunk by
+chunk as the output collectives leave.
 """
 from __future__ import annotations
 
@@ -27,10 +32,11 @@ from galaxy.distributed.collectives import (Pending, start_all_gather_sequence, 
 
 class Link:
     """One collective and the one its gradient needs: (forward start, backward start), each
-    tensor -> Pending; holds the pending ones between the two nodes."""
+    tensor -> Pending; holds the pending ones between the two nodes. sizes: tokens per rank of a
+    sequence all-gather or reduce-scatter (None for the all-reduce links, which keep the sequence)."""
 
-    def __init__(self, forward, backward):
-        self.forward, self.backward = forward, backward
+    def __init__(self, forward, backward, sizes=None):
+        self.forward, self.backward, self.sizes = forward, backward, sizes
         self.fwd: Pending | None = None
         self.bwd: Pending | None = None
 
@@ -74,13 +80,13 @@ def wait(token: torch.Tensor, link: Link) -> torch.Tensor:
 def gather_link(sizes, rank: int, pg) -> Link:
     """S -> R for a TP consumer: all-gather | reduce-scatter of the gradient (rank's own share)."""
     return Link(lambda x: start_all_gather_sequence(x, sizes, pg),
-                lambda g: start_reduce_scatter_sequence(g, sizes, rank, pg))
+                lambda g: start_reduce_scatter_sequence(g, sizes, rank, pg), sizes)
 
 
 def scatter_link(sizes, rank: int, pg) -> Link:
     """P -> S: reduce-scatter | all-gather of the gradient."""
     return Link(lambda x: start_reduce_scatter_sequence(x, sizes, rank, pg),
-                lambda g: start_all_gather_sequence(g, sizes, pg))
+                lambda g: start_all_gather_sequence(g, sizes, pg), sizes)
 
 
 def copy_link(pg) -> Link:
@@ -108,10 +114,58 @@ def chunked_tokenwise(x: torch.Tensor, fn, chunks: int, in_links, out_links):
     fn(x_j) -> (y_j, extra): y_j [b, s_j', h'], extra the same every call (a deferred bias).
     Returns (y [b, sum of the chunks' results along the sequence, h'], extra).
     """
+    tokens = _start_chunks(x, chunks, in_links)
+    return _finish_chunks((wait(t, link) for t, link in zip(tokens, in_links)), fn, out_links)
+
+
+def chunked_attention(x: torch.Tensor, att, chunks: int, in_links, out_links, **att_kwargs):
+    """A TP ATT (the block protocol's project / attend / finish) with its input and output
+    transitions in chunks: x [b, s, h] as in chunked_tokenwise -> (y, deferred bias).
+
+    att.project runs on each input chunk as it arrives; the chunks' results, in gathered order,
+    are put in sequence order for att.attend (the core needs every key, in order, for masks and
+    rotary positions); the context goes back to gathered order and att.finish runs chunk by chunk,
+    each result leaving while the next is computed.
+    """
+    tokens = _start_chunks(x, chunks, in_links)
+    projected = [att.project(wait(t, link)) for t, link in zip(tokens, in_links)]   # [chunk](q, k, v)
+    lengths = [p[0].shape[1] for p in projected]
+    order = gathered_order(in_links, x.device)     # None: the chunks are already in sequence order
+    whole = [torch.cat(parts, dim=1) for parts in zip(*projected)]                 # [b, S, *] each
+    if order is not None:
+        whole = [t.index_select(1, torch.argsort(order)) for t in whole]
+    ctx = att.attend(*whole, **att_kwargs)                                          # [b, S, heads*d]
+    if order is not None:
+        ctx = ctx.index_select(1, order)
+    return _finish_chunks(ctx.split(lengths, dim=1), att.finish, out_links)
+
+
+def gathered_order(links, device=None) -> torch.Tensor | None:
+    """The sequence position of each token of the chunked all-gathers' results laid end to end
+    (chunk j: rank 0's j-th part of its share, then rank 1's, ...), or None for all-reduce links."""
+    if links[0].sizes is None:
+        return None
+    per_rank = [sum(link.sizes[r] for link in links) for r in range(len(links[0].sizes))]
+    start = [sum(per_rank[:r]) for r in range(len(per_rank))]
+    order = []
+    for link in links:
+        for r, n in enumerate(link.sizes):
+            order.extend(range(start[r], start[r] + n))
+            start[r] += n
+    return torch.tensor(order, device=device)
+
+
+def _start_chunks(x, chunks: int, links) -> list:
+    """Start every chunk's input collective; the tokens to wait on, chunk by chunk."""
     parts = x.split(chunk_sizes(x.shape[1], chunks), dim=1)
-    tokens = [start(p, link) for p, link in zip(parts, in_links)]       # every input travels
+    return [start(p, link) for p, link in zip(parts, links)]
+
+
+def _finish_chunks(parts, fn, out_links):
+    """fn on each part in turn, its result's output collective started at once; then wait for
+    them all: (results joined along the sequence, fn's extra)."""
     outs, extra = [], None
-    for token, in_link, out_link in zip(tokens, in_links, out_links):
-        y, extra = fn(wait(token, in_link))
-        outs.append(start(y, out_link))
+    for part, link in zip(parts, out_links):
+        y, extra = fn(part)
+        outs.append(start(y, link))
     return torch.cat([wait(t, link) for t, link in zip(outs, out_links)], dim=1), extra

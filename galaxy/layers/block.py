@@ -5,17 +5,18 @@ the residual stream and the input of the next sub-block. Post-norm (BERT) return
 tensor twice; pre-norm (Llama) returns the running sum and its normalised copy.
 Transitions are identities until a plan sets them (serial training never pays for them).
 
-comm_chunks > 1 (the config key of that name): a TP MLP runs over that many chunks of the
-sequence, each chunk's all-gather in and reduce-scatter out (all-reduces under CON None)
+comm_chunks > 1 (the config key of that name): a TP ATT or MLP runs over that many chunks of
+the sequence, each chunk's all-gather in and reduce-scatter out (all-reduces under CON None)
 travelling while other chunks' GEMMs run, in forward and backward (galaxy.distributed.overlap).
-The MLP works token by token, so the result is the same up to summation order within a chunk.
+The MLP works token by token; ATT's projections do (`project` and `finish`, per chunk) and its
+core (`attend`) runs once over the whole sequence. The result is the same up to summation order.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from galaxy.distributed.overlap import chunked_tokenwise
+from galaxy.distributed.overlap import chunked_attention, chunked_tokenwise
 from galaxy.distributed.transitions import Transition
 from galaxy.layers.recompute import run_checkpointed
 
@@ -30,7 +31,7 @@ class TransformerBlock(nn.Module):
         self.from_mlp = Transition()
         # Activation checkpointing (set_recompute): recompute this block in backward.
         self.recompute, self.recompute_rng = False, None
-        self.comm_chunks = 1           # chunks of the sequence the MLP's collectives travel in
+        self.comm_chunks = 1           # chunks of the sequence a TP sub-block's collectives travel in
 
     def set_recompute(self, on: bool, rng=None) -> None:
         """Keep only this block's inputs for backward and recompute the rest (galaxy.layers.
@@ -44,17 +45,34 @@ class TransformerBlock(nn.Module):
         return self._forward(stream, x, **att_kwargs)
 
     def _forward(self, stream, x, **att_kwargs):
-        out, bias = self.att(self.to_att(x), **att_kwargs)
-        stream, x = self.con1(self.from_att(out), bias, stream)
+        out, bias = self._att(x, **att_kwargs)
+        stream, x = self.con1(out, bias, stream)
         out, bias = self._mlp(x)
         return self.con2(out, bias, stream)
 
+    def _att(self, x, **att_kwargs):
+        """to_att -> ATT -> from_att, in comm_chunks overlapped chunks when the transitions allow."""
+        links = self._chunk_links(self.to_att, self.from_att, x.shape[1])
+        if links:
+            return chunked_attention(x, self.att, len(links[0]), *links, **att_kwargs)
+        out, bias = self.att(self.to_att(x), **att_kwargs)
+        return self.from_att(out), bias
+
     def _mlp(self, x):
         """to_mlp -> MLP -> from_mlp, in comm_chunks overlapped chunks when the transitions allow."""
-        if self.comm_chunks > 1:
-            links_in = self.to_mlp.chunk_links(self.comm_chunks, x.shape[1])
-            links_out = self.from_mlp.chunk_links(self.comm_chunks, x.shape[1])
-            if links_in and links_out and len(links_in) == len(links_out) > 1:
-                return chunked_tokenwise(x, self.mlp, len(links_in), links_in, links_out)
+        links = self._chunk_links(self.to_mlp, self.from_mlp, x.shape[1])
+        if links:
+            return chunked_tokenwise(x, self.mlp, len(links[0]), *links)
         out, bias = self.mlp(self.to_mlp(x))
         return self.from_mlp(out), bias
+
+    def _chunk_links(self, into: Transition, out_of: Transition, seq_len: int):
+        """(links in, links out) of a TP sub-block's transitions in comm_chunks chunks, or None
+        when chunking is off or the transitions are not ones that chunk (Transition.chunk_links)."""
+        if self.comm_chunks <= 1:
+            return None
+        links_in = into.chunk_links(self.comm_chunks, seq_len)
+        links_out = out_of.chunk_links(self.comm_chunks, seq_len)
+        if links_in and links_out and len(links_in) == len(links_out) > 1:
+            return links_in, links_out
+        return None

@@ -16,6 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from galaxy.distributed.transitions import Layout, Transition
+from galaxy.layers.attention import attention, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.models.family import GalaxyModel
@@ -67,22 +68,31 @@ class BertAttention(nn.Module):
         column = {f"{p}.{w}": (0, sizes) for p in ("query", "key", "value") for w in ("weight", "bias")}
         return {**column, "out.weight": (1, sizes)}
 
+    # The block protocol's three token-wise / whole-sequence pieces (galaxy.layers.block): a TP
+    # ATT whose transitions travel in chunks runs project per chunk, attend once, finish per chunk.
+
+    def project(self, x):
+        """Token-wise: x [b, s, h] -> (q, k, v), each [b, s, heads*d]."""
+        return self.query(x), self.key(x), self.value(x)
+
+    def attend(self, q, k, v, mask):
+        """q [b, s, heads*d] against k, v [b, S, heads*d] -> context [b, s, heads*d]."""
+        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
+        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope)
+
+    def finish(self, ctx):
+        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
+        return self.out(ctx), self.out.bias
+
     def forward(self, x, mask):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
-        b, s, _ = x.shape
+        if self.kv_gather is None:
+            return self.finish(self.attend(*self.project(x), mask))
         k, v = self.key(x), self.value(x)                               # [b, s, heads*d]
-        if self.kv_gather is not None:      # one collective for both, travelling while Q is projected
-            kv = self.kv_gather.start(torch.cat((k, v), dim=-1))
-        q = self.query(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        if self.kv_gather is not None:
-            k, v = kv().chunk(2, dim=-1)                                # [b, S, heads*d]
-        k = k.view(b, k.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, v.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
-        p = self.dropout_p if self.training else 0.0
-        with self.rng_scope() if p > 0 else nullcontext():
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.out(ctx), self.out.bias
+        kv = self.kv_gather.start(torch.cat((k, v), dim=-1))    # one collective for both, travelling
+        q = self.query(x)                                       # while Q is projected
+        k, v = kv().chunk(2, dim=-1)                                    # [b, S, heads*d]
+        return self.finish(self.attend(q, k, v, mask))
 
 
 class BertMLP(nn.Module):

@@ -114,9 +114,9 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
     (Llama: the LM head weight's gradient and the loss); sum_param_units: elements of the summed
     ("sum" rule) gradients per GradientSync unit, in backward order (a layer, or the parameters
     outside the layers), one all-reduce per bucket of units (grad_sync_all_reduces);
-    sum_param_numel: the same as one unit. comm_chunks: a TP MLP's transitions travel in that many
-    chunks of the sequence (galaxy.layers.block; at most the shortest share under CON SP, the
-    sequence under CON None), each chunk's collective padded to its own longest part.
+    sum_param_numel: the same as one unit. comm_chunks: a TP ATT's and a TP MLP's transitions travel
+    in that many chunks of the sequence (galaxy.layers.block; at most the shortest share under CON
+    SP, the sequence under CON None), each chunk's collective padded to its own longest part.
     """
     n = len(seq_shares)
     out: dict[str, dict] = {}
@@ -133,9 +133,9 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
         c["received"] += times * b
 
     con_s = plan.con == "SP"
-    for name, method in (("att", plan.att), ("mlp", plan.mlp)):
+    for method in (plan.att, plan.mlp):
         tp = method == "TP"
-        if name == "mlp" and tp and comm_chunks > 1:
+        if tp and comm_chunks > 1:
             if con_s:       # chunk j: every rank's j-th part of its share, padded to the longest
                 c = min(comm_chunks, min(seq_shares))
                 parts = [chunk_sizes(s, c) for s in seq_shares]

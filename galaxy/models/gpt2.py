@@ -27,6 +27,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from galaxy.distributed.transitions import Transition
+from galaxy.layers.attention import attention, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -84,23 +85,31 @@ class GPT2Attention(nn.Module):
         sizes = tuple(n * d for n in shares)
         return {"c_attn.weight": (0, sizes, 3), "c_attn.bias": (0, sizes, 3), "c_proj.weight": (1, sizes)}
 
+    # The block protocol's pieces (galaxy.layers.block): a TP ATT whose transitions travel in
+    # chunks runs project per chunk, attend once over the whole sequence, finish per chunk.
+
+    def project(self, x):
+        """Token-wise: x [b, s, h] -> (q, k, v), each [b, s, heads*d] (c_attn's three row blocks)."""
+        return self.c_attn(x).split(self.num_heads * self.head_dim, dim=-1)
+
+    def attend(self, q, k, v, mask):
+        """q [b, s, heads*d] against k, v [b, S, heads*d] -> context [b, s, heads*d]."""
+        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
+        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope,
+                         scale=self.scale)
+
+    def finish(self, ctx):
+        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
+        return self.c_proj(ctx), self.c_proj.bias
+
     def forward(self, x, mask):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend)
-        b, s, _ = x.shape
         if self.local_rows is not None:      # SP: own queries, all keys
             mask = mask[:, :, self.local_rows]
-        width = self.num_heads * self.head_dim
-        q, k, v = self.c_attn(x).split(width, dim=-1)                   # [b, s, heads*d] each
+        q, k, v = self.project(x)                                       # [b, s, heads*d] each
         if self.kv_gather is not None:       # one collective for both
-            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).split(width, dim=-1)   # [b, S, heads*d]
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, k.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, v.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
-        p = self.dropout_p if self.training else 0.0
-        with self.rng_scope() if p > 0 else nullcontext():
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.scale)
-        ctx = ctx.transpose(1, 2).reshape(b, s, width)
-        return self.c_proj(ctx), self.c_proj.bias
+            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)   # [b, S, heads*d]
+        return self.finish(self.attend(q, k, v, mask))
 
 
 class GPT2MLP(nn.Module):

@@ -20,6 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
+from galaxy.layers.attention import attention, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -87,29 +88,48 @@ class LlamaAttention(nn.Module):
             specs.update({"q_proj.bias": (0, q_sizes), "k_proj.bias": (0, kv_sizes), "v_proj.bias": (0, kv_sizes)})
         return specs
 
+    # The block protocol's pieces (galaxy.layers.block): a TP ATT whose transitions travel in
+    # chunks runs project per chunk, attend once over the whole sequence, finish per chunk.
+
+    def project(self, x):
+        """Token-wise: x [b, s, h] -> (q [b, s, heads*d], k, v [b, s, kv_heads*d]), not yet rotated."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(self, q, k, v, mask, cos, sin):
+        """The whole sequence's q, k, v (as project returns them) -> context [b, S, heads*d]."""
+        return self._attend(self._rotate(q, cos, sin), self._rotate(k, cos, sin), self._heads(v), mask)
+
+    def finish(self, ctx):
+        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
+        return self.o_proj(ctx), self.o_proj.bias
+
+    def _heads(self, t):
+        return split_heads(t, self.head_dim)                             # [b, s, heads, d]
+
+    def _rotate(self, t, cos, sin):
+        # t: [b, s, heads*d]; cos, sin: [b, s, d] at t's positions
+        t = self._heads(t)
+        return t * cos[:, :, None] + rotate_half(t) * sin[:, :, None]
+
+    def _attend(self, q, k, v, mask):
+        # q: [b, s, heads, d]; k, v: [b, S, kv_heads, d]; mask: [b, 1, s, S] -> [b, s, heads*d]
+        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope,
+                         enable_gqa=self.group > 1)
+
     def forward(self, x, mask, cos, sin):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend);
         # cos, sin: [b, S, d] for the full sequence
-        b, s, _ = x.shape
         if self.local_rows is not None:      # SP: own queries, all keys
             mask, cos, sin = mask[:, :, self.local_rows], cos[:, self.local_rows], sin[:, self.local_rows]
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, :, None], sin[:, :, None]                     # [b, s, 1, d]
-        k = k * cos + rotate_half(k) * sin
-        if self.kv_gather is not None:       # rotated with global positions, then gathered while
-            kv = self.kv_gather.start(torch.cat((k, v), dim=2).flatten(2))    # Q is projected
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        if self.kv_gather is not None:
-            k, v = kv().unflatten(2, (2 * self.num_kv_heads, self.head_dim)).chunk(2, dim=2)   # [b, S, ...]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))               # [b, heads, s|S, d]
-        p = self.dropout_p if self.training else 0.0
-        with self.rng_scope() if p > 0 else nullcontext():
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 enable_gqa=self.group > 1)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(ctx), self.o_proj.bias
+        if self.kv_gather is None:
+            return self.finish(self.attend(*self.project(x), mask, cos, sin))
+        # SP: K rotated at its own (global) positions, then K and V gathered in one collective
+        # while Q is projected.
+        k = self._rotate(self.k_proj(x), cos, sin)
+        kv = self.kv_gather.start(torch.cat((k, self._heads(self.v_proj(x))), dim=2).flatten(2))
+        q = self._rotate(self.q_proj(x), cos, sin)
+        k, v = self._heads(kv()).chunk(2, dim=2)                         # [b, S, kv_heads, d]
+        return self.finish(self._attend(q, k, v, mask))
 
 
 class LlamaMLP(nn.Module):
