@@ -3,12 +3,18 @@ them (`python SCRIPT ARGS...` from the current directory), so torch and transfor
 once for many commands.
 
     python tests/command_driver.py REPO_ROOT COMMANDS.json
+    python tests/command_driver.py REPO_ROOT --serve
 
 COMMANDS.json: a list of command lines. For each, "@@ end CODE WALL_S CPU_S COMMAND" goes to
 stdout (CODE: the script's exit status; a script that fails in training exits the whole process,
 as galaxy.launch does, and the caller sees it; CPU_S: this process's CPU seconds, the imports
 included for the first command). The ranks of a distributed command run as drivers
 given the same list in the same order, so they meet at each command's rendezvous.
+
+--serve: read one JSON request a line from stdin, {"argv": [SCRIPT, ARGS...], "stdout": PATH,
+"stderr": PATH}; run it with file descriptors 1 and 2 sent to those files (so that what C code
+and child threads print is caught too), then answer "@@ end CODE" on the driver's own stdout.
+tests/script_runner.py keeps such drivers for the test session.
 """
 import json
 import os
@@ -17,21 +23,52 @@ import runpy
 import shlex
 import sys
 import time
+import traceback
 
 
 def run(command: str, root: str) -> int:
     python, script, *args = shlex.split(command)
     assert python == "python", command
-    path = os.path.join(root, script)
-    sys.argv = [path, *args]
+    return run_argv([script, *args], root)
+
+
+def run_argv(argv: list[str], root: str) -> int:
+    """Run `python argv...` in this process: the script's exit status (1 for an uncaught error,
+    whose traceback goes to stderr, as the interpreter would print it)."""
+    path = os.path.join(root, argv[0])
+    sys.argv = [path, *argv[1:]]
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        return 1
     return 0
 
 
+def serve(root: str) -> None:
+    reply = os.fdopen(os.dup(1), "w")
+    saved = os.dup(1), os.dup(2)
+    for line in sys.stdin:
+        request = json.loads(line)
+        with open(request["stdout"], "w") as out, open(request["stderr"], "w") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            try:
+                code = run_argv(request["argv"], root)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+        print(f"@@ end {code}", file=reply, flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[2:] == ["--serve"]:
+        serve(sys.argv[1])
+        sys.exit(0)
     root, commands = sys.argv[1], json.load(open(sys.argv[2]))
     cpu = 0.0
     for command in commands:

@@ -1,30 +1,98 @@
-"""Run an entry script as users do: one process per rank, started by hand on loopback."""
+"""Run an entry script as users do: one process per rank, started by hand on loopback.
+
+`launch` starts fresh processes and reports how each exited (for the tests of exit codes, errors
+and dying peers). `run_script`, for runs that must succeed, gives each rank's command line to a
+long-lived command driver instead (tests/command_driver.py --serve; one per rank, kept for the
+session): the script runs as `python SCRIPT ARGS` would, without paying for importing torch and
+transformers again (about 5 s of CPU per process on this 2-core machine). A driver whose script
+failed is replaced, so no state of a broken run reaches the next test.
+"""
+import atexit
+import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
+import time
 
 from dist_pool import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+
+
+def _argv(script, config: str, world: int, rank: int, port: int, extra) -> list[str]:
+    command = [script] if isinstance(script, str) else list(script)
+    return [*command, "--config_file", config, "--world", str(world), "--rank", str(rank),
+            "--init_method", f"tcp://127.0.0.1:{port}", *extra]
 
 
 def launch(script, config: str, world: int, *extra: str, timeout: float = 240) -> list[tuple]:
     """[(returncode, stdout, stderr)] of every rank. script: a file name, or a list (a script and
     its subcommand, e.g. ["plan.py", "profile-devices"])."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    command = [script] if isinstance(script, str) else list(script)
-    procs = [subprocess.Popen([sys.executable, *command, "--config_file", config, "--world", str(world), "--rank",
-                               str(r), "--init_method", f"tcp://127.0.0.1:{port}", *extra],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *_argv(script, config, world, r, port, extra)],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
+class _Driver:
+    """One tests/command_driver.py --serve process: a script at a time, its output in files."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="script_driver_")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "command_driver.py"), ROOT,
+                                      "--serve"], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def submit(self, argv: list[str]) -> None:
+        self.out, self.err = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
+        request = {"argv": argv, "stdout": self.out, "stderr": self.err}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, deadline: float) -> tuple:
+        """(exit status, stdout, stderr) of the script submitted; None for a status when the
+        script did not finish by `deadline` (time.monotonic())."""
+        code = None
+        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            line = self.proc.stdout.readline()
+            code = int(line.split()[2]) if line.startswith("@@ end ") else self.proc.wait()   # "": it exited
+        read = lambda path: open(path).read() if os.path.exists(path) else ""   # noqa: E731
+        return code, read(self.out), read(self.err)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_drivers: list[_Driver] = []
+
+
+@atexit.register
+def _close_drivers():
+    for d in _drivers:
+        d.close()
+
+
 def run_script(script, config: str, world: int, *extra: str, timeout: float = 240) -> list[str]:
     """Every rank's stdout; fails the test (showing its stderr) unless every rank exits 0."""
-    results = launch(script, config, world, *extra, timeout=timeout)
+    while len(_drivers) < world:
+        _drivers.append(_Driver())
+    port = free_port()
+    for r in range(world):
+        _drivers[r].submit(_argv(script, config, world, r, port, extra))
+    deadline = time.monotonic() + timeout
+    results = [_drivers[r].result(deadline) for r in range(world)]
+    if any(code != 0 for code, _, _ in results):    # replace every driver of a failed run
+        for r in range(world):
+            _drivers[r].close()
+            _drivers[r] = _Driver()
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{out}\n{err}"
     return [out for _, out, _ in results]
