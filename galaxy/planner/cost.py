@@ -429,8 +429,8 @@ class CostModel:
         # unit, but the allocator keeps the memory: bench/plan_memory.py measured 929 MiB where the
         # shards alone predicted 728).
         buckets = n if dp > 1 else 0
-        # The Galaxy group's "sum" gradients are flattened into their all-reduce buckets (one more
-        # copy, until written back after backward).
+        # The Galaxy group's "sum" gradients are flattened into their all-reduce buckets: one more
+        # copy, in buffers GradientSync keeps from step to step.
         buckets += L * self.summed_layer_params_of(plan, j) / (dp if sharded else 1)
         layer, biggest = self.layer_act_per_row(plan, j)
         carry = self.carry * s_con * self.hidden * FP32
