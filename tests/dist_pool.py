@@ -7,8 +7,9 @@ rank fails the test with that rank's traceback; a case that hangs is killed afte
 the pool is started again for the next case.
 
 Every case builds its own process groups (meshes, Galaxy groups), and they stay: destroying them
-would leave DTensor's caches, which hand back the first equal DeviceMesh they saw, pointing at
-dead groups. But each live gloo group costs an idle worker about 0.1% of a core (its socket loop
+after each case made a later FSDP case hang on a collective (torch keeps state that outlives a
+case's mesh; DTensor's sharding cache hands back an earlier, equal DeviceMesh, but emptying it was
+not enough). But each live gloo group costs an idle worker about 0.1% of a core (its socket loop
 wakes on its own; measured: 300 groups, 32% of a core per worker), and every later test pays for
 it. So a pool whose workers hold more than GROUP_LIMIT groups starts afresh after the case.
 """
