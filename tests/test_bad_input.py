@@ -212,7 +212,7 @@ def test_resume_takes_step_n_unpadded(monkeypatch, capsys, ws, checkpoints):
     assert code == 0, err
     assert f"resuming from {os.path.join(checkpoints, step_dir_name(4))} (step 4)" in out
     line = refused(monkeypatch, capsys, ws, "stepn5", resume=os.path.join(checkpoints, "step-5"))
-    assert f"is not a folder" in line and f"{checkpoints} holds step-2, step-4" in line
+    assert "is not a folder" in line and f"{checkpoints} holds step-2, step-4" in line
 
 
 # --- 4. damaged checkpoints ----------------------------------------------------------------------

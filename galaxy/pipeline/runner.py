@@ -38,7 +38,7 @@ from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_repl
 from galaxy.parallel.runner import Runner
 from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
-from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, pack_carry, unpack_carry
+from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
 
 
