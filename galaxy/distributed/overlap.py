@@ -24,6 +24,8 @@ chunk as the output collectives leave.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from galaxy.distributed.collectives import (Pending, start_all_gather_sequence, start_all_reduce,
@@ -130,29 +132,38 @@ def chunked_attention(x: torch.Tensor, att, chunks: int, in_links, out_links, **
     tokens = _start_chunks(x, chunks, in_links)
     projected = [att.project(wait(t, link)) for t, link in zip(tokens, in_links)]   # [chunk](q, k, v)
     lengths = [p[0].shape[1] for p in projected]
-    order = gathered_order(in_links, x.device)     # None: the chunks are already in sequence order
+    orders = gathered_order(in_links, x.device)    # None: the chunks are already in sequence order
     whole = [torch.cat(parts, dim=1) for parts in zip(*projected)]                 # [b, S, *] each
-    if order is not None:
-        whole = [t.index_select(1, torch.argsort(order)) for t in whole]
+    if orders is not None:
+        order, back = orders
+        whole = [t.index_select(1, back) for t in whole]
     ctx = att.attend(*whole, **att_kwargs)                                          # [b, S, heads*d]
-    if order is not None:
+    if orders is not None:
         ctx = ctx.index_select(1, order)
     return _finish_chunks(ctx.split(lengths, dim=1), att.finish, out_links)
 
 
-def gathered_order(links, device=None) -> torch.Tensor | None:
-    """The sequence position of each token of the chunked all-gathers' results laid end to end
-    (chunk j: rank 0's j-th part of its share, then rank 1's, ...), or None for all-reduce links."""
+def gathered_order(links, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(order, back) for the chunked all-gathers' results laid end to end (chunk j: rank 0's j-th
+    part of its share, then rank 1's, ...): order[i] is the sequence position of token i, and
+    index_select(back) puts them in sequence order. None for all-reduce links (already in order)."""
     if links[0].sizes is None:
         return None
-    per_rank = [sum(link.sizes[r] for link in links) for r in range(len(links[0].sizes))]
+    return _orders(tuple(tuple(link.sizes) for link in links), torch.device(device or "cpu"))
+
+
+@functools.lru_cache(maxsize=256)
+def _orders(sizes: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # sizes[j][r]: rank r's tokens in chunk j. Built once per (shares, chunks, device), not per layer.
+    per_rank = [sum(chunk[r] for chunk in sizes) for r in range(len(sizes[0]))]
     start = [sum(per_rank[:r]) for r in range(len(per_rank))]
     order = []
-    for link in links:
-        for r, n in enumerate(link.sizes):
+    for chunk in sizes:
+        for r, n in enumerate(chunk):
             order.extend(range(start[r], start[r] + n))
             start[r] += n
-    return torch.tensor(order, device=device)
+    order = torch.tensor(order, device=device)
+    return order, torch.argsort(order)
 
 
 def _start_chunks(x, chunks: int, links) -> list:

@@ -64,6 +64,7 @@ def sync_units(named_params) -> list[list]:
 class _Bucket:
     def __init__(self, params: list):
         self.params = params                  # reverse registration order, roughly readiness order
+        self.buffer: torch.Tensor | None = None   # the flattened gradients, kept between steps
         self.reset()
 
     def reset(self) -> None:
@@ -79,7 +80,7 @@ class _Bucket:
         """grads laid end to end in the bucket's kept buffer (made again when their total size,
         dtype or device differs from the last step's)."""
         numel = sum(g.numel() for g in grads)
-        buf = getattr(self, "buffer", None)
+        buf = self.buffer
         if buf is None or buf.numel() != numel or buf.dtype != grads[0].dtype or buf.device != grads[0].device:
             buf = self.buffer = torch.empty(numel, dtype=grads[0].dtype, device=grads[0].device)
         return torch.cat([g.reshape(-1) for g in grads], out=buf)
