@@ -122,6 +122,8 @@ def measure(args, runners: dict, batch_size: int) -> dict:
 def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.runtime import cpu_allocator
+    cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
     waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
     from galaxy.models.shape import read_model_shape

@@ -81,6 +81,8 @@ def train_step(runner, batch) -> float:
 def worker(rank: int, args, port: int, results) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.runtime import cpu_allocator
+    cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.models.shape import read_model_shape
     shape = read_model_shape(args.model_path)
     runners = {name: build(args, name, shape) for name in args.variants}

@@ -97,6 +97,8 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
     from galaxy.train.optim import build_optimizer
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from galaxy.runtime import cpu_allocator
+    cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
     waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
     from galaxy.config import even_split

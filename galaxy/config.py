@@ -58,6 +58,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 # gathered parameters after its forward ("full", ZeRO-3 like) or keeps them to backward ("no_reshard").
 DP_SHARDING = ("none", "full", "no_reshard")
 COMM_WAITS = ("auto", "poll", "block")   # galaxy.distributed.waiting
+CPU_ALLOCATORS = ("keep", "system")      # galaxy.runtime.cpu_allocator
 # PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
 PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
               "use_side_only": "side_only"}
@@ -110,12 +111,16 @@ class GalaxyConfig:
     warmup_steps: int = 0
     clip_grad: float | None = None  # max global gradient norm; None: no clipping
     grad_accum_steps: int = 1  # micro-batches per optimizer step; batch_size stays the global batch
-    # A TP MLP's collectives travel in this many chunks of the sequence, overlapped with the GEMMs
-    # (galaxy.layers.block); 1: one collective per transition.
+    # A TP ATT's and MLP's collectives travel in this many chunks of the sequence, overlapped with
+    # the GEMMs (galaxy.layers.block); 1: one collective per transition.
     comm_chunks: int = 1
     # How a rank waits for CPU collectives (galaxy.distributed.waiting): poll them, yielding the
     # core, or block; auto polls on gloo when every rank on the host has a core of its own.
     comm_wait: str = "auto"
+    # CPU runs: "keep" makes glibc keep freed memory mapped, so a step's big tensors (a word
+    # embedding's gradient) reuse pages instead of faulting fresh ones in every step
+    # (galaxy.runtime.cpu_allocator); "system" leaves the C allocator as it is.
+    cpu_allocator: str = "keep"
     mixed_precision: str = "none"  # "bf16": autocast the forward pass; JSON null is stored as "none"
     eval_interval: int | None = None  # None: evaluate the dev set at the end only
     save_dir: str | None = None  # None: no checkpoints
@@ -202,6 +207,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "grad_accum_steps": (int, False),
     "comm_chunks": (int, False),
     "comm_wait": (COMM_WAITS, False),
+    "cpu_allocator": (CPU_ALLOCATORS, False),
     "mixed_precision": (("bf16", "none"), True),
     "eval_interval": (int, True),
     "save_dir": (str, True),

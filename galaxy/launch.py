@@ -54,6 +54,7 @@ from galaxy import preflight
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.data.errors import DataError
 from galaxy.distributed import waiting
+from galaxy.runtime import cpu_allocator
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
@@ -196,6 +197,7 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
     # Every rank has the same comm_wait and backend, so all or none join the all-gather.
     on_host = ranks_and_cores_on_this_host() if backend == "gloo" and cfg.comm_wait == "auto" else (1, 1)
     waiting.set_polling(waiting.choose_poll(cfg.comm_wait, backend, *on_host))
+    cpu_allocator.apply(cfg.cpu_allocator, device.type)
     return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
                    timeout_s=cfg.timeout_s, local_rank=local_rank)
 

@@ -4,7 +4,8 @@ LAUNCH_TARGET_DIE_RANK=<r> makes rank r exit abruptly between its two collective
 stand in for a peer that crashes or is killed mid-training. LAUNCH_TARGET_BAR=1 shows a progress
 bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_SLEEP=<s> keeps every rank
 busy for s seconds after the rendezvous, to stand in for a job that is running. Each rank prints
-how it waits for collectives (config key comm_wait, galaxy.distributed.waiting).
+how it waits for collectives (config key comm_wait, galaxy.distributed.waiting) and whether memory
+it frees stays mapped (config key cpu_allocator, galaxy.runtime.cpu_allocator).
 """
 
 import os
@@ -16,6 +17,18 @@ from tqdm import tqdm
 
 from galaxy.distributed import waiting
 from galaxy.launch import main
+
+
+def freed_memory_stays() -> bool:
+    """Whether 64 MiB this process touches and frees stays resident: glibc returns a block that big
+    to the OS on free unless cpu_allocator "keep" turned its mmap path off."""
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    block = b"\x01" * (64 << 20)
+    held = rss_kib()
+    del block
+    return held - rss_kib() < (32 << 10)
 
 
 def train(cfg, env):
@@ -30,7 +43,8 @@ def train(cfg, env):
     dist.all_reduce(t)
     bar.close()
     waits = "poll" if waiting.polling() else "block"
-    print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device} waits={waits}", flush=True)
+    print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device} waits={waits} "
+          f"freed_memory_stays={freed_memory_stays()}", flush=True)
 
 
 if __name__ == "__main__":

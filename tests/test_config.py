@@ -176,6 +176,11 @@ def test_dp_sharding_needs_replicas(load):
     assert "dp_sharding must be one of 'none', 'full', 'no_reshard'" in error_of(load, dp_sharding="zero3")
 
 
+def test_cpu_allocator_names(load):
+    assert load(cpu_allocator="system").cpu_allocator == "system"
+    assert "cpu_allocator must be one of 'keep', 'system'" in error_of(load, cpu_allocator="jemalloc")
+
+
 def test_split_list_wrong_length(load):
     msg = error_of(validate, load(seq_scatter_list=[10, 10, 12]), 2, 0)
     assert msg == ("seq_scatter_list has 3 entries but the Galaxy group has 2 ranks "

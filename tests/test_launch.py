@@ -73,6 +73,10 @@ def test_argparse_error_is_one_line():
 def test_single_process(config):
     code, out, err = finish(start(["--config_file", config()]))
     assert code == 0, err
+    assert "freed_memory_stays=True" in out           # cpu_allocator "keep", the default
+    code, out, err = finish(start(["--config_file", config(cpu_allocator="system")]))
+    assert code == 0, err
+    assert "freed_memory_stays=False" in out          # glibc unmaps a 64 MiB block on free
     assert "rank 0/1 ok backend=gloo device=cpu" in out
 
 

@@ -57,7 +57,7 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
     task: the model's task (build_model's; None: the family's primary one).
     dp_sharding: "none" (DDP over the replicas), "full" or "no_reshard" (FSDP2 over them,
     galaxy.parallel.sharded_dp); no effect with one replica.
-    comm_chunks: chunks of the sequence a TP MLP's collectives travel in (set_comm_chunks).
+    comm_chunks: chunks of the sequence a TP ATT's and MLP's collectives travel in (set_comm_chunks).
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
