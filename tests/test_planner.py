@@ -133,6 +133,22 @@ def test_summed_gradients_and_a_fused_step_by_hand():
     assert fused.estimate(tp).memory_mib[1] * MIB == pytest.approx(4 * 6 * n_layer / 2 * 4)   # nothing summed
 
 
+def test_kept_heap_holds_an_embedding_gradient_per_accumulated_micro_batch():
+    """A CPU heap that keeps freed memory (cpu_allocator keep) holds one more dense embedding
+    gradient per accumulated micro-batch after the first, on the rank that holds the embeddings."""
+    model = synthetic_model()
+    model["params"]["embed"] = E = 1_000_000
+    plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=8)
+    kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=8)
+    pp = Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), microbatches=4)
+    extra = [(k - p) * MIB for k, p in zip(kept.estimate(pp).memory_mib, plain.estimate(pp).memory_mib)]
+    assert extra == pytest.approx([3 * 4 * E, 0])             # stage 0 holds the embeddings
+    accum = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), microbatches=2)
+    one = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    assert (kept.estimate(accum).memory_mib[0] - plain.estimate(accum).memory_mib[0]) * MIB == pytest.approx(4 * E)
+    assert kept.estimate(one).memory_mib[0] == plain.estimate(one).memory_mib[0]
+
+
 def test_dp_sharding_is_written_for_replicas_only():
     plan = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
     assert plan_keys(plan, 6)["dp_sharding"] == "full"

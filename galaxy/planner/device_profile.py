@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from galaxy.planner.harness import SubBlockBench
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
+from galaxy.runtime import cpu_allocator
 from galaxy.train.optim import build_optimizer, fused_allowed
 
 
@@ -263,6 +264,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
             "optimizer_fused": fused_allowed(list(bench.model.parameters())),
+            "freed_memory_kept": cpu_allocator.kept(),
             "compute": compute}
 
 

@@ -13,6 +13,7 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
               "gemm_flops_per_s": float,         # matmul rate at the model's largest GEMM
               "optimizer_s_per_param": {"adamw": float, "sgd": float},
               "optimizer_fused": bool | absent,  # torch's fused step (no temporaries); absent: false
+              "freed_memory_kept": bool | absent,  # CPU heap keeps freed memory (cpu_allocator keep)
               "compute": COMPUTE | absent}       # measured sub-block times (absent: FLOPs / gemm rate)
 
     COMPUTE = {"model": {shape keys it was measured at}, "rows": [r, ...],
@@ -135,8 +136,9 @@ def check_device(device, where: str) -> dict:
     for name in opt:
         _number(f"{where} optimizer_s_per_param", opt, name, positive=False)
     out["optimizer_s_per_param"] = dict(opt)
-    if not isinstance(out.get("optimizer_fused", False), bool):
-        raise ProfileError(f"{where}: 'optimizer_fused' must be true or false")
+    for flag in ("optimizer_fused", "freed_memory_kept"):
+        if not isinstance(out.get(flag, False), bool):
+            raise ProfileError(f"{where}: '{flag}' must be true or false")
     return out
 
 
