@@ -3,9 +3,13 @@
 all-MiniLM-L6-v2, world 2 on this machine (gloo over loopback, one thread per rank, each rank
 pinned to its own core with --pin). plan.py profile-model and profile-devices (2 ranks, pinned as
 training) take the profiles once; then every plan below trains --steps AdamW steps under
-pretrain_galaxy.py as users run it (serial runs one process), and its median step time (steps after
-the first, from metrics_file) and every rank's peak RSS (the "done" event) are set against
-galaxy.planner.cost's prediction for it from the profiles:
+pretrain_galaxy.py as users run it (serial runs one process), --rounds times: each round runs every
+plan once, in alternating order (forward, then backward), so that a slow spell of the machine falls
+on several plans instead of all of one plan's steps. A plan's step time is its least disturbed run's:
+the smallest over rounds of each run's median step (steps after the first, from metrics_file; the
+host this bench was written on slows whole runs by up to 40% at times, as timeit's advice has it,
+the slower runs measure the neighbours, not the plan); its peak RSS per rank the median of the
+runs' "done" events. Both are set against galaxy.planner.cost's prediction from the profiles:
 
   serial, TP, SP, Galaxy (even and uneven shares), TP and SP uneven, the four mixed ATT/MLP x CON
   combinations, pp 2 (even stages, 2 micro-batches; uneven stages, 4), dp 2, dp 2 with 2
@@ -15,8 +19,8 @@ Prints the table, the Spearman rank correlation of predicted vs measured step ti
 absolute error of step time and of peak memory (every rank), writes JSON and a predicted-vs-measured
 chart.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_accuracy.py [--pin] [--steps 6] [--pad_size 64]
-        [--batch_size 8] [--only N] [--out runs/bench/plan_accuracy]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_accuracy.py [--pin] [--steps 6] [--rounds 3]
+        [--pad_size 64] [--batch_size 8] [--only N] [--out runs/bench/plan_accuracy]
 """
 from __future__ import annotations
 
@@ -98,6 +102,8 @@ def main() -> None:
     p.add_argument("--pad_size", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--pin", action="store_true", help="pin rank r to core r (taskset)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="each plan is trained once per round; rounds alternate the order of the plans")
     p.add_argument("--only", type=int, help="run only the first N plans")
     p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
     p.add_argument("--statistic", choices=("median", "min"), default="median",
@@ -114,22 +120,33 @@ def main() -> None:
     devices, link = load_devices(devices_path)
     cost = {1: CostModel(model, devices[:1], None, batch_size=args.batch_size),
             2: CostModel(model, devices, link, batch_size=args.batch_size)}
-    rows = []
     chosen = plans(args.pad_size)[: args.only]
+    runs: list[list[dict]] = [[] for _ in chosen]
+    for r in range(args.rounds):
+        order = range(len(chosen)) if r % 2 == 0 else reversed(range(len(chosen)))
+        for i in order:
+            name, world, plan = chosen[i]
+            runs[i].append(train(out, base, f"plan{i:02d}", plan_keys(plan, 6), world, cores[:world],
+                                 args.statistic))
+        print(f"round {r + 1} of {args.rounds} done", flush=True)
+    rows = []
     print(f"{'plan':<26} {'pred ms':>8} {'meas ms':>8} {'err':>7} | {'pred MiB':>13} {'meas MiB':>13} {'err':>13}")
-    for i, (name, world, plan) in enumerate(chosen):
+    for (name, world, plan), got in zip(chosen, runs):
         est = cost[world].estimate(plan)
-        got = train(out, base, f"plan{i:02d}", plan_keys(plan, 6), world, cores[:world], args.statistic)
-        row = {"name": name, "world": world, "predicted_s": est.step_s, "measured_s": got["step_s"],
-               "step_times": got["step_times"], "predicted_mib": [round(m, 1) for m in est.memory_mib],
-               "measured_mib": got["peak_mib"], "keys": plan_keys(plan, 6)}
+        measured = min(g["step_s"] for g in got)
+        peak = [statistics.median(g["peak_mib"][k] for g in got) for k in range(world)]
+        row = {"name": name, "world": world, "predicted_s": est.step_s, "measured_s": measured,
+               "round_step_s": [g["step_s"] for g in got], "step_times": [g["step_times"] for g in got],
+               "predicted_mib": [round(m, 1) for m in est.memory_mib], "measured_mib": peak,
+               "keys": plan_keys(plan, 6)}
         rows.append(row)
-        err = est.step_s / got["step_s"] - 1
+        err = est.step_s / measured - 1
         merr = [pm / mm - 1 for pm, mm in zip(row["predicted_mib"], row["measured_mib"])]
-        print(f"{name:<26} {est.step_s * 1e3:>8.1f} {got['step_s'] * 1e3:>8.1f} {err:>+7.1%} | "
+        each = " ".join(f"{t * 1e3:.0f}" for t in row["round_step_s"])
+        print(f"{name:<26} {est.step_s * 1e3:>8.1f} {measured * 1e3:>8.1f} {err:>+7.1%} | "
               f"{','.join(f'{m:.0f}' for m in row['predicted_mib']):>13} "
               f"{','.join(f'{m:.0f}' for m in row['measured_mib']):>13} "
-              f"{','.join(f'{e:+.1%}' for e in merr):>13}", flush=True)
+              f"{','.join(f'{e:+.1%}' for e in merr):>13}   rounds {each}", flush=True)
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     time_err = statistics.median(abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows)
     mem_err = [abs(pm / mm - 1) for r in rows for pm, mm in zip(r["predicted_mib"], r["measured_mib"])]
