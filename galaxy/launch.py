@@ -54,11 +54,11 @@ from galaxy import preflight
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.data.errors import DataError
 from galaxy.distributed import waiting
-from galaxy.runtime import cpu_allocator
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
 from galaxy.preflight.summary import summary as preflight_summary
+from galaxy.runtime import cpu_allocator
 
 DEFAULT_INIT_METHOD = "tcp://127.0.0.1:29500"
 

@@ -12,8 +12,12 @@ replicated embedding does not.
 keep_freed_memory() turns glibc's mmap path off (M_MMAP_MAX 0: big blocks come from the heap like
 small ones) and raises the heap's trim threshold (M_TRIM_THRESHOLD: freed memory at the heap's top
 goes back to the OS only past 2 GiB), so freed blocks stay mapped and the next step reuses them.
-The peak resident memory of a step is unchanged (the same tensors live at the same time); what
-changes is that the process keeps its peak between steps instead of returning part of it.
+The process then keeps its peak between steps instead of returning part of it, and the peak can
+grow where a big block is freed and smaller allocations split it before the next big one: with
+gradient accumulation, each micro-batch after the first makes a fresh embedding gradient to add
+into .grad, and a 4-micro-batch pipeline's first stage peaked 40-75 MiB higher (the planner's
+memory model counts it, galaxy.planner.cost). The setting is process-wide and lasts as long as the
+process.
 
 Config key cpu_allocator: "keep" (default) applies it to CPU runs, "system" leaves glibc's
 defaults. Not glibc (musl, macOS, Windows): nothing to do, and nothing is done.
