@@ -13,6 +13,7 @@ from galaxy.config import apply_preset, load_config, validate_for_world
 from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
 from galaxy.planner.cost import CPU_ACTIVATION_SLACK, MIB, CostModel, Plan
+from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_link, compose, fit_link, link_time,
                                      load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
@@ -372,6 +373,44 @@ def test_searched_config_trains_with_hf_losses(job, tmp_path):        # noqa: F8
     assert len(steps) == len(want)
     for r, ref in zip(steps, want):
         assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
+
+
+class _TimeSlicedBench:
+    """A sub-block bench whose every point takes 1 ms forward and 1 ms backward, except each fourth
+    call, which loses a 4 ms scheduler slice in each (a core shared with other work): 3 ms a pass
+    on average. Nothing runs; the calls are counted."""
+    task = "classification"
+    units = {"att_tp": (4, 1), "att_sp": (8, 1), "mlp_tp": (8, 1), "mlp_sp": (8, 1), "con": (8, 1),
+             "embed": (8, 1), "head": (8, 1)}
+
+    def __init__(self):
+        self.calls = {}
+
+    def runner(self, kind, units, rows):
+        key = (kind, units, rows)
+        self.calls[key] = 0
+
+        def run():
+            self.calls[key] += 1
+            t = 0.009 if self.calls[key] % 4 == 0 else 0.001
+            return t, t
+        return run
+
+
+@pytest.mark.parametrize("statistic", ["median", "mean"])
+def test_mean_profile_times_each_point_over_a_window_of_slices(statistic):
+    bench = _TimeSlicedBench()
+    table = measure_compute(bench, 8, quick=True, repeats=3, warmup=1, statistic=statistic)
+    fwd = [t for kind in table["kinds"].values() for row in kind["fwd_s"] for t in row]
+    if statistic == "median":            # 3 rounds after the warm-up call: 1, 1, 9 ms -> the lucky 1 ms
+        assert set(bench.calls.values()) == {4}
+        assert fwd == pytest.approx([0.001] * len(fwd))
+    else:                                # rounds go on until a point has run MEAN_WINDOW_S (0.1 s)
+        for calls in bench.calls.values():
+            timed = calls - 1
+            assert 0.002 * timed + 0.016 * (calls // 4) >= MEAN_WINDOW_S
+            assert timed <= 3 or 0.002 * (timed - 1) + 0.016 * ((calls - 1) // 4) < MEAN_WINDOW_S
+        assert fwd == pytest.approx([0.003] * len(fwd), rel=0.1)     # what a step pays on average
 
 
 # --- profile-devices on a real process group ------------------------------------------------------------
