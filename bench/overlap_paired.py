@@ -12,9 +12,12 @@ Variants (name: plan, comm_chunks, gradient sync started during backward):
   galaxy-c1 (baseline of the galaxy-*), galaxy-c2, galaxy-c4: ATT TP, MLP TP, CON SP, even shares
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
+Every variant's waits block (work.wait()), but galaxy-c1-poll's and tp-c1-poll's, which poll
+(galaxy.distributed.waiting, what comm_wait auto picks when each rank has a core): the two wait
+modes paired on one plan.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/overlap_paired.py [--variants ...] [--batch_size 8]
-        [--pad_size 128] [--rounds 8] [--warmup 2] [--json out.json]
+        [--pad_size 128] [--rounds 8] [--warmup 2] [--pin [--competitor]] [--json out.json]
 """
 from __future__ import annotations
 
@@ -38,15 +41,17 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 
-VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline)
-    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1"),
-    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1"),
-    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1"),
-    "tp-c1": ("tp", 1, True, "tp-c1"),
-    "tp-c2": ("tp", 2, True, "tp-c1"),
-    "tp-c4": ("tp", 4, True, "tp-c1"),
-    "sp-sync-after": ("sp", 1, False, "sp-sync-after"),
-    "sp-early": ("sp", 1, True, "sp-sync-after"),
+VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll)
+    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False),
+    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False),
+    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False),
+    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True),
+    "tp-c1": ("tp", 1, True, "tp-c1", False),
+    "tp-c2": ("tp", 2, True, "tp-c1", False),
+    "tp-c4": ("tp", 4, True, "tp-c1", False),
+    "tp-c1-poll": ("tp", 1, True, "tp-c1", True),
+    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False),
+    "sp-early": ("sp", 1, True, "sp-sync-after", False),
 }
 
 
@@ -56,7 +61,7 @@ def build(args, name: str, shape: dict):
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.runtime.runners import build_runner
-    preset, chunks, early, _ = VARIANTS[name]
+    preset, chunks, early, _, _ = VARIANTS[name]
     mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
                      even_split(args.pad_size, 2))
     torch.manual_seed(0)
@@ -67,7 +72,9 @@ def build(args, name: str, shape: dict):
     return runner
 
 
-def train_step(runner, batch) -> float:
+def train_step(runner, batch, poll: bool = False) -> float:
+    from galaxy.distributed import waiting
+    waiting.set_polling(poll)
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)
@@ -79,6 +86,8 @@ def train_step(runner, batch) -> float:
 
 
 def worker(rank: int, args, port: int, results) -> None:
+    if args.pin:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from galaxy.runtime import cpu_allocator
@@ -90,11 +99,11 @@ def worker(rank: int, args, port: int, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch)
+            train_step(runners[name], batch, VARIANTS[name][4])
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch))
+            times[name].append(train_step(runners[name], batch, VARIANTS[name][4]))
     if rank == 0:
         results.put(times)
     dist.barrier()
@@ -121,8 +130,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--pin", action="store_true", help="pin rank r to core r")
+    p.add_argument("--competitor", action="store_true",
+                   help="a CPU-bound process pinned beside rank 1 on core 1 for the whole run (with --pin)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    competitor = None
+    if args.competitor:
+        import subprocess
+        competitor = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {1}); exec('while True: pass')"])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -131,9 +147,14 @@ def main() -> None:
     procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
     for proc in procs:
         proc.start()
-    times = results.get()
-    for proc in procs:
-        proc.join()
+    try:
+        times = results.get()
+        for proc in procs:
+            proc.join()
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
     rows = summarise(times)
     print(f"world 2 x {args.threads} thread, all-MiniLM-L6-v2, batch {args.batch_size} x {args.pad_size}, "
           f"{args.rounds} rounds after {args.warmup} warm-up")
