@@ -40,6 +40,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+from galaxy.distributed import waiting  # noqa: E402
 
 VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll)
     "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False),
@@ -73,7 +74,6 @@ def build(args, name: str, shape: dict):
 
 
 def train_step(runner, batch, poll: bool = False) -> float:
-    from galaxy.distributed import waiting
     waiting.set_polling(poll)
     dist.barrier()
     t0 = time.perf_counter()

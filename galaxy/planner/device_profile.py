@@ -97,16 +97,22 @@ def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: i
         for _ in range(warmup):
             run()
     times = {key: [] for key in runs}
-    rounds = 0
-    while True:
-        # every point once a round, in the same order (interleaved as a step interleaves them);
-        # under "mean" a point that has run MEAN_WINDOW_S in all sits the later rounds out
-        due = [key for key in runs if rounds < repeats or sum(map(sum, times[key])) < MEAN_WINDOW_S]
-        if not due or (statistic != "mean" and rounds >= repeats) or rounds >= MAX_MEAN_ROUNDS:
-            break
-        for key in due:
-            times[key].append(runs[key]())
-        rounds += 1
+    spent = dict.fromkeys(runs, 0.0)            # seconds each point has run (forward + backward)
+
+    def one_round(keys) -> None:                # each point once, in order: interleaved as in a step
+        for key in keys:
+            t = runs[key]()
+            times[key].append(t)
+            spent[key] += t[0] + t[1]
+
+    for _ in range(repeats):
+        one_round(runs)
+    if statistic == "mean":                     # a point that has run MEAN_WINDOW_S sits out
+        for _ in range(MAX_MEAN_ROUNDS - repeats):
+            due = [key for key in runs if spent[key] < MEAN_WINDOW_S]
+            if not due:
+                break
+            one_round(due)
     pick = STATISTICS[statistic]
     kinds = {}
     for kind, units in grid.items():
