@@ -251,6 +251,35 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert link_time(link, "all_reduce", 4, 1e6, 2) == pytest.approx(2 * a * 6 + 1e6 / bw, rel=1e-6)
 
 
+def test_link_time_reads_the_measured_points_between_their_sizes():
+    # A link whose calls cost more in the middle sizes than a straight line through the ends says:
+    # what a gloo link over loopback measures (its 2-parameter fit runs low at 1 MiB).
+    pts = {1024: 2e-4, 1 << 18: 8e-4, 1 << 20: 1.3e-3, 1 << 22: 2.0e-3}
+    measured = [{"kind": "all_reduce", "group": 2, "bytes": b, "uneven": False, "seconds": t} for b, t in pts.items()]
+    measured += [{"kind": k, "group": 2, "bytes": b, "uneven": u, "seconds": t * (1.5 if u else 1)}
+                 for k in ("all_gather", "reduce_scatter") for b, t in pts.items() for u in (False, True)]
+    link = check_link({"measured": measured}, "link")
+    fit = link["fit"]["all_reduce"]
+    # two calls of 640 KiB each: 0.8 ms + (640 - 256) / (1024 - 256) of the way to 1.3 ms
+    per = 8e-4 + (640 - 256) / (1024 - 256) * (1.3e-3 - 8e-4)
+    assert link_time(link, "all_reduce", 2, 2 * 640 * 1024, 2) == pytest.approx(2 * per, rel=1e-9)
+    assert link_time(link, "all_reduce", 2, 1 << 20, 1) == pytest.approx(1.3e-3, rel=1e-9)     # on a point
+    assert link_time(link, "all_reduce", 2, 100, 1) == pytest.approx(2e-4, rel=1e-9)          # below: the smallest
+    big = (1 << 22) + 1e6                                                                     # past: + the fit's bandwidth
+    assert link_time(link, "all_reduce", 2, big, 1) == pytest.approx(2e-3 + 1e6 / fit["bytes_per_s"], rel=1e-9)
+    # uneven shares read the padded (uneven) points; an all-reduce has none and reads the even ones
+    assert link_time(link, "all_gather", 2, 1 << 20, 1, uneven=True) == pytest.approx(1.5 * 1.3e-3, rel=1e-9)
+    assert link_time(link, "all_gather", 2, 1 << 20, 1) == pytest.approx(1.3e-3, rel=1e-9)
+    assert link_time(link, "all_reduce", 2, 1 << 20, 1, uneven=True) == pytest.approx(1.3e-3, rel=1e-9)
+    # another group size, or bytes without calls (a once-per-step volume), use the fit
+    assert link_time(link, "all_reduce", 4, 1 << 20, 1) == pytest.approx(
+        fit["latency_s"] * 6 + (1 << 20) / fit["bytes_per_s"], rel=1e-9)
+    assert link_time(link, "all_reduce", 2, 1 << 20, 0) == pytest.approx((1 << 20) / fit["bytes_per_s"], rel=1e-9)
+    # a hand-written link (no measured points) is its fit everywhere
+    hand = check_link({"latency_s": 1e-4, "bytes_per_s": 1e9}, "link")
+    assert link_time(hand, "all_reduce", 2, 1e6, 1) == pytest.approx(2e-4 + 1e-3, rel=1e-9)
+
+
 def test_profiles_round_trip_and_compose(tmp_path):
     fast, slow = device(2e10, 4000, "fast box"), device(1e10, 2000, "slow box")
     link = {"backend": "gloo", "world": 2, "fit": {k: {"latency_s": 1e-4, "bytes_per_s": 1e9}

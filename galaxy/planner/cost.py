@@ -308,6 +308,7 @@ class CostModel:
         g, pp, dp, m = plan.group, plan.pp, plan.dp, plan.microbatches
         rows = self.batch / (dp * m)
         forms = self.comm(plan.att, plan.mlp, plan.con, plan.tokens) if g > 1 else {}
+        padded = len(set(plan.tokens)) > 1          # uneven token shares: padded gathers and scatters
         kinds_of = [self._kinds(plan, j) for j in range(g)]
         s_con = [k[2] for k in kinds_of]
         carry_bytes = self.carry * rows * max(s_con) * self.hidden * FP32
@@ -328,7 +329,7 @@ class CostModel:
                 b = rows * (L * f["a_layer"] + (f["a_fixed"] if last else 0))
                 calls = L * f["c_layer"] + (f["c_fixed"] if last else 0)
                 rb, rc = 0.5 * c * rows * f["a_layer"], 0.5 * c * f["c_layer"]   # recomputed forwards
-                mb_comm += link_time(self.link, kind, g, b + rb, calls + rc)
+                mb_comm += link_time(self.link, kind, g, b + rb, calls + rc, padded)
                 mb_bytes += b + rb
                 sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
                 if sb:

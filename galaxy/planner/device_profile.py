@@ -13,7 +13,8 @@ time (so that ranks sharing a host contend as they will in training):
 
 then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
 with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
-send/receive between ranks 0 and 1) over a range of sizes; a call's time is the slowest rank's.
+send/receive between ranks 0 and 1) over a range of sizes, each call after a burst of compute as
+a step makes it; a call's time is the slowest rank's mean (measure_link).
 Rank 0 writes the cluster description (galaxy.planner.profiles) to --out.
 """
 from __future__ import annotations
@@ -71,7 +72,9 @@ def rows_grid(batch: int, quick: bool) -> list[int]:
 
 
 STATISTICS = {"median": statistics.median, "min": min, "mean": statistics.mean}
-BATCH_S, MAX_CALLS = 0.02, 32       # the link profile's batches of back-to-back calls (see measure_link)
+# The link profile (measure_link): batches of calls about LINK_BATCH_S long, at most MAX_CALLS,
+# each call after BURST_S of GEMMs on BURST_GEMM x BURST_GEMM matrices.
+LINK_BATCH_S, MAX_CALLS, BURST_S, BURST_GEMM = 0.06, 32, 0.003, 128
 # statistic "mean": every table point keeps its rounds going until it has run this long in all.
 # A device that shares its core with other work hands the core over in scheduler slices (4 ms
 # ticks here), so one short call either fits in a slice or loses a whole one: its median is the
@@ -177,37 +180,49 @@ def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int 
 
 # --- collectives ----------------------------------------------------------------------------------
 
-def measure_link(env, sizes: list[int], repeats: int, statistic: str = "median") -> list[dict]:
+def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
     """Timed collectives on the world group: [{"kind", "group", "bytes", "uneven", "seconds"}]
-    (bytes: what one rank sends, ring convention; seconds: the slowest rank's median)."""
+    (bytes: what one rank sends, ring convention; seconds: the slowest rank's mean per call).
+
+    Every call is timed as a step makes it: after BURST_S of GEMMs on every rank, the work a
+    sub-block does before its collective. Back-to-back calls meet warm buffers, a busy gloo thread
+    and ranks in lockstep; a call after compute meets what a sub-block leaves behind (the peer a
+    little early or late, the communication thread asleep), and took 1.3-2.6x as long on this
+    project's 2-core VM at the sizes a step moves (bench/README.md, plan_accuracy.py). The mean of
+    every call is kept whatever --statistic says: a step pays every call, its slow ones too (a
+    waiting thread woken a scheduler tick late: 4 ms on some VMs, against 0.3 ms typical)."""
     from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
     n, rank, device = env.world, env.rank, env.device
     pg = dist.group.WORLD
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     width = 64
     out = []
-    pick = STATISTICS[statistic]
+    square = torch.randn(BURST_GEMM, BURST_GEMM, device=device)
+
+    def burst() -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < BURST_S:
+            square @ square
+            sync()
 
     def _timed(fn, repeats: int, sync) -> float:
-        """Mean seconds per call over batches of back-to-back calls; `statistic` of the batches.
-        A step pays every call, its slow ones too (a waiting thread woken a scheduler tick late:
-        4 ms on some VMs, against 0.3 ms typical), so a call's median would hide part of the cost.
-        A batch is about BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
+        """Mean seconds per call, each call after a burst, over `repeats` batches of calls; a batch
+        is about LINK_BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
         once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(once, op=dist.ReduceOp.MAX)           # every rank must make as many calls
-        calls = max(1, min(MAX_CALLS, int(BATCH_S / max(once.item(), 1e-6))))
-        means = []
-        for _ in range(repeats):
+        calls = repeats * max(1, min(MAX_CALLS, int(LINK_BATCH_S / (BURST_S + max(once.item(), 1e-6)))))
+        spent = 0.0
+        for _ in range(calls):
+            burst()
             t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
+            fn()
             sync()
-            means.append((time.perf_counter() - t0) / calls)
-        return pick(means)
+            spent += time.perf_counter() - t0
+        return spent / calls
 
     def record(kind, wire, uneven, seconds):
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
@@ -298,7 +313,7 @@ def run(job, env) -> None:
     dist.all_gather_object(devices, mine)
     link = None
     if env.world > 1:
-        measured = measure_link(env, link_sizes(opts.quick), repeats=max(3, repeats), statistic=opts.statistic)
+        measured = measure_link(env, link_sizes(opts.quick), repeats=max(3, repeats))
         fit = fit_link(measured)
         link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
                 "measured": measured}
