@@ -313,7 +313,7 @@ def run(job, env) -> None:
     dist.all_gather_object(devices, mine)
     link = None
     if env.world > 1:
-        measured = measure_link(env, link_sizes(opts.quick), repeats=max(3, repeats))
+        measured = measure_link(env, link_sizes(opts.quick), repeats=repeats if opts.quick else max(3, repeats))
         fit = fit_link(measured)
         link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
                 "measured": measured}
