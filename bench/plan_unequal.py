@@ -7,7 +7,8 @@ its core: a 1 : 0.5 pair. Under that contention (kept for the whole run):
   1. plan.py profile-model, profile-devices (both ranks, pinned) and plan.py search (ample memory)
   2. the searched plan trains --steps steps under pretrain_galaxy.py, and so does the even split of
      its methods (the same preset), and a brute-force grid of share choices of that preset: rank 0's
-     heads (--heads) x rank 0's fraction of the MLP columns and tokens (--fractions)
+     heads (--heads) x rank 0's fraction of the MLP columns and tokens (--fractions); under ATT SP,
+     where heads are no choice, every token split from even to 0.85 to rank 0
 
 and prints every measured step time (--statistic of the steps after the first), the searched plan's
 speed-up over the even split (target >= 1.3x) and its distance from the grid's best (target <= 5%).
@@ -46,14 +47,28 @@ def start_competitor() -> subprocess.Popen:
     return subprocess.Popen([*pin(1), sys.executable, "-c", "while True: pass"], env=env())
 
 
-def shares_for(heads0: int, fraction: float, heads: int, columns: int, seq: int) -> dict:
+SP_MAX_FRACTION = 0.85
+
+
+def shares_for(heads0: int | None, fraction: float, heads: int, columns: int, seq: int) -> dict:
+    heads0 = heads // 2 if heads0 is None else heads0
     c0, t0 = round(columns * fraction), round(seq * fraction)
     return {"tp_num_attention_heads_list": [heads0, heads - heads0], "tp_intermediate_size_list": [c0, columns - c0],
             "seq_scatter_list": [t0, seq - t0]}
 
 
-def grid_name(heads0: int, fraction: float) -> str:
-    return f"grid heads {heads0}:{12 - heads0} frac {fraction:.3f}"
+def grid_name(heads0: int | None, fraction: float) -> str:
+    return f"grid frac {fraction:.3f}" if heads0 is None else f"grid heads {heads0}:{12 - heads0} frac {fraction:.3f}"
+
+
+def grid_points(att: str, heads: list[int], fractions: list[float], seq: int) -> list[tuple[int | None, float]]:
+    """(rank 0's heads or None, rank 0's fraction of columns and tokens): the share choices that are
+    distinct plans under the searched methods. With ATT SP the heads are no choice (every rank runs
+    them all), so the grid spans every token split from even to SP_MAX_FRACTION instead: 23 choices
+    at pad 64, where heads x fractions would repeat 4 plans 5 times."""
+    if att == "SP":
+        return [(None, t / seq) for t in range(seq // 2, round(seq * SP_MAX_FRACTION) + 1)]
+    return [(h, f) for h in heads for f in fractions]
 
 
 def main() -> None:
@@ -106,9 +121,8 @@ def main() -> None:
                 for _ in range(args.rounds)]
         searched, even = min(r[0] for r in runs), min(r[1] for r in runs)
         grid = {}
-        for h0 in args.heads:
-            for f in args.fractions:
-                grid[h0, f] = measure(grid_name(h0, f), {**even_keys, **shares_for(h0, f, 12, 1536, args.pad_size)})
+        for h0, f in grid_points(methods["att_parallel_method"], args.heads, args.fractions, args.pad_size):
+            grid[h0, f] = measure(grid_name(h0, f), {**even_keys, **shares_for(h0, f, 12, 1536, args.pad_size)})
         top = sorted(grid, key=grid.get)[: args.final_top]
         finalists = {"searched": keys} | {grid_name(*k): {**even_keys, **shares_for(*k, 12, 1536, args.pad_size)}
                                           for k in top}
@@ -122,8 +136,8 @@ def main() -> None:
     best_key = min(grid, key=grid.get)
     best = min(grid.values())
     print(f"\nsearched {searched * 1e3:.1f} ms, even split {even * 1e3:.1f} ms: speed-up {even / searched:.2f}x "
-          f"(target >= 1.3x); grid of {len(grid)}: best {best * 1e3:.1f} ms at heads {best_key[0]}, fraction "
-          f"{best_key[1]}; searched / best {searched / best:.3f} (target <= 1.05)")
+          f"(target >= 1.3x); grid of {len(grid)}: best {best * 1e3:.1f} ms at {grid_name(*best_key)[5:]}; "
+          f"searched / best {searched / best:.3f} (target <= 1.05)")
     final_ratio = None
     if args.final_rounds and top:      # each finalist's least disturbed re-run
         least = {name: min(runs) for name, runs in final.items()}
