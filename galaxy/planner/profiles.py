@@ -102,29 +102,16 @@ def measured_time(link: dict, kind: str, n: int, wire: float, uneven: bool = Fal
     return seconds[i] + f * (seconds[i + 1] - seconds[i])
 
 
-_POINTS: dict = {}      # (id(link), kind, n, uneven) -> (link, points): a search asks millions of times
-
-
 def _measured_points(link: dict, kind: str, n: int, uneven: bool):
     """(sizes, mean seconds at each) of the measured calls that apply, or None."""
-    key = (id(link), kind, n, uneven)
-    hit = _POINTS.get(key)
-    if hit is not None and hit[0] is link:      # the link itself is held, so its id is not reused
-        return hit[1]
     rows = [m for m in link.get("measured") or () if m.get("kind") == kind and m.get("group") == n]
-    if uneven and any(m.get("uneven") for m in rows):
-        rows = [m for m in rows if m.get("uneven")]
-    else:
-        rows = [m for m in rows if not m.get("uneven")]
+    want = uneven and any(m.get("uneven") for m in rows)
     by_size: dict[int, list[float]] = {}
     for m in rows:
-        by_size.setdefault(int(m["bytes"]), []).append(float(m["seconds"]))
+        if bool(m.get("uneven")) == want:
+            by_size.setdefault(int(m["bytes"]), []).append(float(m["seconds"]))
     sizes = sorted(by_size)
-    points = (sizes, [sum(by_size[b]) / len(by_size[b]) for b in sizes]) if len(sizes) >= 2 else None
-    if len(_POINTS) > 256:
-        _POINTS.clear()
-    _POINTS[key] = (link, points)
-    return points
+    return (sizes, [sum(by_size[b]) / len(by_size[b]) for b in sizes]) if len(sizes) >= 2 else None
 
 
 def fit_link(measured: list[dict]) -> dict:
