@@ -12,6 +12,9 @@ Variants (name: plan, comm_chunks, gradient sync started during backward):
   galaxy-c1 (baseline of the galaxy-*), galaxy-c2, galaxy-c4: ATT TP, MLP TP, CON SP, even shares
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
+  sp-kv-after-gather (baseline of sp-kv-blocks), sp-kv-blocks:  ATT SP, MLP SP, CON SP; the
+      attention to the rank's own keys runs after the K/V all-gather, or while it travels
+      (galaxy.layers.attention_blocks; every other variant runs the latter where it applies)
 Every variant's waits block (work.wait()), but galaxy-c1-poll's and tp-c1-poll's, which poll
 (galaxy.distributed.waiting, what comm_wait auto picks when each rank has a core): the two wait
 modes paired on one plan.
@@ -41,18 +44,21 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from galaxy.distributed import waiting  # noqa: E402
+from galaxy.layers import attention_blocks  # noqa: E402
 
-VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll)
-    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False),
-    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False),
-    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False),
-    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True),
-    "tp-c1": ("tp", 1, True, "tp-c1", False),
-    "tp-c2": ("tp", 2, True, "tp-c1", False),
-    "tp-c4": ("tp", 4, True, "tp-c1", False),
-    "tp-c1-poll": ("tp", 1, True, "tp-c1", True),
-    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False),
-    "sp-early": ("sp", 1, True, "sp-sync-after", False),
+VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll, K/V blocks)
+    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False, True),
+    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False, True),
+    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False, True),
+    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True, True),
+    "tp-c1": ("tp", 1, True, "tp-c1", False, True),
+    "tp-c2": ("tp", 2, True, "tp-c1", False, True),
+    "tp-c4": ("tp", 4, True, "tp-c1", False, True),
+    "tp-c1-poll": ("tp", 1, True, "tp-c1", True, True),
+    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False, True),
+    "sp-early": ("sp", 1, True, "sp-sync-after", False, True),
+    "sp-kv-after-gather": ("sp", 1, True, "sp-kv-after-gather", False, False),
+    "sp-kv-blocks": ("sp", 1, True, "sp-kv-after-gather", False, True),
 }
 
 
@@ -62,7 +68,7 @@ def build(args, name: str, shape: dict):
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.runtime.runners import build_runner
-    preset, chunks, early, _, _ = VARIANTS[name]
+    preset, chunks, early, *_ = VARIANTS[name]
     mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
                      even_split(args.pad_size, 2))
     torch.manual_seed(0)
@@ -73,8 +79,9 @@ def build(args, name: str, shape: dict):
     return runner
 
 
-def train_step(runner, batch, poll: bool = False) -> float:
+def train_step(runner, batch, poll: bool = False, kv_blocks: bool = True) -> float:
     waiting.set_polling(poll)
+    attention_blocks.enabled = kv_blocks
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)
@@ -99,11 +106,11 @@ def worker(rank: int, args, port: int, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch, VARIANTS[name][4])
+            train_step(runners[name], batch, *VARIANTS[name][4:])
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch, VARIANTS[name][4]))
+            times[name].append(train_step(runners[name], batch, *VARIANTS[name][4:]))
     if rank == 0:
         results.put(times)
     dist.barrier()
@@ -158,10 +165,10 @@ def main() -> None:
     rows = summarise(times)
     print(f"world 2 x {args.threads} thread, all-MiniLM-L6-v2, batch {args.batch_size} x {args.pad_size}, "
           f"{args.rounds} rounds after {args.warmup} warm-up")
-    print(f"{'variant':>14} | {'median ms':>9} {'min ms':>8} | {'paired vs':>14} {'ratio':>6}")
+    print(f"{'variant':>18} | {'median ms':>9} {'min ms':>8} | {'paired vs':>18} {'ratio':>6}")
     for name, r in rows.items():
         ratio = "" if r["paired_ratio"] is None else f"{r['paired_ratio']:.3f}"
-        print(f"{name:>14} | {r['median_ms']:>9.1f} {r['min_ms']:>8.1f} | {r['baseline']:>14} {ratio:>6}")
+        print(f"{name:>18} | {r['median_ms']:>9.1f} {r['min_ms']:>8.1f} | {r['baseline']:>18} {ratio:>6}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -37,7 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-from planning_runs import ROOT, env, pin, profile, train, write_base
+from planning_runs import MODEL, ROOT, env, pin, profile, train, write_base
+
+from galaxy.models.shape import read_model_shape
 
 CORES = [0, 1]
 
@@ -57,8 +59,8 @@ def shares_for(heads0: int | None, fraction: float, heads: int, columns: int, se
             "seq_scatter_list": [t0, seq - t0]}
 
 
-def grid_name(heads0: int | None, fraction: float) -> str:
-    return f"grid frac {fraction:.3f}" if heads0 is None else f"grid heads {heads0}:{12 - heads0} frac {fraction:.3f}"
+def grid_name(heads0: int | None, fraction: float, heads: int) -> str:
+    return f"grid frac {fraction:.3f}" if heads0 is None else f"grid heads {heads0}:{heads - heads0} frac {fraction:.3f}"
 
 
 def grid_points(att: str, heads: list[int], fractions: list[float], seq: int) -> list[tuple[int | None, float]]:
@@ -114,7 +116,16 @@ def main() -> None:
             print(f"{name:<34} {got['step_s'] * 1e3:8.1f} ms   {json.dumps(keys)[:110]}", flush=True)
             return got["step_s"]
 
-        even_keys = dict(keys, pp_deg=1, dp_deg=1, **shares_for(6, 0.5, 12, 1536, args.pad_size), **methods)
+        shape = read_model_shape(MODEL)
+        heads, columns = shape["num_attention_heads"], shape["intermediate_size"]
+
+        def shares(heads0, fraction):
+            return shares_for(heads0, fraction, heads, columns, args.pad_size)
+
+        def point_name(heads0, fraction):
+            return grid_name(heads0, fraction, heads)
+
+        even_keys = dict(keys, pp_deg=1, dp_deg=1, **shares(heads // 2, 0.5), **methods)
         for k in ("stage_num_hidden_layers_list", "num_microbatches", "pipeline_schedule", "grad_accum_steps"):
             even_keys.pop(k, None)
         runs = [(measure("searched", keys), measure("even split, same methods", even_keys))
@@ -122,9 +133,9 @@ def main() -> None:
         searched, even = min(r[0] for r in runs), min(r[1] for r in runs)
         grid = {}
         for h0, f in grid_points(methods["att_parallel_method"], args.heads, args.fractions, args.pad_size):
-            grid[h0, f] = measure(grid_name(h0, f), {**even_keys, **shares_for(h0, f, 12, 1536, args.pad_size)})
+            grid[h0, f] = measure(point_name(h0, f), {**even_keys, **shares(h0, f)})
         top = sorted(grid, key=grid.get)[: args.final_top]
-        finalists = {"searched": keys} | {grid_name(*k): {**even_keys, **shares_for(*k, 12, 1536, args.pad_size)}
+        finalists = {"searched": keys} | {point_name(*k): {**even_keys, **shares(*k)}
                                           for k in top}
         final = {name: [] for name in finalists}
         for r in range(args.final_rounds):
@@ -136,7 +147,7 @@ def main() -> None:
     best_key = min(grid, key=grid.get)
     best = min(grid.values())
     print(f"\nsearched {searched * 1e3:.1f} ms, even split {even * 1e3:.1f} ms: speed-up {even / searched:.2f}x "
-          f"(target >= 1.3x); grid of {len(grid)}: best {best * 1e3:.1f} ms at {grid_name(*best_key)[5:]}; "
+          f"(target >= 1.3x); grid of {len(grid)}: best {best * 1e3:.1f} ms at {point_name(*best_key)[5:]}; "
           f"searched / best {searched / best:.3f} (target <= 1.05)")
     final_ratio = None
     if args.final_rounds and top:      # each finalist's least disturbed re-run

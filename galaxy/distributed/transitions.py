@@ -132,8 +132,9 @@ def split_to_shards(x, group):                # R -> S
 
 class KVGather:
     """SP attention's K/V all-gather (S -> R for a sharded consumer): call it, or `start` it and
-    call what start returns once the result is needed (the Q projection runs in between, in
-    forward and, mirrored, in backward: galaxy.distributed.overlap)."""
+    call what start returns once the result is needed (the Q projection and the attention to the
+    rank's own keys run in between, in forward and, mirrored, in backward:
+    galaxy.distributed.overlap, galaxy.layers.attention.attention_while_gathering)."""
 
     def __init__(self, group: GalaxyGroup):
         self.group = group
@@ -146,6 +147,10 @@ class KVGather:
         link = gather_link(g.seq, g.rank, g.pg)
         token = start(x, link)
         return lambda: wait(token, link)
+
+    def own(self, tokens: int) -> slice:
+        """Where this rank's `tokens` lie in the gathered sequence."""
+        return slice(self.group.seq_offset, self.group.seq_offset + tokens)
 
 
 def pick_transition(src: Layout, dst: Layout, sharded_consumer: bool):

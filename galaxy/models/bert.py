@@ -16,7 +16,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from galaxy.distributed.transitions import Layout, Transition
-from galaxy.layers.attention import attention, split_heads
+from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.models.family import GalaxyModel
@@ -88,11 +88,11 @@ class BertAttention(nn.Module):
         # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
         if self.kv_gather is None:
             return self.finish(self.attend(*self.project(x), mask))
-        k, v = self.key(x), self.value(x)                               # [b, s, heads*d]
-        kv = self.kv_gather.start(torch.cat((k, v), dim=-1))    # one collective for both, travelling
-        q = self.query(x)                                       # while Q is projected
-        k, v = kv().chunk(2, dim=-1)                                    # [b, S, heads*d]
-        return self.finish(self.attend(q, k, v, mask))
+        k, v = (split_heads(proj(x), self.head_dim) for proj in (self.key, self.value))   # [b, s, heads, d]
+        ctx = attention_while_gathering(lambda: split_heads(self.query(x), self.head_dim), k, v, self.kv_gather,
+                                        mask, dropout_p=self.dropout_p if self.training else 0.0,
+                                        rng_scope=self.rng_scope)
+        return self.finish(ctx)
 
 
 class BertMLP(nn.Module):

@@ -27,7 +27,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from galaxy.distributed.transitions import Transition
-from galaxy.layers.attention import attention, split_heads
+from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -107,9 +107,14 @@ class GPT2Attention(nn.Module):
         if self.local_rows is not None:      # SP: own queries, all keys
             mask = mask[:, :, self.local_rows]
         q, k, v = self.project(x)                                       # [b, s, heads*d] each
-        if self.kv_gather is not None:       # one collective for both
-            k, v = self.kv_gather(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)   # [b, S, heads*d]
-        return self.finish(self.attend(q, k, v, mask))
+        if self.kv_gather is None:
+            return self.finish(self.attend(q, k, v, mask))
+        # SP: c_attn projects Q with K and V, so only the own keys' attention overlaps the gather.
+        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
+        ctx = attention_while_gathering(lambda: q, k, v, self.kv_gather, mask,
+                                        dropout_p=self.dropout_p if self.training else 0.0,
+                                        rng_scope=self.rng_scope, scale=self.scale)
+        return self.finish(ctx)
 
 
 class GPT2MLP(nn.Module):

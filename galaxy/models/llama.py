@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
-from galaxy.layers.attention import attention, split_heads
+from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -124,12 +124,12 @@ class LlamaAttention(nn.Module):
         if self.kv_gather is None:
             return self.finish(self.attend(*self.project(x), mask, cos, sin))
         # SP: K rotated at its own (global) positions, then K and V gathered in one collective
-        # while Q is projected.
-        k = self._rotate(self.k_proj(x), cos, sin)
-        kv = self.kv_gather.start(torch.cat((k, self._heads(self.v_proj(x))), dim=2).flatten(2))
-        q = self._rotate(self.q_proj(x), cos, sin)
-        k, v = self._heads(kv()).chunk(2, dim=2)                         # [b, S, kv_heads, d]
-        return self.finish(self._attend(q, k, v, mask))
+        # while Q is projected and the own keys attended to.
+        k, v = self._rotate(self.k_proj(x), cos, sin), self._heads(self.v_proj(x))   # [b, s, kv_heads, d]
+        ctx = attention_while_gathering(lambda: self._rotate(self.q_proj(x), cos, sin), k, v, self.kv_gather, mask,
+                                        dropout_p=self.dropout_p if self.training else 0.0,
+                                        rng_scope=self.rng_scope, enable_gqa=self.group > 1)
+        return self.finish(ctx)
 
 
 class LlamaMLP(nn.Module):

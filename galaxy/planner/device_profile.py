@@ -205,7 +205,7 @@ def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
             square @ square
             sync()
 
-    def _timed(fn, repeats: int, sync) -> float:
+    def _timed(fn, repeats: int) -> float:
         """Mean seconds per call, each call after a burst, over `repeats` batches of calls; a batch
         is about LINK_BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
         sync()
@@ -239,14 +239,14 @@ def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
             full = torch.randn(1, sum(shares), width, device=device)
             wire = (n - 1) * longest * width * 4
             dist.barrier()
-            record("all_gather", wire, uneven, _timed(lambda: all_gather_sequence(x, shares, pg), repeats, sync))
+            record("all_gather", wire, uneven, _timed(lambda: all_gather_sequence(x, shares, pg), repeats))
             dist.barrier()
             record("reduce_scatter", wire, uneven,
-                   _timed(lambda: reduce_scatter_sequence(full, shares, rank, pg), repeats, sync))
+                   _timed(lambda: reduce_scatter_sequence(full, shares, rank, pg), repeats))
         numel = max(n, size // (8 * (n - 1)) * n)
         y = torch.randn(numel, device=device)
         dist.barrier()
-        record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, _timed(lambda: all_reduce(y, pg), repeats, sync))
+        record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, _timed(lambda: all_reduce(y, pg), repeats))
         z = torch.randn(max(1, size // 4), device=device)
         dist.barrier()
 
@@ -255,7 +255,7 @@ def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
                 dist.send(z, dst=1)
             elif rank == 1:
                 dist.recv(z, src=0)
-        seconds = _timed(exchange, repeats, sync)     # ranks past 1 call a no-op, as many times
+        seconds = _timed(exchange, repeats)     # ranks past 1 call a no-op, as many times
         t = torch.tensor([seconds], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out.append({"kind": "send_recv", "group": 2, "bytes": int(z.numel() * 4), "uneven": False,

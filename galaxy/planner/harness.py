@@ -191,3 +191,6 @@ class _PaddedKV:
     def start(self, kv):
         out = self(kv)
         return lambda: out
+
+    def own(self, tokens: int) -> slice:
+        return slice(0, tokens)
