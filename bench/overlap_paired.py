@@ -14,13 +14,14 @@ Variants (name: plan, comm_chunks, gradient sync started during backward):
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
   sp-kv-after-gather (baseline of sp-kv-blocks), sp-kv-blocks:  ATT SP, MLP SP, CON SP; the
       attention to the rank's own keys runs after the K/V all-gather, or while it travels
-      (galaxy.layers.attention_blocks; every other variant runs the latter where it applies)
+      (config key kv_blocks, galaxy.layers.attention_blocks; every other variant attends after
+      the gather, the default). The blocks need --dropout 0: the fused kernel draws no dropout
 Every variant's waits block (work.wait()), but galaxy-c1-poll's and tp-c1-poll's, which poll
 (galaxy.distributed.waiting, what comm_wait auto picks when each rank has a core): the two wait
 modes paired on one plan.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/overlap_paired.py [--variants ...] [--batch_size 8]
-        [--pad_size 128] [--rounds 8] [--warmup 2] [--pin [--competitor]] [--json out.json]
+        [--pad_size 128] [--rounds 8] [--warmup 2] [--dropout P] [--pin [--competitor]] [--json out.json]
 """
 from __future__ import annotations
 
@@ -44,19 +45,18 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from galaxy.distributed import waiting  # noqa: E402
-from galaxy.layers import attention_blocks  # noqa: E402
 
 VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll, K/V blocks)
-    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False, True),
-    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False, True),
-    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False, True),
-    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True, True),
-    "tp-c1": ("tp", 1, True, "tp-c1", False, True),
-    "tp-c2": ("tp", 2, True, "tp-c1", False, True),
-    "tp-c4": ("tp", 4, True, "tp-c1", False, True),
-    "tp-c1-poll": ("tp", 1, True, "tp-c1", True, True),
-    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False, True),
-    "sp-early": ("sp", 1, True, "sp-sync-after", False, True),
+    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False, False),
+    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False, False),
+    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False, False),
+    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True, False),
+    "tp-c1": ("tp", 1, True, "tp-c1", False, False),
+    "tp-c2": ("tp", 2, True, "tp-c1", False, False),
+    "tp-c4": ("tp", 4, True, "tp-c1", False, False),
+    "tp-c1-poll": ("tp", 1, True, "tp-c1", True, False),
+    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False, False),
+    "sp-early": ("sp", 1, True, "sp-sync-after", False, False),
     "sp-kv-after-gather": ("sp", 1, True, "sp-kv-after-gather", False, False),
     "sp-kv-blocks": ("sp", 1, True, "sp-kv-after-gather", False, True),
 }
@@ -68,20 +68,19 @@ def build(args, name: str, shape: dict):
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.runtime.runners import build_runner
-    preset, chunks, early, *_ = VARIANTS[name]
+    preset, chunks, early, _, _, kv_blocks = VARIANTS[name]
     mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
                      even_split(args.pad_size, 2))
     torch.manual_seed(0)
     runner = build_runner(args.model_path, ParallelPlan.preset(preset), mesh, num_labels=NUM_LABELS, seed=0,
-                          comm_chunks=chunks)
+                          comm_chunks=chunks, kv_blocks=kv_blocks, dropout=args.dropout)
     runner.sync.overlap = early
     runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     return runner
 
 
-def train_step(runner, batch, poll: bool = False, kv_blocks: bool = True) -> float:
+def train_step(runner, batch, poll: bool = False) -> float:
     waiting.set_polling(poll)
-    attention_blocks.enabled = kv_blocks
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)
@@ -106,11 +105,11 @@ def worker(rank: int, args, port: int, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch, *VARIANTS[name][4:])
+            train_step(runners[name], batch, VARIANTS[name][4])
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch, *VARIANTS[name][4:]))
+            times[name].append(train_step(runners[name], batch, VARIANTS[name][4]))
     if rank == 0:
         results.put(times)
     dist.barrier()
@@ -137,6 +136,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dropout", type=float, default=None,
+                   help="every dropout of the model (default: the checkpoint's). The K/V blocks need 0: the "
+                        "fused kernel draws no dropout, so with the checkpoint's 0.1 sp-kv-blocks attends once")
     p.add_argument("--pin", action="store_true", help="pin rank r to core r")
     p.add_argument("--competitor", action="store_true",
                    help="a CPU-bound process pinned beside rank 1 on core 1 for the whole run (with --pin)")

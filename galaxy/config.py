@@ -114,6 +114,9 @@ class GalaxyConfig:
     # A TP ATT's and MLP's collectives travel in this many chunks of the sequence, overlapped with
     # the GEMMs (galaxy.layers.block); 1: one collective per transition.
     comm_chunks: int = 1
+    # An SP ATT attends to its own tokens' keys while the other ranks' K/V are all-gathered, and to
+    # theirs after (galaxy.layers.attention_blocks): pays on a slow link, costs a little on a fast one.
+    kv_blocks: bool = False
     # How a rank waits for CPU collectives (galaxy.distributed.waiting): poll them, yielding the
     # core, or block; auto polls on gloo when every rank on the host has a core of its own.
     comm_wait: str = "auto"
@@ -206,6 +209,7 @@ _SPEC: dict[str, tuple[object, bool]] = {
     "clip_grad": (float, True),
     "grad_accum_steps": (int, False),
     "comm_chunks": (int, False),
+    "kv_blocks": (bool, False),
     "comm_wait": (COMM_WAITS, False),
     "cpu_allocator": (CPU_ALLOCATORS, False),
     "mixed_precision": (("bf16", "none"), True),

@@ -19,7 +19,7 @@ from galaxy.runtime.runners import build_runner
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": 0.5, "activation_checkpointing": "none", "task": None,
-            "adapt": None, "dp_sharding": "none", "comm_chunks": 1}
+            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False}
 
 
 def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:
@@ -62,7 +62,7 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
                           num_microbatches=o["num_microbatches"], schedule=o["schedule"],
                           grad_accum_steps=o["grad_accum_steps"], activation_checkpointing=o["activation_checkpointing"],
                           task=o["task"], adapt=o["adapt"], dp_sharding=o["dp_sharding"],
-                          comm_chunks=o["comm_chunks"])
+                          comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
     forward, ref_params = reference
     opt = torch.optim.SGD([p for p in runner.parameters() if p.requires_grad], lr=o["lr"])
     ref_opt = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=o["lr"])
@@ -113,6 +113,6 @@ def train_runner_and_compare(family: str, model_dir, plan, pp: int, dp: int, sha
 def train_plan_and_compare(family: str, model_dir, plan, shares, batch_fn, steps=5, lr=0.5, build=None) -> dict:
     """A Galaxy plan (pp 1 x dp 1) against Hugging Face on batch_fn's own batch size.
 
-    build: more keywords (a dict): activation_checkpointing, task, comm_chunks."""
+    build: more keywords (a dict): activation_checkpointing, task, comm_chunks, kv_blocks."""
     return train_runner_and_compare(family, model_dir, plan, 1, 1, shares, batch_fn,
                                     {"global_batch": None, "steps": steps, "lr": lr, **(build or {})})

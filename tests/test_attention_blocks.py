@@ -8,7 +8,8 @@ and left-padded rows that see no key (zeros, no gradient, as from scaled_dot_pro
 The order of kernel calls shows the overlap: forward attends to the own block before it waits
 for the gather; backward reaches the gathered K/V's gradient (where the reduce-scatter starts)
 before the own block's backward. The distributed parity of SP plans against Hugging Face
-(test_parity_bert, test_parity_llama) runs through the same path.
+(test_parity_bert, test_parity_llama: the world-3 plans with an SP ATT set kv_blocks) runs through
+the same path.
 """
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_blocks_match_whole_sequence_attention(monkeypatch, own, kv_heads, causa
     kv = torch.cat((k, v), dim=2).flatten(2)
     before, after = (kv[:, :own[0]].clone().requires_grad_(), kv[:, own[1]:].clone().requires_grad_())
     got = attention_while_gathering(lambda: qr, kr, vr, GatherStandIn(before, after, events), mask[:, :, rows],
-                                    dropout_p=0.0, enable_gqa=kv_heads < HEADS)
+                                    dropout_p=0.0, enable_gqa=kv_heads < HEADS, blocks=True)
     got.backward(grad_out)
 
     assert torch.allclose(got, expected, rtol=0, atol=1e-12)
@@ -97,14 +98,20 @@ def test_blocks_match_whole_sequence_attention(monkeypatch, own, kv_heads, causa
     assert sorted(e for e in backward if e != "gathered grad") == sorted(("backward", n) for n in [own_len, *remote])
 
 
-def test_dropout_attends_once_after_the_gather(monkeypatch):
-    """The fused kernel draws no dropout: with dropout the context comes from one
-    scaled_dot_product_attention over the gathered keys, and no block kernel runs."""
+@pytest.mark.parametrize("blocks,dropout_p", [(False, 0.0), (True, 0.5)])
+def test_without_blocks_or_with_dropout_attends_once_after_the_gather(monkeypatch, blocks, dropout_p):
+    """kv_blocks off (the default), or dropout (the fused kernel draws none): the context comes
+    from one scaled_dot_product_attention over the gathered keys, and no block kernel runs."""
     events = []
     _recording(monkeypatch, events)
-    q, k, v = (torch.randn(B, 4, HEADS, D) for _ in range(3))
-    after = torch.randn(B, S - 4, 2 * HEADS * D)
-    out = attention_while_gathering(lambda: q, k, v, GatherStandIn(after[:, :0], after, events), None, dropout_p=0.5)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, 4, HEADS, D, generator=gen) for _ in range(3))
+    after = torch.randn(B, S - 4, 2 * HEADS * D, generator=gen)
+    out = attention_while_gathering(lambda: q, k, v, GatherStandIn(after[:, :0], after, events), None,
+                                    dropout_p=dropout_p, blocks=blocks)
+    k_all, v_all = torch.cat((torch.cat((k, v), dim=2).flatten(2), after), dim=1).unflatten(-1, (2 * HEADS, D)).chunk(2, 2)
+    if dropout_p == 0.0:
+        assert torch.allclose(out, attention(q, k_all, v_all, None, dropout_p=0.0), rtol=0, atol=1e-6)
     assert out.shape == (B, 4, HEADS * D)
     assert events == ["wait"]
     assert attention_blocks.split_attention_available(q, 0.0)

@@ -3,7 +3,8 @@
 For all 8 combinations of ATT (TP|SP) x MLP (TP|SP) x CON (SP|None), world 2 and 3, even and
 uneven shares: logits, loss and every gradient (gathered to full shape) after one step, then the
 loss of each of 5 SGD steps and the gathered weights at the end, all within 1e-5 relative of
-HF's serial model on the same weights and padded batches (fp32, dropout 0).
+HF's serial model on the same weights and padded batches (fp32, dropout 0). At world 3 with uneven
+shares an SP ATT attends in blocks of keys (kv_blocks), elsewhere once after the K/V gather.
 """
 import itertools
 
@@ -25,8 +26,10 @@ SHARES = {  # world -> {kind: (heads, intermediate, seq)}; tiny model: 6 heads, 
 @pytest.mark.parametrize("world,kind", [(2, "even"), (2, "uneven"), (3, "even"), (3, "uneven")])
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_plan_matches_hf(dist_pool, tiny_bert_dir, world, kind, att, mlp, con):
+    # World 3 uneven with an SP ATT: the own keys' block first, then the ranks' before and after.
+    build = {"kv_blocks": True} if (world, kind, att) == (3, "uneven", "SP") else None
     reports = dist_pool(world).run(train_plan_and_compare, "bert", tiny_bert_dir, ParallelPlan(att, mlp, con),
-                                   SHARES[world][kind], tiny_batch)
+                                   SHARES[world][kind], tiny_batch, 5, 0.5, build)
     for rank, report in enumerate(reports):
         check_report(report, rank)
 

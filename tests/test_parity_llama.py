@@ -9,7 +9,9 @@ Llama and GPT-2: all 8 ATT x MLP x CON combinations at world 2 with uneven share
 K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three column ranges of
 HF's tensor; SP attention causal across shards with global positions), three plans at world 3,
 and serial (at world 3 a TP ATT's and a TP MLP's transitions travel in 2 chunks, comm_chunks: the
-chunks' projections are put back in sequence order for the causal mask and the rotary positions);
+chunks' projections are put back in sequence order for the causal mask and the rotary positions;
+an SP ATT attends in blocks of keys, kv_blocks, under the causal mask: rank 0's later blocks are
+wholly masked);
 Llama's tied embeddings under both CON methods (GPT-2's are always tied); GPT-2 with
 scale_attn_by_inverse_layer_idx under the Galaxy plan. Qwen2, whose difference is in ATT only:
 four plans at world 2 that pair each ATT and each MLP method with both CON methods, the galaxy
@@ -68,7 +70,7 @@ def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp,
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
     chunks = 2 if "TP" in (att, mlp) else 1
     check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
-                           SHARES[family][1], tiny_lm_batch, 5, 0.5, {"comm_chunks": chunks}))
+                           SHARES[family][1], tiny_lm_batch, 5, 0.5, {"comm_chunks": chunks, "kv_blocks": att == "SP"}))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])

@@ -27,10 +27,11 @@ def attention(q, k, v, mask, *, dropout_p: float, rng_scope=nullcontext, scale=N
 
 
 def attention_while_gathering(q_fn, k, v, gather, mask, *, dropout_p: float, rng_scope=nullcontext, scale=None,
-                              enable_gqa: bool = False):
+                              enable_gqa: bool = False, blocks: bool = False):
     """SP attention: this rank's queries over every rank's keys, the K/V all-gather travelling
-    while the queries are projected and, where the kernel allows (attention_blocks), while the
-    rank attends to its own keys; the other ranks' blocks follow once the gather is done.
+    while the queries are projected and, with `blocks` where the kernel allows (attention_blocks),
+    while the rank attends to its own keys; the other ranks' blocks follow once the gather is done.
+    Without, one attention over the gathered keys after the gather.
 
     k, v: this rank's [b, s, kv_heads, d]; q_fn() -> q [b, s, heads, d]; gather: starts the K/V
     all-gather (`start(x)` -> a function returning [b, S, ...]) and says where this rank's tokens
@@ -39,7 +40,7 @@ def attention_while_gathering(q_fn, k, v, gather, mask, *, dropout_p: float, rng
     kv_heads = k.shape[2]
     pending = gather.start(torch.cat((k, v), dim=2).flatten(2))          # one collective for both
     q = q_fn()
-    if not split_attention_available(q, dropout_p):
+    if not (blocks and split_attention_available(q, dropout_p)):
         k_all, v_all = pending().unflatten(-1, (2 * kv_heads, -1)).chunk(2, dim=2)   # [b, S, kv_heads, d]
         return attention(q, k_all, v_all, mask, dropout_p=dropout_p, rng_scope=rng_scope, scale=scale,
                          enable_gqa=enable_gqa)
@@ -50,7 +51,7 @@ def attention_while_gathering(q_fn, k, v, gather, mask, *, dropout_p: float, rng
     if sees is not None and sees.all():
         sees = None
 
-    def blocks():
+    def in_blocks():
         yield k, v, _columns(mask, own.start, own.stop)
         kv_all = pending().unflatten(-1, (2 * kv_heads, -1))             # [b, S, 2*kv_heads, d]
         # Every rank attends to every other block (masked columns included), so the gather's
@@ -60,7 +61,7 @@ def attention_while_gathering(q_fn, k, v, gather, mask, *, dropout_p: float, rng
                 k_i, v_i = kv_all[:, start:stop].chunk(2, dim=2)
                 yield k_i, v_i, _columns(mask, start, stop)
 
-    ctx = attend_in_blocks(q, blocks(), scale)                           # [b, s, heads*d]
+    ctx = attend_in_blocks(q, in_blocks(), scale)                           # [b, s, heads*d]
     return ctx if sees is None else ctx * sees.to(ctx.dtype)
 
 

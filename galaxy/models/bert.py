@@ -54,6 +54,7 @@ class BertAttention(nn.Module):
         self.out = OutputProjection(h, h)
         self.dropout_p = cfg.attention_probs_dropout_prob
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
         self.local_rows = None         # SP: own query rows (unused: BERT's mask broadcasts over rows)
         self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
 
@@ -91,7 +92,7 @@ class BertAttention(nn.Module):
         k, v = (split_heads(proj(x), self.head_dim) for proj in (self.key, self.value))   # [b, s, heads, d]
         ctx = attention_while_gathering(lambda: split_heads(self.query(x), self.head_dim), k, v, self.kv_gather,
                                         mask, dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope)
+                                        rng_scope=self.rng_scope, blocks=self.kv_blocks)
         return self.finish(ctx)
 
 

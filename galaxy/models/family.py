@@ -37,8 +37,8 @@ class GalaxyModel(nn.Module):
 
     and the modules named in first_stage_modules / last_stage_modules. Its sub-blocks follow
     the block protocol (galaxy.layers.block): ATT and MLP return (output, deferred bias) and
-    have `shard_tp(shares, rank)` and `deferred_bias`; ATT has `kv_gather`, `local_rows` and
-    `rng_scope` (set by a plan for SP and dropout) and splits into `project` / `attend` /
+    have `shard_tp(shares, rank)` and `deferred_bias`; ATT has `kv_gather`, `local_rows`,
+    `kv_blocks` and `rng_scope` (set by a plan for SP and dropout) and splits into `project` / `attend` /
     `finish` (token-wise, whole-sequence, token-wise: chunked TP overlap calls them); each CON has `rng_scope` and `adapter`
     (a bottleneck adapter, galaxy.peft.adapter) and returns (residual stream, next input).
     """

@@ -72,6 +72,7 @@ class GPT2Attention(nn.Module):
             self.scale /= layer_idx + 1
         self.dropout_p = cfg.attn_pdrop
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
         self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
         self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
 
@@ -113,7 +114,7 @@ class GPT2Attention(nn.Module):
         q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
         ctx = attention_while_gathering(lambda: q, k, v, self.kv_gather, mask,
                                         dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, scale=self.scale)
+                                        rng_scope=self.rng_scope, scale=self.scale, blocks=self.kv_blocks)
         return self.finish(ctx)
 
 

@@ -66,6 +66,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = OutputProjection(self.num_heads * self.head_dim, h, bias=bias)
         self.dropout_p = cfg.attention_dropout
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens
+        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
         self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
         self.rng_scope = nullcontext
 
@@ -128,7 +129,8 @@ class LlamaAttention(nn.Module):
         k, v = self._rotate(self.k_proj(x), cos, sin), self._heads(self.v_proj(x))   # [b, s, kv_heads, d]
         ctx = attention_while_gathering(lambda: self._rotate(self.q_proj(x), cos, sin), k, v, self.kv_gather, mask,
                                         dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, enable_gqa=self.group > 1)
+                                        rng_scope=self.rng_scope, enable_gqa=self.group > 1,
+                                        blocks=self.kv_blocks)
         return self.finish(ctx)
 
 

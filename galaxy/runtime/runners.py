@@ -18,12 +18,19 @@ def set_comm_chunks(model, chunks: int) -> None:
         layer.comm_chunks = chunks
 
 
+def set_kv_blocks(model, on: bool) -> None:
+    """Every layer's SP ATT attends to its own keys while the K/V all-gather travels (config key
+    kv_blocks; galaxy.layers.attention.attention_while_gathering)."""
+    for layer in model.layers:
+        layer.att.kv_blocks = on
+
+
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                    device="cpu", dropout: float | None = None,
                    stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                    schedule: str = "1f1b", autocast=nullcontext, adapt=None,
                    activation_checkpointing="none", task: str | None = None,
-                   dp_sharding: str = "none", comm_chunks: int = 1) -> PipelineRunner:
+                   dp_sharding: str = "none", comm_chunks: int = 1, kv_blocks: bool = False) -> PipelineRunner:
     """This rank's stage (mesh.pp_rank) of the model under `plan`, in a PipelineRunner.
 
     build_model prunes the model to the stage before any weight is read, so the rank reads and
@@ -36,6 +43,7 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
                         dropout=dropout, stage=(ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage),
                         activation_checkpointing=activation_checkpointing, task=task)
     set_comm_chunks(model, comm_chunks)
+    set_kv_blocks(model, kv_blocks)
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
@@ -47,7 +55,7 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
                  stage_num_hidden_layers_list: list[int] | None = None, num_microbatches: int = 1,
                  schedule: str = "1f1b", grad_accum_steps: int = 1, autocast=nullcontext, adapt=None,
                  activation_checkpointing="none", task: str | None = None, dp_sharding: str = "none",
-                 comm_chunks: int = 1):
+                 comm_chunks: int = 1, kv_blocks: bool = False):
     """A PipelineRunner when mesh.pp_size > 1, else a DataParallelRunner (dp 1: plain Galaxy).
 
     num_microbatches / schedule / stage_num_hidden_layers_list apply to pipelines, grad_accum_steps
@@ -58,16 +66,18 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
     dp_sharding: "none" (DDP over the replicas), "full" or "no_reshard" (FSDP2 over them,
     galaxy.parallel.sharded_dp); no effect with one replica.
     comm_chunks: chunks of the sequence a TP ATT's and MLP's collectives travel in (set_comm_chunks).
+    kv_blocks: an SP ATT attends to its own keys while the K/V gather travels (set_kv_blocks).
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
                               dropout=dropout, stage_num_hidden_layers_list=stage_num_hidden_layers_list,
                               num_microbatches=num_microbatches, schedule=schedule, autocast=autocast,
                               adapt=adapt, activation_checkpointing=activation_checkpointing, task=task,
-                              dp_sharding=dp_sharding, comm_chunks=comm_chunks)
+                              dp_sharding=dp_sharding, comm_chunks=comm_chunks, kv_blocks=kv_blocks)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, activation_checkpointing=activation_checkpointing, task=task)
     set_comm_chunks(model, comm_chunks)
+    set_kv_blocks(model, kv_blocks)
     if adapt is not None:
         adapt(model)
     runner = DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast,

@@ -163,7 +163,7 @@ class Trainer:
                                    num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
                                    activation_checkpointing=cfg.activation_checkpointing,
                                    task=self.task.kind, dp_sharding=cfg.dp_sharding,
-                                   comm_chunks=cfg.comm_chunks)
+                                   comm_chunks=cfg.comm_chunks, kv_blocks=cfg.kv_blocks)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
