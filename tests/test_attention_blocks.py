@@ -116,3 +116,20 @@ def test_without_blocks_or_with_dropout_attends_once_after_the_gather(monkeypatc
     assert events == ["wait"]
     assert attention_blocks.split_attention_available(q, 0.0)
     assert not attention_blocks.split_attention_available(q, 0.5)
+
+
+def test_bf16_blocks_keep_the_dtype_and_match_whole_attention():
+    """Under mixed_precision bf16 the projections are bf16: the blocks return bf16, merged in
+    fp32 (the kernel's log-sum-exp is fp32), as close to the fp32 result as one bf16 call is."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, 4, HEADS, D, generator=gen) for _ in range(3))
+    after = torch.randn(B, S - 4, 2 * HEADS * D, generator=gen)
+    k_all, v_all = torch.cat((torch.cat((k, v), dim=2).flatten(2), after), dim=1).unflatten(-1, (2 * HEADS, D)).chunk(2, 2)
+    exact = attention(q, k_all, v_all, None, dropout_p=0.0)
+    bf = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v, after)]
+    got = attention_while_gathering(lambda: bf[0], bf[1], bf[2], GatherStandIn(bf[3][:, :0], bf[3], []), None,
+                                    dropout_p=0.0, blocks=True)
+    once = attention(*(t.to(torch.bfloat16) for t in (q, k_all, v_all)), None, dropout_p=0.0)
+    got.float().sum().backward()
+    assert got.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in bf)
+    assert (got.float() - exact).abs().max() <= 1.5 * (once.float() - exact).abs().max() + 1e-3

@@ -82,7 +82,10 @@ class _Merge(torch.autograd.Function):
         lse = lses[0]
         for other in lses[1:]:
             lse = torch.logaddexp(lse, other)
-        out = sum(torch.exp(part - lse).unsqueeze(-1) * o for o, part in zip(outs, lses))
+        # The kernel's lse is fp32 for bf16 / fp16 blocks: the sum runs in lse's dtype and the
+        # merged output takes the blocks' dtype, as the backward kernel wants it beside q.
+        out = sum(torch.exp(part - lse).unsqueeze(-1) * o.to(lse.dtype) for o, part in zip(outs, lses))
+        out = out.to(outs[0].dtype)
         merged.out, merged.lse = out, lse
         ctx.blocks = len(outs)
         return out
