@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,19 +47,28 @@ import torch.multiprocessing as mp  # noqa: E402
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from galaxy.distributed import waiting  # noqa: E402
 
-VARIANTS = {   # name: (preset, comm_chunks, early gradient sync, baseline, waits poll, K/V blocks)
-    "galaxy-c1": ("galaxy", 1, True, "galaxy-c1", False, False),
-    "galaxy-c2": ("galaxy", 2, True, "galaxy-c1", False, False),
-    "galaxy-c4": ("galaxy", 4, True, "galaxy-c1", False, False),
-    "galaxy-c1-poll": ("galaxy", 1, True, "galaxy-c1", True, False),
-    "tp-c1": ("tp", 1, True, "tp-c1", False, False),
-    "tp-c2": ("tp", 2, True, "tp-c1", False, False),
-    "tp-c4": ("tp", 4, True, "tp-c1", False, False),
-    "tp-c1-poll": ("tp", 1, True, "tp-c1", True, False),
-    "sp-sync-after": ("sp", 1, False, "sp-sync-after", False, False),
-    "sp-early": ("sp", 1, True, "sp-sync-after", False, False),
-    "sp-kv-after-gather": ("sp", 1, True, "sp-kv-after-gather", False, False),
-    "sp-kv-blocks": ("sp", 1, True, "sp-kv-after-gather", False, True),
+class Variant(NamedTuple):
+    preset: str
+    baseline: str                 # the variant its paired ratio is taken against
+    comm_chunks: int = 1
+    early_sync: bool = True       # the gradient sync's buckets start during backward
+    poll: bool = False            # waits poll (else block)
+    kv_blocks: bool = False
+
+
+VARIANTS = {
+    "galaxy-c1": Variant("galaxy", "galaxy-c1"),
+    "galaxy-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2),
+    "galaxy-c4": Variant("galaxy", "galaxy-c1", comm_chunks=4),
+    "galaxy-c1-poll": Variant("galaxy", "galaxy-c1", poll=True),
+    "tp-c1": Variant("tp", "tp-c1"),
+    "tp-c2": Variant("tp", "tp-c1", comm_chunks=2),
+    "tp-c4": Variant("tp", "tp-c1", comm_chunks=4),
+    "tp-c1-poll": Variant("tp", "tp-c1", poll=True),
+    "sp-sync-after": Variant("sp", "sp-sync-after", early_sync=False),
+    "sp-early": Variant("sp", "sp-sync-after"),
+    "sp-kv-after-gather": Variant("sp", "sp-kv-after-gather"),
+    "sp-kv-blocks": Variant("sp", "sp-kv-after-gather", kv_blocks=True),
 }
 
 
@@ -68,13 +78,13 @@ def build(args, name: str, shape: dict):
     from galaxy.distributed.mesh import make_mesh
     from galaxy.parallel.plan import ParallelPlan
     from galaxy.runtime.runners import build_runner
-    preset, chunks, early, _, _, kv_blocks = VARIANTS[name]
+    v = VARIANTS[name]
     mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
                      even_split(args.pad_size, 2))
     torch.manual_seed(0)
-    runner = build_runner(args.model_path, ParallelPlan.preset(preset), mesh, num_labels=NUM_LABELS, seed=0,
-                          comm_chunks=chunks, kv_blocks=kv_blocks, dropout=args.dropout)
-    runner.sync.overlap = early
+    runner = build_runner(args.model_path, ParallelPlan.preset(v.preset), mesh, num_labels=NUM_LABELS, seed=0,
+                          comm_chunks=v.comm_chunks, kv_blocks=v.kv_blocks, dropout=args.dropout)
+    runner.sync.overlap = v.early_sync
     runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     return runner
 
@@ -105,11 +115,11 @@ def worker(rank: int, args, port: int, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch, VARIANTS[name][4])
+            train_step(runners[name], batch, VARIANTS[name].poll)
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch, VARIANTS[name][4]))
+            times[name].append(train_step(runners[name], batch, VARIANTS[name].poll))
     if rank == 0:
         results.put(times)
     dist.barrier()
@@ -119,7 +129,7 @@ def worker(rank: int, args, port: int, results) -> None:
 def summarise(times: dict) -> dict:
     out = {}
     for name, ts in times.items():
-        base = VARIANTS[name][3]
+        base = VARIANTS[name].baseline
         ratios = [t / b for t, b in zip(ts, times[base])] if base in times else []
         out[name] = {"median_ms": 1e3 * statistics.median(ts), "min_ms": 1e3 * min(ts),
                      "paired_ratio": statistics.median(ratios) if ratios else None, "baseline": base,

@@ -22,7 +22,7 @@ from galaxy.parallel.plan import ParallelPlan
 from galaxy.profiler import bert_plan_comm_bytes
 from galaxy.profiler.comm import CommRecorder
 from galaxy.runtime.assemble import build_model
-from galaxy.runtime.runners import set_comm_chunks
+from galaxy.runtime.runners import set_overlap
 
 SHARES = ((4, 2), (64, 32), (7, 5))
 B = 4
@@ -32,7 +32,7 @@ def chunked_vs_whole(model_dir, plan, checkpointing):
     group = world_group(*SHARES)
     build = dict(num_labels=3, dropout=0.0, activation_checkpointing=checkpointing)
     whole, chunked = (build_model(model_dir, plan, group, **build) for _ in range(2))
-    set_comm_chunks(chunked, 3)
+    set_overlap(chunked, comm_chunks=3)
     ref = hf_bert(model_dir)
     with torch.no_grad():
         ref.classifier.weight.copy_(whole.classifier.weight)

@@ -126,7 +126,7 @@ def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
 def run(job: ProfileJob, env) -> None:
     from galaxy.distributed.mesh import build_mesh
     from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.runners import set_comm_chunks, set_kv_blocks
+    from galaxy.runtime.runners import set_overlap
     from galaxy.parallel.grad_sync import GradientSync
     from galaxy.parallel.plan import ParallelPlan
     cfg, opts = job.cfg, job.opts
@@ -135,8 +135,7 @@ def run(job: ProfileJob, env) -> None:
     plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
-    set_comm_chunks(model, cfg.comm_chunks)
-    set_kv_blocks(model, cfg.kv_blocks)
+    set_overlap(model, cfg.comm_chunks, cfg.kv_blocks)
     batch = synthetic_batch(job.task_kind, cfg.batch_size // cfg.dp_deg, cfg.pad_size, job.hf.vocab_size,
                             job.num_labels, cfg.seed, env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if mesh.galaxy.size > 1 else None

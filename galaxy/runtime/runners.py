@@ -11,18 +11,14 @@ from galaxy.pipeline.runner import PipelineRunner
 from galaxy.pipeline.split import stage_layer_ranges
 
 
-def set_comm_chunks(model, chunks: int) -> None:
-    """Every layer's TP MLP moves its activations in `chunks` overlapped chunks of the sequence
-    (config key comm_chunks; 1: one collective per transition, galaxy.layers.block)."""
+def set_overlap(model, comm_chunks: int = 1, kv_blocks: bool = False) -> None:
+    """How every layer overlaps its communication with compute (the config keys of these names):
+    a TP ATT's and MLP's transitions travel in `comm_chunks` chunks of the sequence (1: one
+    collective per transition, galaxy.layers.block); with `kv_blocks` an SP ATT attends to its own
+    keys while the K/V all-gather travels (galaxy.layers.attention.attention_while_gathering)."""
     for layer in model.layers:
-        layer.comm_chunks = chunks
-
-
-def set_kv_blocks(model, on: bool) -> None:
-    """Every layer's SP ATT attends to its own keys while the K/V all-gather travels (config key
-    kv_blocks; galaxy.layers.attention.attention_while_gathering)."""
-    for layer in model.layers:
-        layer.att.kv_blocks = on
+        layer.comm_chunks = comm_chunks
+        layer.att.kv_blocks = kv_blocks
 
 
 def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None, seed: int = 0,
@@ -42,8 +38,7 @@ def build_pipeline(model_path: str, plan, mesh, *, num_labels: int | None = None
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, stage=(ranges[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage),
                         activation_checkpointing=activation_checkpointing, task=task)
-    set_comm_chunks(model, comm_chunks)
-    set_kv_blocks(model, kv_blocks)
+    set_overlap(model, comm_chunks, kv_blocks)
     if adapt is not None:
         adapt(model)
     return PipelineRunner(model, plan, mesh, num_microbatches=num_microbatches, schedule=schedule,
@@ -65,8 +60,7 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
     task: the model's task (build_model's; None: the family's primary one).
     dp_sharding: "none" (DDP over the replicas), "full" or "no_reshard" (FSDP2 over them,
     galaxy.parallel.sharded_dp); no effect with one replica.
-    comm_chunks: chunks of the sequence a TP ATT's and MLP's collectives travel in (set_comm_chunks).
-    kv_blocks: an SP ATT attends to its own keys while the K/V gather travels (set_kv_blocks).
+    comm_chunks, kv_blocks: how the layers overlap communication with compute (set_overlap).
     """
     if mesh.pp_size > 1:
         return build_pipeline(model_path, plan, mesh, num_labels=num_labels, seed=seed, device=device,
@@ -76,8 +70,7 @@ def build_runner(model_path: str, plan, mesh, *, num_labels: int | None = None, 
                               dp_sharding=dp_sharding, comm_chunks=comm_chunks, kv_blocks=kv_blocks)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, activation_checkpointing=activation_checkpointing, task=task)
-    set_comm_chunks(model, comm_chunks)
-    set_kv_blocks(model, kv_blocks)
+    set_overlap(model, comm_chunks, kv_blocks)
     if adapt is not None:
         adapt(model)
     runner = DataParallelRunner(model, mesh, grad_accum_steps=grad_accum_steps, device=device, autocast=autocast,
