@@ -14,8 +14,9 @@ from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
 from galaxy.planner.cost import CPU_ACTIVATION_SLACK, MIB, CostModel, Plan
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
-from galaxy.planner.profiles import (ProfileError, check_cluster, check_link, compose, fit_link, link_time,
-                                     load_devices, write_json)
+from galaxy.planner.pipeline_time import stage_ends, stage_order
+from galaxy.planner.profiles import (ProfileError, check_cluster, check_device, check_link, compose, fit_link,
+                                     link_time, load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
 from galaxy.planner.writer import plan_keys
 from galaxy.train.metrics import read_metrics
@@ -90,6 +91,33 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     assert mem[1] * MIB == pytest.approx(weights + act(1), rel=1e-9)
     gpipe = cost.estimate(Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
     assert gpipe[1] * MIB == pytest.approx(weights + act(m), rel=1e-9)
+
+
+def test_pipeline_schedule_by_hand():
+    """Equal stages: (m + pp - 1)(F + B) under both schedules. A slow first stage hides a quick last
+    one (its work and both hops fit under the first stage's next forward): m (F0 + B0), where the
+    closed form sum t_p + (m - 1) max t_p says more. A slow last stage waits only for the first
+    forward and is waited on for the last backward: F0 + hop + m (F1 + B1) + hop + B0."""
+    assert stage_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                            ("B", 2), ("B", 3)]                  # torch's warm-up: pp - stage
+    assert stage_order("1f1b", 1, 2, 4)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    for schedule, pp, m in [("gpipe", 2, 1), ("gpipe", 3, 4), ("1f1b", 2, 2), ("1f1b", 3, 5), ("1f1b", 4, 8)]:
+        assert max(stage_ends([1.0] * pp, [2.0] * pp, 0.0, m, schedule)) == (m + pp - 1) * 3.0
+    fwd, bwd, hop = [3.0, 1.0], [6.0, 1.0], 0.5
+    assert stage_ends(fwd, bwd, hop, 2, "1f1b")[0] == 2 * (3.0 + 6.0) < (9.0 + 2.0) + 9.0
+    assert max(stage_ends([1.0, 3.0], [1.0, 6.0], hop, 2, "1f1b")) == 1.0 + hop + 2 * 9.0 + hop + 1.0
+
+
+def test_gradient_accumulation_adds_a_pass_over_the_gradients_per_micro_batch():
+    rate = 2e-9
+    model = synthetic_model()
+    plan = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), 4)
+    times = [CostModel(model, [dict(device(1e10), grad_accumulate_s_per_param=a)], None, batch_size=8)
+             .estimate(plan).step_s for a in (0.0, rate)]
+    params = 6 * (12 * PER_HEAD + 1536 * PER_COLUMN)
+    assert times[1] - times[0] == pytest.approx(3 * params * rate, rel=1e-9)
+    with pytest.raises(ProfileError, match="'grad_accumulate_s_per_param' must be a number, 0 or more"):
+        check_device(dict(device(1e10), grad_accumulate_s_per_param=-1), "dev")
 
 
 def test_checkpointing_trades_activations_for_a_forward():
@@ -382,6 +410,29 @@ def test_search_refuses_a_model_profile_of_another_pad_size(tmp_path, tiny_bert_
                   str(tmp_path / "model.json"), "--out", str(tmp_path / "x.json")])
     assert exit_info.value.code == 2
     assert "pad_size 12" in capsys.readouterr().err
+
+
+def test_search_keeps_to_the_meshes_asked_for(tmp_path, tiny_bert_dir, capsys):
+    base = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"])
+
+    def meshes_printed():
+        out = capsys.readouterr().out
+        start = out.index(" #")
+        rows = out[start:out.index("wrote", start)].splitlines()[1:]
+        return {row.split()[2] for row in rows}
+    _plan(tmp_path, base, _devices(tmp_path), "--top", "40")
+    assert meshes_printed() - {"1x1x2"}                     # unrestricted, pipelines or replicas rank too
+    out, _ = _plan(tmp_path, base, _devices(tmp_path), "--top", "40", "--pp", "1", "--dp", "1")
+    assert meshes_printed() == {"1x1x2"}
+    written = json.loads(open(out).read())
+    assert written["pp_deg"] == 1 and written["dp_deg"] == 1
+    _plan(tmp_path, base, _devices(tmp_path), "--pp", "2")
+    assert {m.split("x")[0] for m in meshes_printed()} == {"2"}
+    with pytest.raises(SystemExit) as exit_info:
+        _plan(tmp_path, base, _devices(tmp_path), "--pp", "3")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["plan.py search: error: --pp 3 does not divide the world of 2 devices; give a divisor of 2"]
 
 
 # --- a searched config trains with HF's losses ---------------------------------------------------------

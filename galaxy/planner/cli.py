@@ -4,6 +4,7 @@
     python plan.py profile-model --config_file base.json --out profiles/model.json
     python plan.py search --config_file base.json --devices profiles/devices.json \\
         --model profiles/model.json --memory_mib 4000 2000 --out train_config/bert/planned.json [--png plan.png]
+        [--pp N ...] [--dp N ...]
 
 profile-devices runs as training runs (galaxy.launch: one process per rank by hand or torchrun,
 timeout_s, exit codes); with --compose it joins devices profiled alone and a link into one
@@ -163,7 +164,30 @@ def _search_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="PATH", help="the train config to write")
     p.add_argument("--png", metavar="PATH", help="also draw the chosen plan")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    p.add_argument("--pp", type=int, nargs="+", metavar="N",
+                   help="search only these pipeline degrees (default: every divisor of the world)")
+    p.add_argument("--dp", type=int, nargs="+", metavar="N",
+                   help="search only these data-parallel degrees (--pp 1 --dp 1: one Galaxy group of every rank)")
     return p
+
+
+def meshes_of(pps, dps, world: int, layers: int) -> list[tuple[int, int]] | None:
+    """The (pp, dp) pairs --pp / --dp allow (None: every one); ConfigError for a degree no plan can have."""
+    if pps is None and dps is None:
+        return None
+    for flag, values in (("--pp", pps), ("--dp", dps)):
+        for v in values or ():
+            if v < 1 or world % v:
+                raise ConfigError(f"{flag} {v} does not divide the world of {world} devices; give a divisor of {world}")
+    for v in pps or ():
+        if v > layers:
+            raise ConfigError(f"--pp {v} is more stages than the model's {layers} layers")
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    meshes = [(pp, dp) for pp in (pps or divs) for dp in (dps or divs) if world % (pp * dp) == 0]
+    if not meshes:
+        raise ConfigError(f"--pp {' '.join(map(str, pps or divs))} with --dp {' '.join(map(str, dps or divs))} "
+                          f"leaves no mesh of {world} devices (pp x dp must divide the world)")
+    return meshes
 
 
 def _check_model_matches(model: dict, shape: dict, cfg, where: str) -> None:
@@ -214,8 +238,9 @@ def search_command(argv) -> None:
             if d.get("compute") and not tables_match(d, signature):
                 notes.append(f"note: rank {r}'s compute table was measured for another model or pad_size; "
                              f"timing it by its GEMM rate")
+        meshes = meshes_of(args.pp, args.dp, world, shape["num_hidden_layers"])
         cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
-        result = search(cost, budgets, top=args.top, dp_sharding=DP_SHARDING)
+        result = search(cost, budgets, top=args.top, dp_sharding=DP_SHARDING, meshes=meshes)
     except (ConfigError, ProfileError, ModelProfileError, DataError, FileNotFoundError) as e:
         fail("search", e)
     if not result.ranked:
@@ -276,7 +301,7 @@ def mib(x: float) -> str:
 def no_fit_line(result, devices) -> str:
     lean = result.leanest
     if lean is None:
-        return "no plan can be formed for this world and batch (check batch_size and the devices)"
+        return "no plan can be formed for this world and batch (check batch_size, the devices and --pp / --dp)"
     short = lean.shortfall(result.budgets)
     worst = [r for r in range(len(short)) if short[r] > 0]
     parts = [f"rank {r} ({devices[r].get('name', 'device')}) needs {mib(lean.memory_mib[r])} MiB, its budget is "

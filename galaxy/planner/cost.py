@@ -7,12 +7,15 @@ share (the device profile's measured table, or FLOPs / its GEMM rate), plus the 
 (the family's closed-form bytes per kind, galaxy.models.closed_form, timed with the link profile).
 A recomputed (activation-checkpointed) layer runs its forward again in backward, collectives
 included (the forward half of the layer's collectives). Per micro-batch a pipeline stage takes
-t_p = forward + backward + its layers' collectives + its sends to the next / previous stage; a step
-of m micro-batches takes sum_p t_p + (m - 1) max_p t_p (gpipe and 1f1b alike: the bubble is the
-fill and drain of the slowest stage), then the once-per-step work, in parallel on every stage: the
-Galaxy "sum" all-reduce, DDP's all-reduce over the data-parallel replicas (not overlapped with
-backward), the all-reduce of a weight tied across the pipeline's ends, and the optimizer step of
-the rank's parameters.
+F_p = its forward + half its layers' collectives and B_p = its backward + the other half; the
+stages run their m micro-batches in the schedule's order, each op waiting for its input from the
+neighbouring stage (one send later): galaxy.planner.pipeline_time, which for equal stages is
+(m + pp - 1)(F + B) and lets a quick stage's work hide under a slow one's. Then the once-per-step
+work of each stage from its own end (both ends of a tied weight wait for each other): the Galaxy
+"sum" all-reduce, DDP's all-reduce over the data-parallel replicas (not overlapped with backward),
+the all-reduce of a weight tied across the pipeline's ends, the optimizer step of the rank's
+parameters and, with m micro-batches, m - 1 additions of its gradients into .grad; the step ends
+with the last stage to finish.
 
 Memory, per rank (MiB): the process baseline (device profile) + parameters, gradients and optimizer
 state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none) + DDP's
@@ -39,6 +42,7 @@ from types import SimpleNamespace
 
 from galaxy.models.closed_form import ring_bytes
 from galaxy.models.registry import family_of
+from galaxy.planner.pipeline_time import stage_ends
 from galaxy.planner.profiles import link_time
 
 MIB = 2 ** 20
@@ -317,19 +321,21 @@ class CostModel:
         sub_s = [dict() for _ in range(world)]
         sent = [0.0] * world
         memory = [0.0] * world
-        stage_t, extras = [], []
+        stage_fwd, stage_bwd, extras = [], [], []     # per stage: one micro-batch's F and B; once per step
         comm_path = 0.0
         for p in range(pp):
             L, c = plan.stages[p], plan.ckpt(p)
             first, last = p == 0, p == pp - 1
-            # Galaxy collectives of this stage per micro-batch, and once per step.
-            mb_comm = step_comm = 0.0
+            # Galaxy collectives of this stage per micro-batch (half of them in forward, the other
+            # half and the recomputed forwards' in backward), and once per step.
+            mb_comm = fwd_comm = step_comm = 0.0
             mb_bytes = step_bytes = 0.0
             for kind, f in forms.items():
                 b = rows * (L * f["a_layer"] + (f["a_fixed"] if last else 0))
                 calls = L * f["c_layer"] + (f["c_fixed"] if last else 0)
                 rb, rc = 0.5 * c * rows * f["a_layer"], 0.5 * c * f["c_layer"]   # recomputed forwards
                 mb_comm += link_time(self.link, kind, g, b + rb, calls + rc, padded)
+                fwd_comm += 0.5 * link_time(self.link, kind, g, b, calls, padded)
                 mb_bytes += b + rb
                 sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
                 if sb:
@@ -341,7 +347,7 @@ class CostModel:
             if pp > 1:
                 sends = (0 if last else 1) + (0 if first else 1)
                 p2p = sends * link_time(self.link, "send_recv", 2, carry_bytes, 1)
-            worst_group = 0.0
+            worst_fwd = worst_bwd = 0.0
             stage_extra = 0.0
             inflight = 1 if pp == 1 else (m if plan.schedule == "gpipe" else min(m, pp - p))
             for d in range(dp):
@@ -376,7 +382,7 @@ class CostModel:
                         sub_s[r][label] = sub_s[r].get(label, 0.0) + m * (tf + tb)
                     fwd += max(t[0] for t in times)
                     bwd += max(t[1] for t in times)
-                worst_group = max(worst_group, fwd + bwd)
+                worst_fwd, worst_bwd = max(worst_fwd, fwd), max(worst_bwd, bwd)
                 # once per step on each rank: DDP all-reduce, optimizer, and its memory
                 for j, r in enumerate(ranks):
                     compute_s[r] = m * sum(per_rank[j])
@@ -388,16 +394,29 @@ class CostModel:
                         dp_bytes += tied_bytes
                     opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * n
                     opt /= self._opt_divisor(plan)
-                    compute_s[r] += opt
-                    stage_extra = max(stage_extra, dp_time + opt)
+                    # every micro-batch after the first adds its gradients into .grad (autograd's
+                    # AccumulateGrad): a pass over what the rank's gradients hold
+                    acc = (m - 1) * n / self._opt_divisor(plan) * \
+                        self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+                    compute_s[r] += opt + acc
+                    stage_extra = max(stage_extra, dp_time + opt + acc)
                     sent[r] = m * (mb_bytes + p2p_bytes(pp, first, last, carry_bytes)) + step_bytes + dp_bytes
                     memory[r] = self._memory(plan, p, j, r, n, rows, c, inflight, L, s_con[j], first, last)
-            t_p = worst_group + mb_comm + p2p
             comm_path = max(comm_path, m * (mb_comm + p2p) + step_comm)
-            stage_t.append(t_p)
+            stage_fwd.append(worst_fwd + fwd_comm)
+            stage_bwd.append(worst_bwd + mb_comm - fwd_comm)
             extras.append(step_comm + stage_extra)
-        step = sum(stage_t) + (m - 1) * max(stage_t) + max(extras)
+        hop = link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0
+        ends = list(self._stage_ends(tuple(stage_fwd), tuple(stage_bwd), hop, m, plan.schedule))
+        if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
+            ends[0] = ends[-1] = max(ends[0], ends[-1])
+        step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, [x / MIB for x in memory], [int(x) for x in sent], compute_s, comm_path, sub_s)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=65536)
+    def _stage_ends(fwd: tuple, bwd: tuple, hop: float, m: int, schedule: str) -> tuple[float, ...]:
+        return tuple(stage_ends(list(fwd), list(bwd), hop, m, schedule))
 
     def _opt_divisor(self, plan: Plan) -> int:
         return plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else 1

@@ -6,7 +6,8 @@ time (so that ranks sharing a host contend as they will in training):
 
   compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
               of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
-              (the fallback rate); the optimizer's step per parameter (AdamW, SGD)
+              (the fallback rate); the optimizer's step per parameter (AdamW, SGD); adding a
+              gradient into .grad per parameter (every micro-batch after the first does)
   memory      what a rank may use (CPU: MemAvailable shared by the ranks on the host; CUDA: the
               free device memory) and the process's RSS before any model exists (the baseline
               every training process pays)
@@ -178,6 +179,23 @@ def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int 
     return {name: STATISTICS[statistic](t) / numel for name, t in times.items()}
 
 
+def accumulate_rate(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> float:
+    """Seconds per parameter of adding one micro-batch's gradient into .grad (autograd's
+    AccumulateGrad, in place, for every micro-batch after the first): 8 M parameters, past any
+    cache, as a model's gradients are."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    grad, new = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    grad.add_(new)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        grad.add_(new)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return STATISTICS[statistic](times) / numel
+
+
 # --- collectives ----------------------------------------------------------------------------------
 
 def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
@@ -298,6 +316,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
             "optimizer_fused": fused_allowed(list(bench.model.parameters())),
+            "grad_accumulate_s_per_param": accumulate_rate(env.device, max(3, repeats), statistic),
             "freed_memory_kept": cpu_allocator.kept(),
             "compute": compute}
 

@@ -13,6 +13,7 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
               "gemm_flops_per_s": float,         # matmul rate at the model's largest GEMM
               "optimizer_s_per_param": {"adamw": float, "sgd": float},
               "optimizer_fused": bool | absent,  # torch's fused step (no temporaries); absent: false
+              "grad_accumulate_s_per_param": float | absent,  # adding a micro-batch's gradient into .grad
               "freed_memory_kept": bool | absent,  # CPU heap keeps freed memory (cpu_allocator keep)
               "compute": COMPUTE | absent}       # measured sub-block times (absent: FLOPs / gemm rate)
 
@@ -177,6 +178,8 @@ def check_device(device, where: str) -> dict:
     for name in opt:
         _number(f"{where} optimizer_s_per_param", opt, name, positive=False)
     out["optimizer_s_per_param"] = dict(opt)
+    out["grad_accumulate_s_per_param"] = _number(where, out, "grad_accumulate_s_per_param", positive=False,
+                                                 required=False) or 0.0
     for flag in ("optimizer_fused", "freed_memory_kept"):
         if not isinstance(out.get(flag, False), bool):
             raise ProfileError(f"{where}: '{flag}' must be true or false")

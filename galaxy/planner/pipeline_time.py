@@ -1,0 +1,61 @@
+"""When each pipeline stage finishes its micro-batches, from the schedule's own order of work.
+
+A stage runs its forwards (F) and backwards (B) one at a time in the order its schedule gives
+(torch.distributed.pipelining, which galaxy.pipeline runs):
+
+  gpipe  F0 .. F(m-1), then B0 .. B(m-1)
+  1f1b   min(m, pp - p) forwards (stage p; the first stage pp, the last one), then one backward
+         and one forward in turn while forwards remain, then the remaining backwards
+
+and an op starts when the stage is free and its input has arrived: F_i on stage p > 0 after F_i
+on stage p - 1 plus one hop (the activation's send), B_i on stage p < pp - 1 after B_i on stage
+p + 1 plus one hop (the gradient's). The closed form sum_p t_p + (m - 1) max_p t_p is this for
+equal stages, and a bound for unequal ones: with a slow first stage and a quick last one, the last
+stage's work of micro-batch i hides under the first stage's forward of micro-batch i + 1, and the
+step is the first stage's m (F + B) alone.
+"""
+from __future__ import annotations
+
+
+def stage_order(schedule: str, p: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """Stage p's ops in the order it runs them: ("F" | "B", micro-batch)."""
+    if schedule == "gpipe" or pp == 1:
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(m, pp - p)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m):
+        order.append(("B", i))
+        if warmup + i < m:
+            order.append(("F", warmup + i))
+    return order
+
+
+def stage_ends(fwd: list[float], bwd: list[float], hop: float, m: int, schedule: str) -> list[float]:
+    """Seconds from the step's start until each stage has run its last op (fwd / bwd: one micro-
+    batch's forward / backward on each stage; hop: one send between neighbouring stages)."""
+    pp = len(fwd)
+    orders = [stage_order(schedule, p, pp, m) for p in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}       # (op, micro-batch, stage) -> end time
+    free = [0.0] * pp
+    nxt = [0] * pp
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for p in range(pp):
+            while nxt[p] < len(orders[p]):
+                op, i = orders[p][nxt[p]]
+                if op == "F":
+                    dep = ("F", i, p - 1) if p > 0 else None
+                else:
+                    dep = ("B", i, p + 1) if p < pp - 1 else None
+                if dep is not None and dep not in done:
+                    break
+                ready = done[dep] + hop if dep is not None else 0.0
+                start = max(free[p], ready)
+                free[p] = done[op, i, p] = start + (fwd[p] if op == "F" else bwd[p])
+                nxt[p] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:        # every schedule above is free of cycles; this would be a bug
+            raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked at {nxt} of {pp} stages")
+    return free
