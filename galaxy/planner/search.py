@@ -11,8 +11,8 @@ least pp of them, else gpipe) and sharded data parallelism (with replicas). For 
            proportional to the stage's speed
   moves    a step of units from the rank that is most over its budget, or slowest at the
            sub-blocks that share splits, to the one with the most room or the least time (steps
-           from about a quarter of a share down to one unit); a layer from the slowest or
-           fullest stage to the quickest or emptiest
+           from about a quarter of a share down to one unit); a layer from the slowest or fullest
+           stage to any other, and from every stage to its neighbours
   accept   a move that lowers the total memory overflow, or keeps it and lowers the step time
   memory   after every move each stage recomputes the fewest leading layers
            (activation_checkpointing) that make its ranks fit, all of them when nothing else does
@@ -279,9 +279,12 @@ class Searcher:
         return out
 
     def _stage_moves(self, est: Estimate) -> list[Plan]:
-        """Plans with one layer moved from the slowest (or fullest) stage to the others."""
+        """Plans with one layer moved from the slowest (or fullest) stage to any other, and from
+        every stage to its neighbours. Not only off the slowest: under the schedule a quick stage's
+        work can hide under a slow one's, so loading the busiest stage further can shorten the
+        step (a slow device holding the last stage with a single layer)."""
         plan = est.plan
-        stages, pp = list(plan.stages), plan.pp
+        stages, pp = plan.stages, plan.pp
         stage_t = [max(est.compute_s[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
         room = [min(self.budgets[r] - est.memory_mib[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
         slow = max(range(pp), key=lambda p: stage_t[p])
@@ -289,6 +292,7 @@ class Searcher:
         if min(room) < 0:
             full = min(range(pp), key=lambda p: room[p])
             pairs += [(full, b) for b in range(pp)]
+        pairs += [(a, a + d) for a in range(pp) for d in (-1, 1) if 0 <= a + d < pp]
         out = []
         for a, b in dict.fromkeys(pairs):
             if a == b or stages[a] <= 1:
