@@ -86,8 +86,8 @@ def test_sharded_replicas_of_groups_and_stages_match_hf(dist_pool, tiny_bert_dir
     model_dir, batch_fn = (tiny_bert_dir, tiny_batch) if family == "bert" else (tiny_lm_dir(family), tiny_lm_batch)
     heads = (4, 2) if family == "bert" else (6, 2)
     shares = (heads, (64, 32), (7, 5)) if pp == 1 else ((sum(heads),), (96,), (TINY_SEQ,))
-    # Llama: 4 rows (at 8, dp 2 x Galaxy 2 ends 1.3e-5 off in embed_tokens after 5 steps at lr 0.5,
-    # with DDP exactly as with FSDP: rounding of the tiny model, not the sharding)
+    # Llama: 4 rows (at 8 and lr 0.5, dp 2 x Galaxy 2 ended 1.3e-5 off in embed_tokens after 5 steps,
+    # with DDP exactly as with FSDP: rounding the tiny model's trajectory amplified; parity_runners.STABLE_LR)
     run_case(dist_pool(4), family, model_dir, ParallelPlan("TP", "SP", "SP"), 2, shares, batch_fn, pp=pp,
              dp_sharding=sharding, activation_checkpointing=recompute, num_microbatches=2,
              global_batch=8 if family == "bert" else 4)

@@ -70,7 +70,7 @@ def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp,
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
     chunks = 2 if "TP" in (att, mlp) else 1
     check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
-                           SHARES[family][1], tiny_lm_batch, 5, 0.5, {"comm_chunks": chunks, "kv_blocks": att == "SP"}))
+                           SHARES[family][1], tiny_lm_batch, 5, None, {"comm_chunks": chunks, "kv_blocks": att == "SP"}))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])

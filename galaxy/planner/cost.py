@@ -27,7 +27,8 @@ plus one layer's activations while it is recomputed, plus the largest sub-block'
 as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
 parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
 resident memory, and glibc keeps freed activation memory, so the activations count twice
-(CPU_ACTIVATION_SLACK) and the temporaries come on top; on CUDA the larger of the two. With sharded
+(CPU_ACTIVATION_SLACK; the second time as if no layer were recomputed: backward still rebuilds
+them all) and the temporaries come on top; on CUDA the larger of the two. With sharded
 data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered
 parameters beside their shards), gradients and optimizer state are divided over the dp replicas;
 the unsharded gradients before their reduce-scatter still count once, as DDP's buckets do.
@@ -296,6 +297,13 @@ class CostModel:
         if dev.get("device", "cpu") == "cuda":       # the caching allocator reuses freed activations
             return dev.get("baseline_mib", 0.0) * MIB + state + max(acts, temp)
         slack = dev.get("activation_slack", CPU_ACTIVATION_SLACK)
+        # The slack stands for what backward touches beside the saved activations (their gradients,
+        # freed blocks the heap keeps), and backward still walks every layer's activations when it
+        # rebuilds them: recomputation saves the saved activations once, not 1 + slack times
+        # (bench/plan_accuracy.py: Galaxy with every layer recomputed measured 751-760 MiB against
+        # 684 predicted at 1 + slack; serial 834, 794 predicted, 880 now).
+        whole = acts if not c else \
+            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last)[1]
         kept = 0.0
         if dev.get("freed_memory_kept") and first:
             # Each accumulated micro-batch after the first makes a fresh dense embedding gradient and
@@ -304,7 +312,7 @@ class CostModel:
             # (bench/plan_accuracy.py: pp 2, 4 micro-batches, stage 0 measured 851-885 MiB against
             # 747 predicted without this term).
             kept = (plan.microbatches - 1) * self.embed_params * FP32
-        return dev.get("baseline_mib", 0.0) * MIB + state + (1 + slack) * acts + temp + kept
+        return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
 
     # --- the estimate -------------------------------------------------------------------------------
 
