@@ -102,10 +102,10 @@ def test_pipeline_schedule_by_hand():
                                             ("B", 2), ("B", 3)]                  # torch's warm-up: pp - stage
     assert stage_order("1f1b", 1, 2, 4)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
     for schedule, pp, m in [("gpipe", 2, 1), ("gpipe", 3, 4), ("1f1b", 2, 2), ("1f1b", 3, 5), ("1f1b", 4, 8)]:
-        assert max(stage_ends([1.0] * pp, [2.0] * pp, 0.0, m, schedule)) == (m + pp - 1) * 3.0
-    fwd, bwd, hop = [3.0, 1.0], [6.0, 1.0], 0.5
+        assert max(stage_ends((1.0,) * pp, (2.0,) * pp, 0.0, m, schedule)) == (m + pp - 1) * 3.0
+    fwd, bwd, hop = (3.0, 1.0), (6.0, 1.0), 0.5
     assert stage_ends(fwd, bwd, hop, 2, "1f1b")[0] == 2 * (3.0 + 6.0) < (9.0 + 2.0) + 9.0
-    assert max(stage_ends([1.0, 3.0], [1.0, 6.0], hop, 2, "1f1b")) == 1.0 + hop + 2 * 9.0 + hop + 1.0
+    assert max(stage_ends((1.0, 3.0), (1.0, 6.0), hop, 2, "1f1b")) == 1.0 + hop + 2 * 9.0 + hop + 1.0
 
 
 def test_gradient_accumulation_adds_a_pass_over_the_gradients_per_micro_batch():

@@ -182,7 +182,8 @@ def meshes_of(pps, dps, world: int, layers: int) -> list[tuple[int, int]] | None
     for v in pps or ():
         if v > layers:
             raise ConfigError(f"--pp {v} is more stages than the model's {layers} layers")
-    divs = [d for d in range(1, world + 1) if world % d == 0]
+    from galaxy.planner.search import divisors
+    divs = divisors(world)
     meshes = [(pp, dp) for pp in (pps or divs) for dp in (dps or divs) if world % (pp * dp) == 0]
     if not meshes:
         raise ConfigError(f"--pp {' '.join(map(str, pps or divs))} with --dp {' '.join(map(str, dps or divs))} "

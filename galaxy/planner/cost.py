@@ -330,6 +330,7 @@ class CostModel:
         sent = [0.0] * world
         memory = [0.0] * world
         stage_fwd, stage_bwd, extras = [], [], []     # per stage: one micro-batch's F and B; once per step
+        hop = link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0   # one stage-to-stage send
         comm_path = 0.0
         for p in range(pp):
             L, c = plan.stages[p], plan.ckpt(p)
@@ -351,10 +352,7 @@ class CostModel:
                     step_bytes += sb
             if forms and not last and any(f["s_layer"] for f in forms.values()):
                 step_comm += link_time(self.link, "all_reduce", g, 0, 1)     # the stage's own "sum" call
-            p2p = 0.0
-            if pp > 1:
-                sends = (0 if last else 1) + (0 if first else 1)
-                p2p = sends * link_time(self.link, "send_recv", 2, carry_bytes, 1)
+            p2p = ((0 if last else 1) + (0 if first else 1)) * hop     # this stage's sends per micro-batch
             worst_fwd = worst_bwd = 0.0
             stage_extra = 0.0
             inflight = 1 if pp == 1 else (m if plan.schedule == "gpipe" else min(m, pp - p))
@@ -414,17 +412,11 @@ class CostModel:
             stage_fwd.append(worst_fwd + fwd_comm)
             stage_bwd.append(worst_bwd + mb_comm - fwd_comm)
             extras.append(step_comm + stage_extra)
-        hop = link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0
-        ends = list(self._stage_ends(tuple(stage_fwd), tuple(stage_bwd), hop, m, plan.schedule))
+        ends = list(stage_ends(tuple(stage_fwd), tuple(stage_bwd), hop, m, plan.schedule))
         if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
             ends[0] = ends[-1] = max(ends[0], ends[-1])
         step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, [x / MIB for x in memory], [int(x) for x in sent], compute_s, comm_path, sub_s)
-
-    @staticmethod
-    @functools.lru_cache(maxsize=65536)
-    def _stage_ends(fwd: tuple, bwd: tuple, hop: float, m: int, schedule: str) -> tuple[float, ...]:
-        return tuple(stage_ends(list(fwd), list(bwd), hop, m, schedule))
 
     def _opt_divisor(self, plan: Plan) -> int:
         return plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else 1

@@ -139,21 +139,27 @@ def envelope(grid: list[list[float]]) -> list[list[float]]:
     return out
 
 
+def timed(fn, device, repeats: int, statistic: str) -> float:
+    """`statistic` of `repeats` timed calls of fn, after one untimed call (the first allocates)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return STATISTICS[statistic](times)
+
+
 def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic: str = "median") -> float:
     """FLOPs per second of the model's largest projection (tokens x hidden -> intermediate)."""
     hf = bench.hf
     x = torch.randn(batch * bench.seq, hf.hidden_size, device=device)
     w = torch.randn(hf.intermediate_size, hf.hidden_size, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    for i in range(repeats + 1):
-        sync()
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        sync()
-        if i:
-            times.append(time.perf_counter() - t0)
-    return 2.0 * x.shape[0] * hf.hidden_size * hf.intermediate_size / STATISTICS[statistic](times)
+    seconds = timed(lambda: torch.nn.functional.linear(x, w), device, repeats, statistic)
+    return 2.0 * x.shape[0] * hf.hidden_size * hf.intermediate_size / seconds
 
 
 def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> dict:
@@ -183,17 +189,8 @@ def accumulate_rate(device, repeats: int, statistic: str = "median", numel: int 
     """Seconds per parameter of adding one micro-batch's gradient into .grad (autograd's
     AccumulateGrad, in place, for every micro-batch after the first): 8 M parameters, past any
     cache, as a model's gradients are."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     grad, new = torch.randn(numel, device=device), torch.randn(numel, device=device)
-    grad.add_(new)
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        grad.add_(new)
-        sync()
-        times.append(time.perf_counter() - t0)
-    return STATISTICS[statistic](times) / numel
+    return timed(lambda: grad.add_(new), device, repeats, statistic) / numel
 
 
 # --- collectives ----------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ step is the first stage's m (F + B) alone.
 """
 from __future__ import annotations
 
+import functools
+
 
 def stage_order(schedule: str, p: int, pp: int, m: int) -> list[tuple[str, int]]:
     """Stage p's ops in the order it runs them: ("F" | "B", micro-batch)."""
@@ -30,7 +32,9 @@ def stage_order(schedule: str, p: int, pp: int, m: int) -> list[tuple[str, int]]
     return order
 
 
-def stage_ends(fwd: list[float], bwd: list[float], hop: float, m: int, schedule: str) -> list[float]:
+@functools.lru_cache(maxsize=65536)       # the search asks for the same stage times many times
+def stage_ends(fwd: tuple[float, ...], bwd: tuple[float, ...], hop: float, m: int,
+               schedule: str) -> tuple[float, ...]:
     """Seconds from the step's start until each stage has run its last op (fwd / bwd: one micro-
     batch's forward / backward on each stage; hop: one send between neighbouring stages)."""
     pp = len(fwd)
@@ -58,4 +62,4 @@ def stage_ends(fwd: list[float], bwd: list[float], hop: float, m: int, schedule:
                 progressed = True
         if not progressed:        # every schedule above is free of cycles; this would be a bug
             raise RuntimeError(f"pipeline schedule {schedule!r} deadlocked at {nxt} of {pp} stages")
-    return free
+    return tuple(free)
