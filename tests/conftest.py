@@ -6,8 +6,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from dist_pool import DistPool  # noqa: E402
-from tiny_models import MAKE_TINY_LM, make_tiny_bert  # noqa: E402
+from support.dist_pool import DistPool  # noqa: E402
+from support.tiny_models import MAKE_TINY_LM, make_tiny_bert  # noqa: E402
 
 _pools: dict[int, DistPool] = {}
 

@@ -8,9 +8,9 @@ per-rank stream (the masks of the recomputation are those of the first forward).
 import pytest
 import torch
 
-from parity import check_report, world_group
-from parity_runners import train_plan_and_compare, train_runner_and_compare
-from tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
+from support.parity import check_report, world_group
+from support.parity_runners import train_plan_and_compare, train_runner_and_compare
+from support.tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.config import ConfigError, recompute_layers
 from galaxy.parallel.full_state import gather_full

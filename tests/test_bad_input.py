@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from tiny_models import make_tiny_bert
-from trainer_support import CLASSES, TOKENIZER_FILES, make_workspace, step_losses, train_on_rank, write_config
+from support.tiny_models import make_tiny_bert
+from support.trainer_support import CLASSES, TOKENIZER_FILES, make_workspace, step_losses, train_on_rank, write_config
 
 import galaxy.launch as launch
 from galaxy.models.registry import FAMILIES

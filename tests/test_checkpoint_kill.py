@@ -13,7 +13,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from trainer_support import make_workspace, step_losses, train_on_rank, write_config
+from support.trainer_support import make_workspace, step_losses, train_on_rank, write_config
 
 from galaxy.train.checkpoint import latest_checkpoint, step_dir_name
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainer_support import GALAXY_W2, make_workspace, probe_optimizer_state, step_losses, train_on_rank, write_config
+from support.trainer_support import GALAXY_W2, make_workspace, probe_optimizer_state, step_losses, train_on_rank, write_config
 
 from galaxy.models.build import CheckpointError
 from galaxy.train.checkpoint import latest_checkpoint, step_dir_name

@@ -13,8 +13,8 @@ chunks' keys in sequence order (the decoders' causal masks and rotary positions:
 import pytest
 import torch
 
-from parity import hf_bert, rel_err, world_group, worst_param_error
-from tiny_models import TINY_BERT, tiny_batch
+from support.parity import hf_bert, rel_err, world_group, worst_param_error
+from support.tiny_models import TINY_BERT, tiny_batch
 
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parity import check_report
-from parity_runners import train_runner_and_compare
-from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_batch, tiny_lm_batch
+from support.parity import check_report
+from support.parity_runners import train_runner_and_compare
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.parallel.data_parallel import split_rows
 from galaxy.parallel.plan import ParallelPlan

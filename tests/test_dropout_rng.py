@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parity import world_group
-from tiny_models import tiny_batch
+from support.parity import world_group
+from support.tiny_models import tiny_batch
 
 from galaxy.layers.rng import ShardedRNG
 from galaxy.runtime.assemble import build_model

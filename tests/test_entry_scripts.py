@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from script_runner import run_script
-from tiny_models import make_tiny_bert
+from support.script_runner import run_script
+from support.tiny_models import make_tiny_bert
 
 from galaxy.data import pydoc_topics_dataset
 from galaxy.models.packaged_minilm import packaged_minilm_dir

@@ -20,9 +20,9 @@ import json
 import pytest
 import torch
 
-from parity import HF_LOADERS
-from script_runner import run_script
-from trainer_support import probe_optimizer_state, step_losses, train_on_rank
+from support.parity import HF_LOADERS
+from support.script_runner import run_script
+from support.trainer_support import probe_optimizer_state, step_losses, train_on_rank
 
 from galaxy.data.causal_lm import encode_lm_sample
 from galaxy.models.tiny_gpt2 import write_tiny_gpt2
@@ -204,7 +204,7 @@ def generate_on_rank(model_dir, prompt, max_new_tokens, plan, shares):
 
     from galaxy.runtime.assemble import build_model
     from galaxy.runtime.generate import greedy_generate
-    from parity import world_group
+    from support.parity import world_group
     model = build_model(model_dir, plan, world_group(*shares))
     return greedy_generate(model, AutoTokenizer.from_pretrained(model_dir), prompt, max_new_tokens, PAD)
 

@@ -5,8 +5,8 @@ import os
 
 import torch
 
-from parity import rel_err
-from trainer_support import CLASSES, GALAXY_W2, make_workspace, train_on_rank, write_config
+from support.parity import rel_err
+from support.trainer_support import CLASSES, GALAXY_W2, make_workspace, train_on_rank, write_config
 
 PAD = 16
 

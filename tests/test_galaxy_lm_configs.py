@@ -6,7 +6,7 @@ from argparse import Namespace
 
 import pytest
 
-from galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
+from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
 
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.launch import load_run_config, main

@@ -9,8 +9,8 @@ issues one all-reduce per bucket when nothing is redone, and a gradient changed 
 (as DDP's write-back does) is caught: the bucket is redone and early starts switch off.
 """
 
-from parity import world_group
-from tiny_models import tiny_batch
+from support.parity import world_group
+from support.tiny_models import tiny_batch
 
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.plan import ParallelPlan

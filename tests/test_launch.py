@@ -1,4 +1,4 @@
-"""galaxy.launch end to end: real processes running tests/launch_target.py over gloo."""
+"""galaxy.launch end to end: real processes running tests/support/launch_target.py over gloo."""
 
 import json
 import os
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from dist_pool import free_port
+from support.dist_pool import free_port
 from galaxy.distributed import waiting
 from galaxy.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
-TARGET = str(REPO / "tests" / "launch_target.py")
+TARGET = str(REPO / "tests" / "support" / "launch_target.py")
 BERT = {"model_type": "bert", "num_attention_heads": 6, "intermediate_size": 96,
         "hidden_size": 48, "num_hidden_layers": 2, "max_position_embeddings": 64}
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

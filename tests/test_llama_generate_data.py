@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from parity import HF_LOADERS, world_group
+from support.parity import HF_LOADERS, world_group
 
 from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, encode_lm_sample, format_prompt,
                                    read_lm_samples)

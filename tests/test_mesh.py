@@ -50,7 +50,7 @@ def test_serial_mesh(dist_pool):
 def _from_config(model_dir):
     cfg = GalaxyConfig(model_path=model_dir, pad_size=12, pp_deg=2, seq_scatter_list=[7, 5])
     mesh = build_mesh(cfg, dist.get_rank(), dist.get_world_size(), read_model_shape(cfg.model_path))
-    return mesh.pp_rank, mesh.galaxy.size, mesh.galaxy.seq, mesh.galaxy.heads
+    return mesh.pp_rank, mesh.galaxy.size, mesh.galaxy.tokens, mesh.galaxy.heads
 
 
 def test_build_mesh_from_config(dist_pool, tiny_bert_dir):

@@ -10,9 +10,9 @@ import itertools
 
 import pytest
 
-from parity import check_report
-from parity_runners import train_plan_and_compare
-from tiny_models import TINY_SEQ, tiny_batch
+from support.parity import check_report
+from support.parity_runners import train_plan_and_compare
+from support.tiny_models import TINY_SEQ, tiny_batch
 
 from galaxy.parallel.plan import ParallelPlan
 

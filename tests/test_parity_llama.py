@@ -24,9 +24,9 @@ import itertools
 import pytest
 import torch
 
-from parity import check_report, hf_qwen2, rel_err
-from parity_runners import train_plan_and_compare
-from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
+from support.parity import check_report, hf_qwen2, rel_err
+from support.parity_runners import train_plan_and_compare
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.parallel.plan import ParallelPlan

@@ -11,9 +11,9 @@ import itertools
 
 import pytest
 
-from parity import check_report
-from parity_runners import train_plan_and_compare, train_runner_and_compare
-from tiny_models import TINY_SEQ, make_tiny_llama_classifier, tiny_cls_batch
+from support.parity import check_report
+from support.parity_runners import train_plan_and_compare, train_runner_and_compare
+from support.tiny_models import TINY_SEQ, make_tiny_llama_classifier, tiny_cls_batch
 
 from galaxy.parallel.plan import ParallelPlan
 
@@ -68,7 +68,7 @@ def export_and_reload(model_dir, out_dir):
     import torch.distributed as dist
     from transformers import LlamaForSequenceClassification
 
-    from parity import rel_err, world_group
+    from support.parity import rel_err, world_group
     from galaxy.models.packaged_minilm import tokenizer
     from galaxy.runtime.assemble import build_model
     from galaxy.runtime.export import export_hf

@@ -12,8 +12,8 @@ use_side runs the backbone without autograd; frozen weights get no gradient.
 import pytest
 import torch
 
-from peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
-from tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
+from support.peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
+from support.tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.plan import ParallelPlan

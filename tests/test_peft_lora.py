@@ -18,9 +18,9 @@ import json
 import pytest
 import torch
 
-from parity import HF_LOADERS, rel_err
-from peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, lora_train_and_export, write_peft_adapter
-from tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
+from support.parity import HF_LOADERS, rel_err
+from support.peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, lora_train_and_export, write_peft_adapter
+from support.tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model

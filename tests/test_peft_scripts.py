@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from script_runner import launch, run_script
-from tiny_models import make_tiny_bert
+from support.script_runner import launch, run_script
+from support.tiny_models import make_tiny_bert
 
 from galaxy.data import pydoc_topics_dataset
 from galaxy.models.packaged_minilm import packaged_minilm_dir

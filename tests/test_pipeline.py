@@ -13,9 +13,9 @@ pruning are checked alone.
 import pytest
 import torch
 
-from parity import check_report
-from parity_runners import train_runner_and_compare
-from tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
+from support.parity import check_report
+from support.parity_runners import train_runner_and_compare
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from parity import HF_LOADERS, rel_err
-from trainer_support import make_workspace, step_losses, train_on_rank, write_config
+from support.parity import HF_LOADERS, rel_err
+from support.trainer_support import make_workspace, step_losses, train_on_rank, write_config
 
 from galaxy.train.checkpoint import step_dir_name
 

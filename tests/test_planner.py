@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from script_runner import launch, run_script
+from support.script_runner import launch, run_script
 from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job: the module fixture)
 
 from galaxy.config import apply_preset, load_config, validate_for_world

@@ -7,7 +7,7 @@ from argparse import Namespace
 
 import pytest
 
-from tiny_models import TINY_BERT
+from support.tiny_models import TINY_BERT
 
 from galaxy.config import ConfigError, load_config
 from galaxy.profiler import bert_matmul_flops

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
+from support.tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model

@@ -23,7 +23,7 @@ import json
 import pytest
 import torch.distributed as dist
 
-from tiny_models import GPT2_INTERMEDIATE, TINY_GPT2, TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_GPT2, TINY_LLAMA, TINY_SEQ, make_tiny_llama, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config

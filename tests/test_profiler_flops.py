@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from tiny_models import GPT2_INTERMEDIATE, TINY_BERT, TINY_GPT2, TINY_SEQ, make_tiny_gpt2, tiny_batch
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_BERT, TINY_GPT2, TINY_SEQ, make_tiny_gpt2, tiny_batch
 
 from galaxy.distributed import collectives
 from galaxy.distributed.group import GalaxyGroup

@@ -1,11 +1,11 @@
 """Galaxy-LM's documented command lines, and one for every other shipped training config, run as
 written and finish, shortened with the documented overrides --max_steps 1 --max_eval_samples 8
 (the profiler: --repeats 1 --warmup 0), so that none can rot; and so do Galaxy-LM-style configs
-(tests/galaxy_lm_style.py: no model_path, so a random model of their shape).
+(tests/support/galaxy_lm_style.py: no model_path, so a random model of their shape).
 
 Commands run from a scratch directory holding train_config/ and models/ (links into the
 repository), as from a clean clone after the README's set-up, so outputs land in its runs/.
-Command drivers (tests/command_driver.py) run many commands per process: one for the
+Command drivers (tests/support/command_driver.py) run many commands per process: one for the
 single-process commands, and one per rank for the world-2 ones (each command gets its own
 --init_method port). Every command must exit 0, and every training command's metrics file must
 end with a finished run of 1 step.
@@ -15,8 +15,8 @@ import os
 import subprocess
 import sys
 
-from dist_pool import free_port
-from galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
+from support.dist_pool import free_port
+from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
 
 from galaxy.train.metrics import read_metrics
 
@@ -81,7 +81,7 @@ def start_driver(tmp_path, name: str, commands: list[str]) -> subprocess.Popen:
     listing.write_text(json.dumps(commands))
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "command_driver.py"), ROOT, str(listing)],
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "command_driver.py"), ROOT, str(listing)],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -2,7 +2,7 @@
 import pydoc_data.topics
 import torch
 
-from parity import rel_err, worst_param_error, world_group
+from support.parity import rel_err, worst_param_error, world_group
 
 from galaxy.runtime.assemble import build_model
 from galaxy.models.packaged_minilm import packaged_minilm_dir

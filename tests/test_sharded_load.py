@@ -1,6 +1,6 @@
 """build_model reads only what a rank keeps, and ends with exactly the old full-read parameters.
 
-Against tests/full_read_reference.py (full model, whole checkpoint, then plan slicing and stage
+Against tests/support/full_read_reference.py (full model, whole checkpoint, then plan slicing and stage
 pruning): every parameter and buffer torch.equal, same gradient rules, the default random stream
 untouched, for BERT, Llama (grouped-query attention, untied and tied) and GPT-2 (fused Q/K/V
 stored as Conv1D [in, out]: a rank's c_attn share is three column ranges of the checkpoint's
@@ -23,9 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from full_read_reference import full_read_build
-from parity import world_group
-from tiny_models import TINY_BERT, TINY_SEQ, make_tiny_bert, make_tiny_gpt2, make_tiny_llama
+from support.full_read_reference import full_read_build
+from support.parity import world_group
+from support.tiny_models import TINY_BERT, TINY_SEQ, make_tiny_bert, make_tiny_gpt2, make_tiny_llama
 
 import galaxy.models.weights as weights
 from galaxy.distributed.group import GalaxyGroup

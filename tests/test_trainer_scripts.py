@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from script_runner import launch as launch_script
-from trainer_support import GALAXY_W2, make_workspace, write_config
+from support.script_runner import launch as launch_script
+from support.trainer_support import GALAXY_W2, make_workspace, write_config
 
 from galaxy.train.metrics import read_metrics
 

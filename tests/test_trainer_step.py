@@ -7,9 +7,9 @@ must run under TP/SP collectives and stay close to fp32.
 import pytest
 import torch
 
-from parity import hf_bert, worst_param_error, world_group
-from tiny_models import tiny_batch
-from trainer_support import GALAXY_W2, make_workspace, step_losses, train_on_rank, write_config
+from support.parity import hf_bert, worst_param_error, world_group
+from support.tiny_models import tiny_batch
+from support.trainer_support import GALAXY_W2, make_workspace, step_losses, train_on_rank, write_config
 
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.full_state import gather_full

@@ -1,8 +1,9 @@
 """The Galaxy group: the ranks that split one transformer block between them.
 
-A GalaxyGroup carries the process group and every per-rank share a plan needs: how many
-attention heads, MLP columns and sequence tokens each rank owns. Shares may be uneven.
-A group of size 1 (serial training) has `pg=None`; every collective returns early for it.
+A GalaxyGroup carries the process group and every per-rank share a plan gives (galaxy.plan.Plan's
+heads, columns and tokens): how many attention heads, MLP columns and sequence tokens each rank
+owns. Shares may be uneven. A group of size 1 (serial training) has `pg=None`; every collective
+returns early for it.
 """
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ class GalaxyGroup:
     size: int
     pg: dist.ProcessGroup | None   # None when size == 1
     heads: tuple[int, ...]         # query heads per rank (TP attention)
-    intermediate: tuple[int, ...]  # MLP columns per rank (TP MLP)
-    seq: tuple[int, ...]           # tokens per rank (SP sub-blocks)
+    columns: tuple[int, ...]       # MLP columns per rank (TP MLP)
+    tokens: tuple[int, ...]        # tokens per rank (SP sub-blocks)
 
     @staticmethod
     def serial(num_heads: int, intermediate_size: int, seq_len: int) -> "GalaxyGroup":
         return GalaxyGroup(0, 1, None, (num_heads,), (intermediate_size,), (seq_len,))
 
     @property
-    def seq_offset(self) -> int:
+    def token_offset(self) -> int:
         """Global position of this rank's first token."""
-        return sum(self.seq[: self.rank])
+        return sum(self.tokens[: self.rank])

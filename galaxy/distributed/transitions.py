@@ -49,38 +49,38 @@ class _ReduceScatterToShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return reduce_scatter_sequence(x, group.seq, group.rank, group.pg)
+        return reduce_scatter_sequence(x, group.tokens, group.rank, group.pg)
 
     @staticmethod
     def backward(ctx, grad):
         g = ctx.group
-        return all_gather_sequence(grad, g.seq, g.pg), None
+        return all_gather_sequence(grad, g.tokens, g.pg), None
 
 
 class _GatherForReplicatedConsumer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather_sequence(x, group.seq, group.pg)
+        return all_gather_sequence(x, group.tokens, group.pg)
 
     @staticmethod
     def backward(ctx, grad):
         # The consumer did the same work on every rank, so every rank holds the full gradient.
         g = ctx.group
-        return split_sequence(grad, g.seq, g.rank), None
+        return split_sequence(grad, g.tokens, g.rank), None
 
 
 class _GatherForShardedConsumer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather_sequence(x, group.seq, group.pg)
+        return all_gather_sequence(x, group.tokens, group.pg)
 
     @staticmethod
     def backward(ctx, grad):
         # Each rank's consumer saw only its share of the work: its gradient is partial.
         g = ctx.group
-        return reduce_scatter_sequence(grad, g.seq, g.rank, g.pg), None
+        return reduce_scatter_sequence(grad, g.tokens, g.rank, g.pg), None
 
 
 class _CopyForShardedConsumer(torch.autograd.Function):
@@ -98,12 +98,12 @@ class _SplitToShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return split_sequence(x, group.seq, group.rank)
+        return split_sequence(x, group.tokens, group.rank)
 
     @staticmethod
     def backward(ctx, grad):
         g = ctx.group
-        return all_gather_sequence(grad.contiguous(), g.seq, g.pg), None
+        return all_gather_sequence(grad.contiguous(), g.tokens, g.pg), None
 
 
 def reduce_to_replicated(x, group):           # P -> R
@@ -144,13 +144,13 @@ class KVGather:
 
     def start(self, x):
         g = self.group
-        link = gather_link(g.seq, g.rank, g.pg)
+        link = gather_link(g.tokens, g.rank, g.pg)
         token = start(x, link)
         return lambda: wait(token, link)
 
     def own(self, tokens: int) -> slice:
         """Where this rank's `tokens` lie in the gathered sequence."""
-        return slice(self.group.seq_offset, self.group.seq_offset + tokens)
+        return slice(self.group.token_offset, self.group.token_offset + tokens)
 
 
 def pick_transition(src: Layout, dst: Layout, sharded_consumer: bool):
@@ -200,8 +200,8 @@ class Transition(nn.Module):
         at most as many as the shortest share holds (every chunk has tokens on every rank)."""
         g, fn = self.group, self.fn
         if fn in (gather_for_sharded_consumer, reduce_scatter_to_shards):
-            chunks = min(chunks, min(g.seq))
-            parts = [chunk_sizes(s, chunks) for s in g.seq]                 # [rank][chunk]
+            chunks = min(chunks, min(g.tokens))
+            parts = [chunk_sizes(s, chunks) for s in g.tokens]                 # [rank][chunk]
             make = gather_link if fn is gather_for_sharded_consumer else scatter_link
             return [make(tuple(p[j] for p in parts), g.rank, g.pg) for j in range(chunks)]
         if fn in (copy_for_sharded_consumer, reduce_to_replicated):

@@ -164,7 +164,7 @@ class BertForClassification(GalaxyModel):
 
     def plan_head(self, con_layout, group) -> dict:
         """Only the first token leaves the encoder: gather one token per rank (S -> R)."""
-        self.exit.set(con_layout, Layout.R, sharded_consumer=False, group=replace(group, seq=(1,) * group.size))
+        self.exit.set(con_layout, Layout.R, sharded_consumer=False, group=replace(group, tokens=(1,) * group.size))
         return {}     # pooler and classifier run replicated: their gradients are complete
 
     def embed(self, input_ids, token_type_ids=None) -> tuple:

@@ -38,7 +38,7 @@ class CausalLMHead:
             # Each rank scores its own tokens: the replicated head weight gets partial gradients.
             g = self.head_group
             weight = copy_for_sharded_consumer(weight, g)
-            rows = slice(g.seq_offset, g.seq_offset + g.seq[g.rank])
+            rows = slice(g.token_offset, g.token_offset + g.tokens[g.rank])
         logits = F.linear(x, weight)                                     # [b, s_con, vocab]
         if labels is None:
             return logits, None

@@ -290,7 +290,7 @@ class LlamaForSequenceClassification(LlamaBackbone):
             # rank all b tokens exactly (one non-zero term per row), one [b, h] collective; the
             # gradient, replicated like the loss, flows into each token on its owner only.
             g = self.pool_group
-            local = at - g.seq_offset
+            local = at - g.token_offset
             own = (local >= 0) & (local < x.shape[1])
             picked = x[rows, local.clamp(0, x.shape[1] - 1)]
             pooled = reduce_to_replicated(torch.where(own[:, None], picked, torch.zeros_like(picked)), g)

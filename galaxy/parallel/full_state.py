@@ -42,4 +42,4 @@ def full_sequence_logits(model: torch.nn.Module, logits: torch.Tensor) -> torch.
     """A causal LM under a sequence-sharded CON layout returns its own tokens' logits
     [b, s_rank, vocab]; gather them to [b, S, vocab]. Other layouts are returned as they are."""
     g = model.head_group
-    return logits if g is None else all_gather_sequence(logits.contiguous(), g.seq, g.pg)
+    return logits if g is None else all_gather_sequence(logits.contiguous(), g.tokens, g.pg)

@@ -105,7 +105,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
     for i, layer in enumerate(model.layers):
         prefix = f"layers.{i}"
         for name, shares, to, frm in (("att", group.heads, layer.to_att, layer.from_att),
-                                      ("mlp", group.intermediate, layer.to_mlp, layer.from_mlp)):
+                                      ("mlp", group.columns, layer.to_mlp, layer.from_mlp)):
             block = getattr(layer, name)
             tp = getattr(plan, name) == "TP"
             to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
@@ -120,7 +120,7 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
             rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
             if name == "att" and not tp and group.size > 1:
                 block.kv_gather = KVGather(group)
-                block.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
+                block.local_rows = slice(group.token_offset, group.token_offset + group.tokens[group.rank])
             if group.size > 1 and rng is not None:
                 if name == "att":
                     block.rng_scope = rng.fork

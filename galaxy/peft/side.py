@@ -163,7 +163,7 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
         _init(layer.side, f"layers.{i}.side", seed, std)
         if model.attached.plan.con_layout == Layout.S and group.size > 1:
             layer.side.block.attn.kv_gather = partial(gather_for_sharded_consumer, group=group)
-            layer.side.block.attn.local_rows = slice(group.seq_offset, group.seq_offset + group.seq[group.rank])
+            layer.side.block.attn.local_rows = slice(group.token_offset, group.token_offset + group.tokens[group.rank])
         modules.append((f"layers.{i}.side", layer.side))
     if last:
         model.side_out = SideOutput(cfg.hidden_size, width, eps, only, device)

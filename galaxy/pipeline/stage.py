@@ -108,7 +108,7 @@ def carry_shapes(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) 
     """(shape, trainable) of every travelling carry tensor: [rows, s_con, width], s_con = own
     tokens under a sequence-sharded CON layout."""
     g = model.attached.group
-    s_con = g.seq[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
+    s_con = g.tokens[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
     return [((rows, s_con, slot.width), slot.trainable) for slot in carry_slots(model) if slot is not None]
 
 

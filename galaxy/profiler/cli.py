@@ -158,7 +158,7 @@ def run(job: ProfileJob, env) -> None:
         reports = reports[:mesh.galaxy.size]     # replica 0's Galaxy group (ranks 0..N-1); replicas are alike
     if env.rank != 0:
         return
-    expected_comm = closed_form_comm(job, plan, mesh.galaxy.seq) if len(reports) > 1 else None
+    expected_comm = closed_form_comm(job, plan, mesh.galaxy.tokens) if len(reports) > 1 else None
     print(render(reports, job, opts.depth, expected_comm, deepspeed_flops), flush=True)
     if opts.json:
         write_json(opts.json, reports, closed_form_flops(job), expected_comm)

@@ -215,7 +215,7 @@ class Trainer:
         stage's replicated one on pipeline.stages (galaxy/train/rng_state.py)."""
         g, plan, cfg = self.group, plan_of(self.cfg), self.cfg
         return {"world": self.env.world, "plan": [plan.att, plan.mlp, plan.con],
-                "heads": list(g.heads), "intermediate": list(g.intermediate), "seq": list(g.seq),
+                "heads": list(g.heads), "intermediate": list(g.columns), "seq": list(g.tokens),
                 "device": self.env.device.type,
                 "pipeline": pipeline_layout(cfg.pp_deg, cfg.dp_deg, self.job.shape["num_hidden_layers"],
                                             cfg.stage_num_hidden_layers_list)}

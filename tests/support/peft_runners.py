@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from parity import HF_LOADERS, world_group
-from parity_runners import DEFAULTS, hf_forward, train_and_compare
+from support.parity import HF_LOADERS, world_group
+from support.parity_runners import DEFAULTS, hf_forward, train_and_compare
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import model_class

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from parity import HF_LOADERS, rel_err, worst_param_error
+from support.parity import HF_LOADERS, rel_err, worst_param_error
 
 from galaxy.distributed.mesh import make_mesh
 from galaxy.parallel.full_state import full_sequence_logits

@@ -2,8 +2,8 @@
 them (`python SCRIPT ARGS...` from the current directory), so torch and transformers are imported
 once for many commands.
 
-    python tests/command_driver.py REPO_ROOT COMMANDS.json
-    python tests/command_driver.py REPO_ROOT --serve
+    python tests/support/command_driver.py REPO_ROOT COMMANDS.json
+    python tests/support/command_driver.py REPO_ROOT --serve
 
 COMMANDS.json: a list of command lines. For each, "@@ end CODE WALL_S CPU_S COMMAND" goes to
 stdout (CODE: the script's exit status; a script that fails in training exits the whole process,
@@ -14,7 +14,7 @@ given the same list in the same order, so they meet at each command's rendezvous
 --serve: read one JSON request a line from stdin, {"argv": [SCRIPT, ARGS...], "stdout": PATH,
 "stderr": PATH}; run it with file descriptors 1 and 2 sent to those files (so that what C code
 and child threads print is caught too), then answer "@@ end CODE" on the driver's own stdout.
-tests/script_runner.py keeps such drivers for the test session.
+tests/support/script_runner.py keeps such drivers for the test session.
 """
 import json
 import os

@@ -11,7 +11,7 @@ import os
 
 import torch.distributed as dist
 
-from tiny_models import make_tiny_bert
+from support.tiny_models import make_tiny_bert
 
 CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")

@@ -2,7 +2,7 @@
 
 `launch` starts fresh processes and reports how each exited (for the tests of exit codes, errors
 and dying peers). `run_script`, for runs that must succeed, gives each rank's command line to a
-long-lived command driver instead (tests/command_driver.py --serve; one per rank, kept for the
+long-lived command driver instead (tests/support/command_driver.py --serve; one per rank, kept for the
 session): the script runs as `python SCRIPT ARGS` would, without paying for importing torch and
 transformers again (about 5 s of CPU per process on this 2-core machine). A driver whose script
 failed is replaced, so no state of a broken run reaches the next test.
@@ -16,9 +16,9 @@ import sys
 import tempfile
 import time
 
-from dist_pool import free_port
+from support.dist_pool import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
 
@@ -40,11 +40,11 @@ def launch(script, config: str, world: int, *extra: str, timeout: float = 240) -
 
 
 class _Driver:
-    """One tests/command_driver.py --serve process: a script at a time, its output in files."""
+    """One tests/support/command_driver.py --serve process: a script at a time, its output in files."""
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="script_driver_")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "command_driver.py"), ROOT,
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "command_driver.py"), ROOT,
                                       "--serve"], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
