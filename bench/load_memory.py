@@ -3,7 +3,7 @@
 For each model and each rank's view, two builds, each in a fresh process (peak RSS only grows
 within a process):
 
-  full read     the old path (tests/full_read_reference.py): the full model materialised, the
+  full read     the old path (tests/support/full_read_reference.py): the full model materialised, the
                 whole checkpoint read and copied in, then the plan slices and the stage prunes
   sharded read  galaxy.models.build.build_model: plan and stage applied on the meta device,
                 then each kept parameter reads only its own slice of the checkpoint
@@ -66,7 +66,7 @@ def build_once(model_dir: str, view: str, variant: str) -> dict:
     """In a fresh process: build one rank's model one way; memory figures in bytes."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import torch
-    from full_read_reference import full_read_build
+    from support.full_read_reference import full_read_build
 
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.models.build import load_hf_config
