@@ -59,17 +59,14 @@ def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torc
 
 def build_runners(args, shape: dict) -> dict:
     from galaxy.train.optim import build_optimizer
-    from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
-    heads, inter = shape["num_attention_heads"], shape["intermediate_size"]
-    meshes = {"ddp": make_mesh(1, 2, (heads,), (inter,), (args.pad_size,)),
-              "galaxy": make_mesh(1, 1, even_split(heads, 2), even_split(inter, 2), even_split(args.pad_size, 2))}
-    plans = {"ddp": ParallelPlan(), "galaxy": ParallelPlan.preset(args.plan)}
+    work = Workload.of(shape, args.pad_size)
+    plans = {"ddp": Plan(dp=2).resolve(2, work), "galaxy": Plan.preset(args.plan).resolve(2, work)}
     runners = {}
     for mode in MODES:
-        runner = build_runner(args.model_path, plans[mode], meshes[mode], num_labels=NUM_LABELS, seed=0)
+        runner = build_runner(args.model_path, plans[mode], make_mesh(plans[mode]), num_labels=NUM_LABELS, seed=0)
         runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
         runners[mode] = runner
     return runners

@@ -90,15 +90,12 @@ def build_dtensor(model_path: str):
 
 
 def build_galaxy(model_path: str, classifier, pad_size: int):
-    from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.models.shape import read_model_shape
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
-    shape = read_model_shape(model_path)
-    mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
-                     even_split(pad_size, 2))
-    runner = build_runner(model_path, ParallelPlan.preset("tp"), mesh, num_labels=NUM_LABELS, seed=0, dropout=0.0)
+    plan = Plan.preset("tp").resolve(2, Workload.of(read_model_shape(model_path), pad_size))
+    runner = build_runner(model_path, plan, make_mesh(plan), num_labels=NUM_LABELS, seed=0, dropout=0.0)
     with torch.no_grad():       # the same new head as the DTensor model's
         runner.model.classifier.weight.copy_(classifier.weight)
         runner.model.classifier.bias.copy_(classifier.bias)

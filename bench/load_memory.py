@@ -71,16 +71,16 @@ def build_once(model_dir: str, view: str, variant: str) -> dict:
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.models.build import load_hf_config
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
 
     cfg = load_hf_config(model_dir)
     heads, inter, layers = cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
     num_labels = 4 if cfg.model_type == "bert" else None
     if view == "galaxy2 rank 0":     # rank 0 of 2, even shares; building never communicates
-        plan, stage = ParallelPlan.preset("galaxy"), None
+        plan, stage = Plan.preset("galaxy"), None
         group = GalaxyGroup(0, 2, None, (heads // 2,) * 2, (inter // 2,) * 2, (64, 64))
     else:                            # stage 0 of 2: the embeddings and the first half of the layers
-        plan, stage = ParallelPlan(), (range(0, layers // 2), True, False)
+        plan, stage = Plan(), (range(0, layers // 2), True, False)
         group = GalaxyGroup.serial(heads, inter, 128)
     build = full_read_build if variant == "full" else build_model
     if not _reset_peak_rss():

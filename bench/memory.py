@@ -155,10 +155,9 @@ def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, m
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.models.shape import read_model_shape
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
 
     _, dp, group, sharding = MODES[mode]
@@ -166,11 +165,11 @@ def worker(rank: int, world: int, port: int, args, model: str, model_dir: str, m
     shape = read_model_shape(model_dir)
     full = make_inputs(model, model_dir, batch_size, pad)
     with MemoryTrace(device) as trace:
-        mesh = make_mesh(1, dp, even_split(shape["num_attention_heads"], group),
-                         even_split(shape["intermediate_size"], group), even_split(pad, group))
-        plan = ParallelPlan.preset(args.plan) if group > 1 else ParallelPlan()
-        runner = build_runner(model_dir, plan, mesh, num_labels=NUM_LABELS, seed=0, device=device, dropout=0.0,
-                              activation_checkpointing=ckpt, dp_sharding=sharding)
+        methods = Plan.preset(args.plan) if group > 1 else Plan()
+        plan = Plan(methods.att, methods.mlp, methods.con, dp=dp, checkpoint=ckpt, dp_sharding=sharding)
+        plan = plan.resolve(dp * group, Workload.of(shape, pad))
+        mesh = make_mesh(plan)
+        runner = build_runner(model_dir, plan, mesh, num_labels=NUM_LABELS, seed=0, device=device, dropout=0.0)
         runner.train()
         optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
         rows = batch_size // dp

@@ -74,16 +74,14 @@ VARIANTS = {
 
 def build(args, name: str, shape: dict):
     from galaxy.train.optim import build_optimizer
-    from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
     v = VARIANTS[name]
-    mesh = make_mesh(1, 1, even_split(shape["num_attention_heads"], 2), even_split(shape["intermediate_size"], 2),
-                     even_split(args.pad_size, 2))
+    plan = Plan.preset(v.preset, comm_chunks=v.comm_chunks, kv_blocks=v.kv_blocks)
+    plan = plan.resolve(2, Workload.of(shape, args.pad_size))
     torch.manual_seed(0)
-    runner = build_runner(args.model_path, ParallelPlan.preset(v.preset), mesh, num_labels=NUM_LABELS, seed=0,
-                          comm_chunks=v.comm_chunks, kv_blocks=v.kv_blocks, dropout=args.dropout)
+    runner = build_runner(args.model_path, plan, make_mesh(plan), num_labels=NUM_LABELS, seed=0, dropout=args.dropout)
     runner.sync.overlap = v.early_sync
     runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     return runner

@@ -69,13 +69,13 @@ def serial_times(args, batch_size: int) -> list[float]:
     from galaxy.train.optim import build_optimizer
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.models.shape import read_model_shape
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     from galaxy.runtime.assemble import build_model
     torch.set_num_threads(2)
     shape = read_model_shape(args.model_path)
     group = GalaxyGroup.serial(shape["num_attention_heads"], shape["intermediate_size"], args.pad_size)
     torch.manual_seed(0)
-    model = build_model(args.model_path, ParallelPlan(), group, num_labels=NUM_LABELS, seed=0).train()
+    model = build_model(args.model_path, Plan(), group, num_labels=NUM_LABELS, seed=0).train()
     opt = build_optimizer("adamw", model.parameters(), lr=1e-5)
     batch = make_batch(args.model_path, batch_size, args.pad_size)
     times = []
@@ -101,22 +101,20 @@ def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, result
     cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
     waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", 2, os.cpu_count() or 1))
-    from galaxy.config import even_split
     from galaxy.distributed.mesh import make_mesh
     from galaxy.models.shape import read_model_shape
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
     shape = read_model_shape(args.model_path)
     preset, shares = PLANS[plan]
-    heads, inter = shape["num_attention_heads"], shape["intermediate_size"]
     if preset == "dp":
-        mesh, plan_ = make_mesh(1, 2, (heads,), (inter,), (args.pad_size,)), ParallelPlan()
+        plan_ = Plan(dp=2, comm_chunks=args.comm_chunks)
     else:
-        shares = shares or (even_split(heads, 2), even_split(inter, 2), even_split(args.pad_size, 2))
-        mesh, plan_ = make_mesh(1, 1, *shares), ParallelPlan.preset(preset)
+        heads, columns, tokens = shares or (None, None, None)
+        plan_ = Plan.preset(preset, heads=heads, columns=columns, tokens=tokens, comm_chunks=args.comm_chunks)
+    plan_ = plan_.resolve(2, Workload.of(shape, args.pad_size))
     torch.manual_seed(0)
-    runner = build_runner(args.model_path, plan_, mesh, num_labels=NUM_LABELS, seed=0,
-                          comm_chunks=args.comm_chunks)
+    runner = build_runner(args.model_path, plan_, make_mesh(plan_), num_labels=NUM_LABELS, seed=0)
     opt = build_optimizer("adamw", runner.parameters(), lr=1e-5)
     batch = make_batch(args.model_path, batch_size, args.pad_size)
     if preset == "dp":

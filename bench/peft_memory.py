@@ -81,7 +81,7 @@ def run_method(args) -> dict:
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.models.build import load_hf_config
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     from galaxy.peft import PeftOptions, apply_peft, parameter_counts
 
     torch.set_num_threads(args.threads)
@@ -89,7 +89,7 @@ def run_method(args) -> dict:
     device = torch.device(args.device)
     cfg = load_hf_config(args.model_dir)
     group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, args.pad_size)
-    model = build_model(args.model_dir, ParallelPlan(), group, num_labels=4, seed=0, device=device)
+    model = build_model(args.model_dir, Plan(), group, num_labels=4, seed=0, device=device)
     trainable = apply_peft(model, PeftOptions(args.child, side_reduction_factor=args.side_reduction_factor),
                            seed=0)
     model.train()

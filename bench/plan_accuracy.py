@@ -35,9 +35,9 @@ from planning_runs import ROOT, profile, spearman, train, write_base
 
 sys.path.insert(0, str(ROOT))
 
-from galaxy.planner.cost import CostModel, Plan  # noqa: E402
+from galaxy.plan import Plan  # noqa: E402
+from galaxy.planner.cost import CostModel  # noqa: E402
 from galaxy.planner.profiles import load_devices, read_json  # noqa: E402
-from galaxy.planner.writer import plan_keys  # noqa: E402
 
 
 def plans(pad: int) -> list[tuple[str, int, Plan]]:
@@ -45,10 +45,10 @@ def plans(pad: int) -> list[tuple[str, int, Plan]]:
     h, c, s = 12, 1536, pad
     third = (2 * s // 3, s - 2 * s // 3)
     g = lambda a, m, n, heads=(6, 6), cols=(768, 768), tok=(s // 2, s - s // 2), **kw: \
-        Plan(1, 1, a, m, n, heads, cols, tok, (6,), **kw)                       # noqa: E731
-    whole = ((h,), (c,), (s,))
+        Plan(a, m, n, heads=heads, columns=cols, tokens=tok, stages=(6,), **kw)          # noqa: E731
+    whole = dict(heads=(h,), columns=(c,), tokens=(s,))
     return [
-        ("serial", 1, Plan(1, 1, "TP", "TP", "SP", *whole, (6,))),
+        ("serial", 1, Plan(stages=(6,), checkpoint=(), **whole)),
         ("TP even", 2, g("TP", "TP", "None")),
         ("SP even", 2, g("SP", "SP", "SP")),
         ("Galaxy even", 2, g("TP", "TP", "SP")),
@@ -59,11 +59,11 @@ def plans(pad: int) -> list[tuple[str, int, Plan]]:
         ("ATT SP MLP TP CON SP", 2, g("SP", "TP", "SP")),
         ("ATT TP MLP SP CON None", 2, g("TP", "SP", "None")),
         ("ATT SP MLP TP CON None", 2, g("SP", "TP", "None")),
-        ("pp 2, 2 micro-batches", 2, Plan(2, 1, "TP", "TP", "SP", *whole, (3, 3), 2, "1f1b")),
-        ("pp 2 uneven, 4 micro", 2, Plan(2, 1, "TP", "TP", "SP", *whole, (4, 2), 4, "1f1b")),
-        ("dp 2", 2, Plan(1, 2, "TP", "TP", "SP", *whole, (6,))),
-        ("dp 2, accumulation 2", 2, Plan(1, 2, "TP", "TP", "SP", *whole, (6,), 2)),
-        ("Galaxy, all recomputed", 2, g("TP", "TP", "SP", checkpoint=(6,))),
+        ("pp 2, 2 micro-batches", 2, Plan(pp=2, stages=(3, 3), microbatches=2, checkpoint=(), **whole)),
+        ("pp 2 uneven, 4 micro", 2, Plan(pp=2, stages=(4, 2), microbatches=4, checkpoint=(), **whole)),
+        ("dp 2", 2, Plan(dp=2, stages=(6,), checkpoint=(), **whole)),
+        ("dp 2, accumulation 2", 2, Plan(dp=2, stages=(6,), microbatches=2, checkpoint=(), **whole)),
+        ("Galaxy, all recomputed", 2, g("TP", "TP", "SP", checkpoint=tuple(range(6)))),
     ]
 
 
@@ -126,7 +126,7 @@ def main() -> None:
         order = range(len(chosen)) if r % 2 == 0 else reversed(range(len(chosen)))
         for i in order:
             name, world, plan = chosen[i]
-            runs[i].append(train(out, base, f"plan{i:02d}", plan_keys(plan, 6), world, cores[:world],
+            runs[i].append(train(out, base, f"plan{i:02d}", plan.to_keys(6), world, cores[:world],
                                  args.statistic))
         print(f"round {r + 1} of {args.rounds} done", flush=True)
     rows = []
@@ -138,7 +138,7 @@ def main() -> None:
         row = {"name": name, "world": world, "predicted_s": est.step_s, "measured_s": measured,
                "round_step_s": [g["step_s"] for g in got], "step_times": [g["step_times"] for g in got],
                "predicted_mib": [round(m, 1) for m in est.memory_mib], "measured_mib": peak,
-               "keys": plan_keys(plan, 6)}
+               "keys": plan.to_keys(6)}
         rows.append(row)
         err = est.step_s / measured - 1
         merr = [pm / mm - 1 for pm, mm in zip(row["predicted_mib"], row["measured_mib"])]

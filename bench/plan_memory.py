@@ -22,7 +22,8 @@ from planning_runs import ROOT, env, profile, train, write_base
 
 sys.path.insert(0, str(ROOT))
 
-from galaxy.planner.cost import CostModel, Plan  # noqa: E402
+from galaxy.plan import Plan  # noqa: E402
+from galaxy.planner.cost import CostModel  # noqa: E402
 from galaxy.planner.profiles import load_devices, read_json  # noqa: E402
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     model = read_json(model_path)
     devices, link = load_devices(devices_path)
     s = args.pad_size
-    even = Plan(1, 1, "TP", "TP", "SP", (6, 6), (768, 768), (s // 2, s - s // 2), (6,))
+    even = Plan(heads=(6, 6), columns=(768, 768), tokens=(s // 2, s - s // 2), stages=(6,), checkpoint=())
     need = CostModel(model, devices, link, batch_size=args.batch_size).estimate(even).memory_mib
     budgets = [max(need) * 4, need[1] - args.cut]
     planned = out / "planned.json"

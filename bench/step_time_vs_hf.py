@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, BertForSequenceClassification  # noqa: E
 from galaxy.distributed.group import GalaxyGroup  # noqa: E402
 from galaxy.models.build import load_hf_config  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
-from galaxy.parallel.plan import ParallelPlan  # noqa: E402
+from galaxy.plan import Plan  # noqa: E402
 
 TARGET = 1.05
 NUM_LABELS = 4
@@ -53,7 +53,7 @@ def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torc
 def build_pair(model_dir: str, pad_size: int, dropout: float | None):
     cfg = load_hf_config(model_dir, dropout)
     group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, pad_size)
-    galaxy = build_model(model_dir, ParallelPlan(), group, num_labels=NUM_LABELS, seed=0, dropout=dropout)
+    galaxy = build_model(model_dir, Plan(), group, num_labels=NUM_LABELS, seed=0, dropout=dropout)
     cfg.num_labels = NUM_LABELS
     hf = BertForSequenceClassification.from_pretrained(model_dir, config=cfg)
     with torch.no_grad():

@@ -5,6 +5,8 @@ Llama. Dropout on: the losses and gradients of a run with every layer recomputed
 the same run without, under a plan whose CON and attention dropout draw from the sharded
 per-rank stream (the masks of the recomputation are those of the first forward).
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -12,13 +14,12 @@ from support.parity import check_report, world_group
 from support.parity_runners import train_plan_and_compare, train_runner_and_compare
 from support.tiny_models import TINY_SEQ, make_tiny_bert, make_tiny_llama, tiny_batch, tiny_lm_batch
 
-from galaxy.config import ConfigError, recompute_layers
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan, PlanError, recompute_layers
 from galaxy.runtime.assemble import build_model
 
-GALAXY = ParallelPlan("TP", "TP", "SP")
+GALAXY = Plan("TP", "TP", "SP")
 UNEVEN_2 = ((4, 2), (64, 32), (7, 5))
 
 
@@ -34,8 +35,8 @@ def dropout_bert_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,plan,spec", [
-    ("bert", GALAXY, "full"), ("bert", ParallelPlan("SP", "SP", "SP"), [1]),
-    ("llama", ParallelPlan("SP", "TP", "SP"), 1), ("llama", ParallelPlan("TP", "SP", "None"), "full")],
+    ("bert", GALAXY, "full"), ("bert", Plan("SP", "SP", "SP"), [1]),
+    ("llama", Plan("SP", "TP", "SP"), 1), ("llama", Plan("TP", "SP", "None"), "full")],
     ids=["bert-galaxy-full", "bert-sp-layer1", "llama-attSP-first1", "llama-conNone-full"])
 def test_recomputed_layers_match_hf(dist_pool, tiny_bert_dir, llama_dir, family, plan, spec):
     model_dir, batch_fn, shares = ((tiny_bert_dir, tiny_batch, ((4, 2), (64, 32), (7, 5))) if family == "bert"
@@ -62,7 +63,7 @@ def dropout_run(model_dir, spec, steps=3):
     """Losses and gathered gradients of `steps` SGD steps with dropout on, Galaxy plan, uneven."""
     torch.manual_seed(0)
     group = world_group(*UNEVEN_2)
-    model = build_model(model_dir, GALAXY, group, num_labels=3, seed=5, activation_checkpointing=spec)
+    model = build_model(model_dir, replace(GALAXY, checkpoint=spec), group, num_labels=3, seed=5)
     sync, opt = GradientSync(model, group.pg), torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], []
     for step in range(steps):
@@ -95,7 +96,7 @@ def test_recompute_layers_spec():
     assert recompute_layers("full", 3) == {0, 1, 2}
     assert recompute_layers(2, 4) == {0, 1}
     assert recompute_layers([3, 1], 4) == {1, 3}
-    with pytest.raises(ConfigError, match="names layer 4"):
+    with pytest.raises(PlanError, match="names layer 4"):
         recompute_layers([4], 4)
-    with pytest.raises(ConfigError, match="activation_checkpointing 5"):
+    with pytest.raises(PlanError, match="activation_checkpointing 5"):
         recompute_layers(5, 4)

@@ -10,6 +10,8 @@ issues are the closed form's with the ATT's and MLP's transitions in 3 chunks (3
 chunk padded to its longest part). BERT's padding mask checks that the attention core sees the
 chunks' keys in sequence order (the decoders' causal masks and rotary positions: test_parity_llama).
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from support.tiny_models import TINY_BERT, tiny_batch
 
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.profiler import bert_plan_comm_bytes
 from galaxy.profiler.comm import CommRecorder
 from galaxy.runtime.assemble import build_model
@@ -30,8 +32,8 @@ B = 4
 
 def chunked_vs_whole(model_dir, plan, checkpointing):
     group = world_group(*SHARES)
-    build = dict(num_labels=3, dropout=0.0, activation_checkpointing=checkpointing)
-    whole, chunked = (build_model(model_dir, plan, group, **build) for _ in range(2))
+    plan = replace(plan, checkpoint=checkpointing)
+    whole, chunked = (build_model(model_dir, plan, group, num_labels=3, dropout=0.0) for _ in range(2))
     set_overlap(chunked, comm_chunks=3)
     ref = hf_bert(model_dir)
     with torch.no_grad():
@@ -69,7 +71,7 @@ def chunked_vs_whole(model_dir, plan, checkpointing):
 
 @pytest.mark.parametrize("preset,checkpointing", [("galaxy", "full"), ("tp", "none")])
 def test_chunked_att_and_mlp_match_whole_and_hf(dist_pool, tiny_bert_dir, preset, checkpointing):
-    plan = ParallelPlan.preset(preset)
+    plan = Plan.preset(preset)
     t = TINY_BERT
     expected = bert_plan_comm_bytes(plan, seq_shares=SHARES[2], batch=B, hidden=t["hidden_size"],
                                     layers=t["num_hidden_layers"], intermediate=t["intermediate_size"],

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from galaxy.config import ConfigError, apply_preset, even_split, load_config, resolve_splits, validate_for_world
+from galaxy.config import ConfigError, apply_preset, load_config, resolved_plan, validate_for_world
 from galaxy.models.shape import read_model_shape
+from galaxy.plan import even_split
 
 
 def validate(cfg, world, rank):
@@ -134,12 +135,12 @@ def test_even_split():
         even_split(2, 3)
 
 
-def test_resolve_splits_defaults_and_given(load, model_dir):
+def test_resolved_plan_defaults_and_given(load, model_dir):
     assert read_model_shape(model_dir)["num_key_value_heads"] == 6
     cfg = load(seq_scatter_list=[20, 12])
-    assert resolve_splits(cfg, 2, read_model_shape(cfg.model_path)) == {"tp_num_attention_heads_list": [3, 3],
-                                      "tp_intermediate_size_list": [48, 48],
-                                      "seq_scatter_list": [20, 12]}
+    plan = resolved_plan(cfg, 2, read_model_shape(cfg.model_path))
+    assert (plan.heads, plan.columns, plan.tokens, plan.stages) == ((3, 3), (48, 48), (20, 12), (2,))
+    assert plan.to_keys()["seq_scatter_list"] == [20, 12]
 
 
 def test_model_shape_of_a_family_with_its_own_key_names(tmp_path):
@@ -214,7 +215,7 @@ def test_gqa_heads_must_be_whole_kv_groups(tmp_path):
         validate, load_config(path), 2, 0)
     path.write_text(json.dumps({"model_path": str(model), "pad_size": 32}))
     cfg = load_config(path)
-    assert resolve_splits(cfg, 3, read_model_shape(cfg.model_path))["tp_num_attention_heads_list"] == [4, 2, 2]
+    assert resolved_plan(cfg, 3, read_model_shape(cfg.model_path)).heads == (4, 2, 2)
     assert "4 KV groups" in error_of(validate, cfg, 5, 0)
 
 

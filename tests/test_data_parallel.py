@@ -13,6 +13,8 @@ Galaxy 2 and pp 2 x dp 2, BERT and Llama, with and without activation checkpoint
 accumulation (full sharding reduce-scatters every micro-batch, no_reshard only the last), the
 gradient norm exact; each rank stores about half its part's parameters.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,9 +24,9 @@ from support.parity_runners import train_runner_and_compare
 from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.parallel.data_parallel import split_rows
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
-GALAXY = ParallelPlan.preset("galaxy")
+GALAXY = Plan.preset("galaxy")
 
 
 def run_case(pool, family, model_dir, plan, dp, shares, batch_fn, pp=1, **options):
@@ -43,7 +45,7 @@ def test_dp2_matches_hf(dist_pool, tiny_bert_dir):
 
 def test_dp2_x_galaxy2_matches_hf(dist_pool, tiny_bert_dir):
     """Replicas of an uneven Galaxy group: DDP over ranks {0, 2} and {1, 3}."""
-    run_case(dist_pool(4), "bert", tiny_bert_dir, ParallelPlan("TP", "SP", "SP"), 2,
+    run_case(dist_pool(4), "bert", tiny_bert_dir, Plan("TP", "SP", "SP"), 2,
              ((4, 2), (64, 32), (7, 5)), tiny_batch)
 
 
@@ -88,7 +90,7 @@ def test_sharded_replicas_of_groups_and_stages_match_hf(dist_pool, tiny_bert_dir
     shares = (heads, (64, 32), (7, 5)) if pp == 1 else ((sum(heads),), (96,), (TINY_SEQ,))
     # Llama: 4 rows (at 8 and lr 0.5, dp 2 x Galaxy 2 ended 1.3e-5 off in embed_tokens after 5 steps,
     # with DDP exactly as with FSDP: rounding the tiny model's trajectory amplified; parity_runners.STABLE_LR)
-    run_case(dist_pool(4), family, model_dir, ParallelPlan("TP", "SP", "SP"), 2, shares, batch_fn, pp=pp,
+    run_case(dist_pool(4), family, model_dir, Plan("TP", "SP", "SP"), 2, shares, batch_fn, pp=pp,
              dp_sharding=sharding, activation_checkpointing=recompute, num_microbatches=2,
              global_batch=8 if family == "bert" else 4)
 
@@ -97,8 +99,9 @@ def _ddp_bytes(model_dir):
     from galaxy.distributed.mesh import make_mesh
     from galaxy.runtime.runners import build_runner
     from galaxy.profiler.comm import CommRecorder, ring_bytes
-    mesh = make_mesh(1, 2, (6,), (96,), (TINY_SEQ,))
-    runner = build_runner(model_dir, GALAXY, mesh, num_labels=3)
+    plan = replace(GALAXY, dp=2, heads=(6,), columns=(96,), tokens=(TINY_SEQ,), stages=(2,))
+    mesh = make_mesh(plan)
+    runner = build_runner(model_dir, plan, mesh, num_labels=3)
     batch = {k: v[4 * dist.get_rank():][:4] for k, v in tiny_batch(seed=0, batch=8).items()}
     with CommRecorder() as rec:
         runner.step(batch)

@@ -16,7 +16,7 @@ from support.tiny_models import tiny_batch
 
 from galaxy.layers.rng import ShardedRNG
 from galaxy.runtime.assemble import build_model
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 
@@ -24,7 +24,7 @@ COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 def training_step_with_dropout(model_dir, att, mlp, con):
     torch.manual_seed(7)
     group = world_group((4, 2), (64, 32), (7, 5))
-    model = build_model(model_dir, ParallelPlan(att, mlp, con), group, num_labels=3, seed=7, dropout=0.3)
+    model = build_model(model_dir, Plan(att, mlp, con), group, num_labels=3, seed=7, dropout=0.3)
     model.train()
     logits, loss = model(**tiny_batch(seed=0))
     loss.backward()

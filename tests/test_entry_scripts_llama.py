@@ -129,7 +129,7 @@ def test_checkpoint_resume_and_export_for_llama(job):
 
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     tmp = job["tmp"]
     save, export = tmp / "save", tmp / "export"
     config, full_metrics = write_config(job, "ckpt-full", save_dir=str(save), save_interval=2,
@@ -148,7 +148,7 @@ def test_checkpoint_resume_and_export_for_llama(job):
 
     ids = torch.randint(3, 500, (2, PAD), generator=torch.Generator().manual_seed(0))
     hf = LlamaForCausalLM.from_pretrained(str(export))(ids).logits
-    ours, _ = build_model(str(export), ParallelPlan(), GalaxyGroup.serial(4, 344, PAD))(ids)
+    ours, _ = build_model(str(export), Plan(), GalaxyGroup.serial(4, 344, PAD))(ids)
     assert ((hf - ours).abs().max() / hf.abs().max()).item() < 1e-5
 
 
@@ -167,7 +167,7 @@ def test_gpt2_galaxy_run_reports_hf_losses_resumes_and_exports(gpt2_job, dist_po
 
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     tmp = gpt2_job["tmp"]
     save, export = tmp / "save", tmp / "export"
     config, metrics = write_config(gpt2_job, "gpt2-galaxy", optimizer="adamw", learning_rate=ADAM_LR, dropout=0.0,
@@ -193,7 +193,7 @@ def test_gpt2_galaxy_run_reports_hf_losses_resumes_and_exports(gpt2_job, dist_po
 
     ids = torch.randint(1, 500, (2, PAD), generator=torch.Generator().manual_seed(0))
     hf = GPT2LMHeadModel.from_pretrained(str(export))(ids).logits
-    ours, _ = build_model(str(export), ParallelPlan(), GalaxyGroup.serial(4, 512, PAD)).eval()(ids)   # no dropout
+    ours, _ = build_model(str(export), Plan(), GalaxyGroup.serial(4, 512, PAD)).eval()(ids)   # no dropout
     assert ((hf - ours).abs().max() / hf.abs().max()).item() < 1e-5
     start = GPT2LMHeadModel.from_pretrained(gpt2_job["model_dir"])(ids).logits
     assert ((hf - start).abs().max() / hf.abs().max()).item() > 1e-3      # the export is the trained model
@@ -212,13 +212,13 @@ def generate_on_rank(model_dir, prompt, max_new_tokens, plan, shares):
 def test_gpt2_generation_under_a_plan_is_hf_greedy(gpt2_job, dist_pool):
     from transformers import AutoTokenizer, GPT2LMHeadModel
 
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     prompt = "The assert statement"
     tok = AutoTokenizer.from_pretrained(gpt2_job["model_dir"])
     enc = tok(prompt, return_tensors="pt")
     want = GPT2LMHeadModel.from_pretrained(gpt2_job["model_dir"]).generate(**enc, max_new_tokens=8, do_sample=False)
     want = want[0, enc["input_ids"].shape[1]:].tolist()
     shares = ((3, 1), (300, 212), (13, 11))
-    got = dist_pool(2).run(generate_on_rank, gpt2_job["model_dir"], prompt, 8, ParallelPlan.preset("galaxy"), shares)
+    got = dist_pool(2).run(generate_on_rank, gpt2_job["model_dir"], prompt, 8, Plan.preset("galaxy"), shares)
     assert got == [want, want]
 

@@ -102,7 +102,7 @@ def test_world_problems_are_reported_together(tmp_path):
     cfg = load_config(write(tmp_path, "c", {"model_path": str(model), "pad_size": 128, "seq_scatter_list": [1, 2, 3],
                                             "tp_num_attention_heads_list": [1, 1]}))
     problems = pytest.raises(ConfigError, validate_for_world, cfg, 2, 0, read_model_shape(cfg.model_path)).value.problems
-    assert [p.split()[0] for p in problems] == ["pad_size", "tp_num_attention_heads_list", "seq_scatter_list"]
+    assert [p.split()[0] for p in problems] == ["tp_num_attention_heads_list", "seq_scatter_list", "pad_size"]
 
 
 def test_config_init_method_is_the_command_line_default(tmp_path, monkeypatch):

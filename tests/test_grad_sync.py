@@ -13,7 +13,7 @@ from support.parity import world_group
 from support.tiny_models import tiny_batch
 
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.profiler.comm import CommRecorder
 from galaxy.runtime.assemble import build_model
 
@@ -23,7 +23,7 @@ TAMPER_STEP = 4
 
 def early_vs_synchronous(model_dir):
     group = world_group((3, 3), (48, 48), (7, 5))
-    plan = ParallelPlan("SP", "SP", "SP")
+    plan = Plan("SP", "SP", "SP")
     early, plain = (build_model(model_dir, plan, group, num_labels=3, dropout=0.0) for _ in range(2))
     cap = 12_000 * 4                               # a layer is ~19k elements: one bucket per layer
     sync_e = GradientSync(early, group.pg, bucket_cap_bytes=cap)

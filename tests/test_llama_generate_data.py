@@ -14,7 +14,7 @@ from galaxy.runtime.assemble import build_model
 from galaxy.runtime.generate import greedy_generate
 from galaxy.models.tiny_llama import write_tiny_llama
 from galaxy.models.tiny_qwen2 import write_tiny_qwen2
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 PAD = 24
 PROMPT = "The for statement is used to"
@@ -48,7 +48,7 @@ def llama_dir(lm_dir):
 def generate_under(model_dir, att, mlp, con, shares):
     from transformers import AutoTokenizer
     group = world_group(*shares)
-    model = build_model(model_dir, ParallelPlan(att, mlp, con), group)
+    model = build_model(model_dir, Plan(att, mlp, con), group)
     return greedy_generate(model, AutoTokenizer.from_pretrained(model_dir), PROMPT, 12, PAD)
 
 

@@ -2,7 +2,7 @@
 
 For every factorisation of world 4 each rank checks its coordinates and the members of its three
 process groups against rank = (pp_index * dp + dp_index) * group_size + galaxy_rank; axes of size
-1 have no process group. build_mesh derives the group size and shares from a run config.
+1 have no process group. A run config's resolved plan gives the group size and shares.
 """
 import time
 from datetime import timedelta
@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from galaxy.config import GalaxyConfig
-from galaxy.distributed.mesh import build_mesh, global_rank, make_mesh, pipeline_ends_group
+from galaxy.config import GalaxyConfig, resolved_plan
+from galaxy.distributed.mesh import global_rank, make_mesh, pipeline_ends_group
 from galaxy.models.shape import read_model_shape
+from galaxy.plan import Plan
 
 FACTORINGS = [(1, 1, 4), (1, 4, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
 
 
 def _describe(pp, dp, size):
-    mesh = make_mesh(pp, dp, (4,) * size, (8,) * size, (3,) * size)
+    mesh = make_mesh(Plan(pp=pp, dp=dp, heads=(4,) * size, columns=(8,) * size, tokens=(3,) * size))
     ranks = lambda pg: None if pg is None else dist.get_process_group_ranks(pg)  # noqa: E731
     return {"coords": (mesh.pp_rank, mesh.dp_rank, mesh.galaxy.rank), "galaxy": ranks(mesh.galaxy.pg),
             "dp": ranks(mesh.dp_pg), "pp": ranks(mesh.pp_pg), "first": mesh.is_first_stage,
@@ -48,12 +49,12 @@ def test_serial_mesh(dist_pool):
 
 
 def _from_config(model_dir):
-    cfg = GalaxyConfig(model_path=model_dir, pad_size=12, pp_deg=2, seq_scatter_list=[7, 5])
-    mesh = build_mesh(cfg, dist.get_rank(), dist.get_world_size(), read_model_shape(cfg.model_path))
+    cfg = GalaxyConfig(model_path=model_dir, pad_size=12, pp_deg=2, seq_scatter_list=[7, 5], pipeline_schedule="gpipe")
+    mesh = make_mesh(resolved_plan(cfg, dist.get_world_size(), read_model_shape(cfg.model_path)))
     return mesh.pp_rank, mesh.galaxy.size, mesh.galaxy.tokens, mesh.galaxy.heads
 
 
-def test_build_mesh_from_config(dist_pool, tiny_bert_dir):
+def test_mesh_from_config(dist_pool, tiny_bert_dir):
     got = dist_pool(4).run(_from_config, tiny_bert_dir)
     assert got == [(0, 2, (7, 5), (3, 3)), (0, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3)), (1, 2, (7, 5), (3, 3))]
 
@@ -62,7 +63,7 @@ def _stalled_partner(stall_s: float, timeout_s: float):
     """pp 2 x Galaxy 2: rank 0 all-reduces on its Galaxy group (with rank 1), then on its pp group
     (with rank 2); those partners join only after stall_s. Returns, per collective, (raised,
     seconds waited)."""
-    mesh = make_mesh(2, 1, (1, 1), (1, 1), (1, 1), timeout=timedelta(seconds=timeout_s))
+    mesh = make_mesh(Plan(pp=2, heads=(1, 1), columns=(1, 1), tokens=(1, 1)), timeout=timedelta(seconds=timeout_s))
     partner = {1: mesh.galaxy.pg, 2: mesh.pp_pg}
     rank, seen = dist.get_rank(), []
     groups = [mesh.galaxy.pg, mesh.pp_pg] if rank == 0 else [partner[rank]] if rank in partner else []
@@ -86,7 +87,7 @@ def test_a_stalled_peer_stops_the_mesh_groups_within_the_timeout(dist_pool):
 
 
 def _ends_group_ranks(pp):
-    pg = pipeline_ends_group(make_mesh(pp, 1, (1,), (1,), (1,)))
+    pg = pipeline_ends_group(make_mesh(Plan(pp=pp, heads=(1,), columns=(1,), tokens=(1,))))
     return None if pg is None else dist.get_process_group_ranks(pg)
 
 

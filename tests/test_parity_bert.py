@@ -14,7 +14,7 @@ from support.parity import check_report
 from support.parity_runners import train_plan_and_compare
 from support.tiny_models import TINY_SEQ, tiny_batch
 
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 SHARES = {  # world -> {kind: (heads, intermediate, seq)}; tiny model: 6 heads, 96 columns, 12 tokens
@@ -28,13 +28,13 @@ SHARES = {  # world -> {kind: (heads, intermediate, seq)}; tiny model: 6 heads, 
 def test_plan_matches_hf(dist_pool, tiny_bert_dir, world, kind, att, mlp, con):
     # World 3 uneven with an SP ATT: the own keys' block first, then the ranks' before and after.
     build = {"kv_blocks": True} if (world, kind, att) == (3, "uneven", "SP") else None
-    reports = dist_pool(world).run(train_plan_and_compare, "bert", tiny_bert_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(world).run(train_plan_and_compare, "bert", tiny_bert_dir, Plan(att, mlp, con),
                                    SHARES[world][kind], tiny_batch, 5, 0.5, build)
     for rank, report in enumerate(reports):
         check_report(report, rank)
 
 
 def test_serial_matches_hf(dist_pool, tiny_bert_dir):
-    report = dist_pool(1).run(train_plan_and_compare, "bert", tiny_bert_dir, ParallelPlan(),
+    report = dist_pool(1).run(train_plan_and_compare, "bert", tiny_bert_dir, Plan(),
                               ((6,), (96,), (TINY_SEQ,)), tiny_batch)[0]
     check_report(report, 0)

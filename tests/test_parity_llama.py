@@ -29,7 +29,7 @@ from support.parity_runners import train_plan_and_compare
 from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
@@ -62,26 +62,26 @@ def check(reports):
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD2, ids=[plan_id(*c) for c in WORLD2])
 def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con):
-    check(dist_pool(2).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+    check(dist_pool(2).run(train_plan_and_compare, family, tiny_lm_dir(family), Plan(att, mlp, con),
                            SHARES[family][0], tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family,att,mlp,con", WORLD3, ids=[plan_id(*c) for c in WORLD3])
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
     chunks = 2 if "TP" in (att, mlp) else 1
-    check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(att, mlp, con),
+    check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), Plan(att, mlp, con),
                            SHARES[family][1], tiny_lm_batch, 5, None, {"comm_chunks": chunks, "kv_blocks": att == "SP"}))
 
 
 @pytest.mark.parametrize("family,con", [("llama", "SP"), ("llama", "None"), ("qwen2", "SP")])
 def test_tied_embeddings_match_hf(dist_pool, tiny_lm_dir, family, con):
     check(dist_pool(2).run(train_plan_and_compare, family, tiny_lm_dir(family, tie_word_embeddings=True),
-                           ParallelPlan("TP", "TP", con), UNEVEN_2, tiny_lm_batch))
+                           Plan("TP", "TP", con), UNEVEN_2, tiny_lm_batch))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
-    check(dist_pool(1).run(train_plan_and_compare, family, tiny_lm_dir(family), ParallelPlan(),
+    check(dist_pool(1).run(train_plan_and_compare, family, tiny_lm_dir(family), Plan(),
                            SHARES[family][2], tiny_lm_batch))
 
 
@@ -89,12 +89,12 @@ def test_gpt2_attention_scaled_by_inverse_layer_index_matches_hf(dist_pool, tiny
     """scale_attn_by_inverse_layer_idx: layer i's scores also divided by i + 1, as HF does.
     initializer_range 0.2: scores large enough that the scaling moves the logits ~10%."""
     model_dir = tiny_lm_dir("gpt2", scale_attn_by_inverse_layer_idx=True, initializer_range=0.2)
-    check(dist_pool(2).run(train_plan_and_compare, "gpt2", model_dir, ParallelPlan.preset("galaxy"),
+    check(dist_pool(2).run(train_plan_and_compare, "gpt2", model_dir, Plan.preset("galaxy"),
                            SHARES["gpt2"][0], tiny_lm_batch))
 
 
 def _serial_qwen2(model_dir):
-    return build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
+    return build_model(model_dir, Plan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
 
 
 def test_qwen2_sliding_window_layers_are_refused(tiny_lm_dir):

@@ -15,7 +15,7 @@ from support.parity import check_report
 from support.parity_runners import train_plan_and_compare, train_runner_and_compare
 from support.tiny_models import TINY_SEQ, make_tiny_llama_classifier, tiny_cls_batch
 
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
 UNEVEN_2 = ((6, 2), (64, 32), (7, 5))          # query heads, MLP columns, tokens
@@ -33,7 +33,7 @@ def classifier_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_plan_matches_hf_world2_uneven(dist_pool, classifier_dir, att, mlp, con):
-    reports = dist_pool(2).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(2).run(train_plan_and_compare, "llama", classifier_dir, Plan(att, mlp, con),
                                UNEVEN_2, tiny_cls_batch, STEPS, LR, {"task": "classification"})
     for rank, report in enumerate(reports):
         check_report(report, rank)
@@ -41,21 +41,21 @@ def test_plan_matches_hf_world2_uneven(dist_pool, classifier_dir, att, mlp, con)
 
 @pytest.mark.parametrize("att,mlp,con", [("TP", "TP", "SP"), ("SP", "SP", "SP")], ids=["galaxy", "sp"])
 def test_plan_matches_hf_world3(dist_pool, classifier_dir, att, mlp, con):
-    reports = dist_pool(3).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(att, mlp, con),
+    reports = dist_pool(3).run(train_plan_and_compare, "llama", classifier_dir, Plan(att, mlp, con),
                                UNEVEN_3, tiny_cls_batch, STEPS, LR, {"task": "classification"})
     for rank, report in enumerate(reports):
         check_report(report, rank)
 
 
 def test_serial_matches_hf(dist_pool, classifier_dir):
-    report = dist_pool(1).run(train_plan_and_compare, "llama", classifier_dir, ParallelPlan(),
+    report = dist_pool(1).run(train_plan_and_compare, "llama", classifier_dir, Plan(),
                               ((8,), (96,), (TINY_SEQ,)), tiny_cls_batch, STEPS, LR, {"task": "classification"})[0]
     check_report(report, 0)
 
 
 def test_pipeline_matches_hf(dist_pool, classifier_dir):
     """pp 2, 4 micro-batches of 2 rows: the head pools each micro-batch's own rows."""
-    reports = dist_pool(2).run(train_runner_and_compare, "llama", classifier_dir, ParallelPlan(), 2, 1,
+    reports = dist_pool(2).run(train_runner_and_compare, "llama", classifier_dir, Plan(), 2, 1,
                                ((8,), (96,), (TINY_SEQ,)), tiny_cls_batch,
                                {"num_microbatches": 4, "task": "classification", "lr": LR})
     for rank, report in enumerate(reports):
@@ -72,7 +72,7 @@ def export_and_reload(model_dir, out_dir):
     from galaxy.models.packaged_minilm import tokenizer
     from galaxy.runtime.assemble import build_model
     from galaxy.runtime.export import export_hf
-    model = build_model(model_dir, ParallelPlan("TP", "TP", "SP"), world_group(*UNEVEN_2), num_labels=3,
+    model = build_model(model_dir, Plan("TP", "TP", "SP"), world_group(*UNEVEN_2), num_labels=3,
                         task="classification").eval()
     batch = tiny_cls_batch(seed=3)
     with torch.no_grad():

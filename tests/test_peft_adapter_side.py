@@ -16,13 +16,13 @@ from support.peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs
 from support.tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.runtime.assemble import build_model
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.peft import PeftOptions, apply_peft, export_peft
 
 UNEVEN_2 = ((4, 2), (64, 32), (7, 5))          # tiny BERT: 6 heads, 96 columns, 12 tokens
 SERIAL = ((6,), (96,), (TINY_SEQ,))
-PLANS = {"galaxy": ParallelPlan("TP", "TP", "SP"), "tp": ParallelPlan("TP", "TP", "None"),
-         "sp": ParallelPlan("SP", "SP", "SP"), "galaxy2": ParallelPlan("TP", "SP", "SP")}
+PLANS = {"galaxy": Plan("TP", "TP", "SP"), "tp": Plan("TP", "TP", "None"),
+         "sp": Plan("SP", "SP", "SP"), "galaxy2": Plan("TP", "SP", "SP")}
 OPTIONS = {"adapter": PeftOptions("adapter", adapter_reduction_dim=8, non_linearity="gelu"),
            "side": PeftOptions("side", side_reduction_factor=4),
            "side_only": PeftOptions("side_only", side_reduction_factor=4)}
@@ -64,7 +64,7 @@ MESHES = [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2), ("side", 2, 1), 
 
 @pytest.mark.parametrize("method,pp,dp", MESHES, ids=[f"{m}-pp{pp}-dp{dp}" for m, pp, dp in MESHES])
 def test_mesh_matches_serial(dist_pool, tiny_bert_dir, method, pp, dp):
-    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, ParallelPlan(), pp, dp, SERIAL, OPTIONS[method],
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, Plan(), pp, dp, SERIAL, OPTIONS[method],
                                tiny_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -78,7 +78,7 @@ def test_sharded_replicas_match_serial(dist_pool, tiny_bert_dir, method, shardin
     """dp 2 with dp_sharding: side-tuning's backbone runs without autograd (its layers gather and
     never reduce), side-only never runs it, and the ladder's 0-d gates stay whole (FSDP cannot
     shard them) with their gradients averaged over the replicas."""
-    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, ParallelPlan(), 1, 2, SERIAL, OPTIONS[method],
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_bert_dir, Plan(), 1, 2, SERIAL, OPTIONS[method],
                                tiny_batch, 5, 0.5, 8, 2, sharding)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -98,7 +98,7 @@ LLAMA_MESHES = [("adapter", 1, 2), ("adapter", 2, 1), ("side", 1, 2), ("side", 2
 
 @pytest.mark.parametrize("method,pp,dp", LLAMA_MESHES, ids=[f"{m}-pp{pp}-dp{dp}" for m, pp, dp in LLAMA_MESHES])
 def test_llama_mesh_matches_serial(dist_pool, tiny_llama_dir, method, pp, dp):
-    reports = dist_pool(2).run(mesh_vs_serial, tiny_llama_dir, ParallelPlan(), pp, dp, ((8,), (96,), (TINY_SEQ,)),
+    reports = dist_pool(2).run(mesh_vs_serial, tiny_llama_dir, Plan(), pp, dp, ((8,), (96,), (TINY_SEQ,)),
                                OPTIONS[method], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -106,13 +106,13 @@ def test_llama_mesh_matches_serial(dist_pool, tiny_llama_dir, method, pp, dp):
 
 @pytest.mark.parametrize("method", ["adapter", "side"])
 def test_step_zero_is_the_base_model(dist_pool, tiny_bert_dir, method):
-    assert dist_pool(1).run(base_outputs_kept, tiny_bert_dir, ParallelPlan(), SERIAL, OPTIONS[method], tiny_batch)[0]
+    assert dist_pool(1).run(base_outputs_kept, tiny_bert_dir, Plan(), SERIAL, OPTIONS[method], tiny_batch)[0]
     assert all(dist_pool(2).run(base_outputs_kept, tiny_bert_dir, PLANS["galaxy"], UNEVEN_2, OPTIONS[method],
                                 tiny_batch))
 
 
 def serial(model_dir, method):
-    model = build_model(model_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    model = build_model(model_dir, Plan(), serial_group(SERIAL), num_labels=3)
     return model, apply_peft(model, OPTIONS[method], seed=0)
 
 
@@ -161,7 +161,7 @@ def test_export_resumes(tiny_bert_dir, tmp_path, method):
         model(**tiny_batch(step))[1].backward()
         opt.step(), opt.zero_grad()
     export_peft(model, str(tmp_path), base_model_path=tiny_bert_dir, lead=True)
-    again = build_model(tiny_bert_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    again = build_model(tiny_bert_dir, Plan(), serial_group(SERIAL), num_labels=3)
     apply_peft(again, OPTIONS[method], seed=99, state=load_file(str(tmp_path / "peft_model.safetensors")))
     assert (tmp_path / "galaxy_peft.json").exists()
     with torch.no_grad():
@@ -170,7 +170,7 @@ def test_export_resumes(tiny_bert_dir, tmp_path, method):
 
 def stage(model_dir, method, layers, first, last):
     from galaxy.pipeline.stage import keep_stage
-    model = build_model(model_dir, ParallelPlan(), serial_group(SERIAL), num_labels=3)
+    model = build_model(model_dir, Plan(), serial_group(SERIAL), num_labels=3)
     keep_stage(model, layers, first, last)
     return model, apply_peft(model, OPTIONS[method], seed=0)
 

@@ -24,7 +24,7 @@ from support.tiny_models import TINY_SEQ, tiny_batch, tiny_lm_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.peft import PeftOptions, apply_peft
 
 COMBOS = list(itertools.product(("TP", "SP"), ("TP", "SP"), ("SP", "None")))
@@ -50,13 +50,13 @@ def check(report, rank):
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_plan_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, att, mlp, con):
     reports = dist_pool(2).run(lora_plan_vs_peft, "bert", tiny_bert_dir, adapter_dir,
-                               ParallelPlan(att, mlp, con), UNEVEN_2, tiny_batch)
+                               Plan(att, mlp, con), UNEVEN_2, tiny_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
 
 
 def test_serial_matches_peft(dist_pool, tiny_bert_dir, adapter_dir):
-    check(dist_pool(1).run(lora_plan_vs_peft, "bert", tiny_bert_dir, adapter_dir, ParallelPlan(),
+    check(dist_pool(1).run(lora_plan_vs_peft, "bert", tiny_bert_dir, adapter_dir, Plan(),
                            SERIAL, tiny_batch)[0], 0)
 
 
@@ -64,7 +64,7 @@ def test_serial_matches_peft(dist_pool, tiny_bert_dir, adapter_dir):
                          ids=["dp2", "pp2", "dp2-sharded"])
 def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp, sharding):
     """dp2-sharded: FSDP shards the frozen base weights and the LoRA tensors alike."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, "bert", tiny_bert_dir, adapter_dir, ParallelPlan(), pp, dp,
+    reports = dist_pool(2).run(lora_mesh_vs_peft, "bert", tiny_bert_dir, adapter_dir, Plan(), pp, dp,
                                SERIAL, tiny_batch, 5, 0.1, 8, 2, sharding)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -99,7 +99,7 @@ def decoder_lora(tiny_lm_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("family", sorted(DECODERS))
 def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
-    reports = dist_pool(2).run(lora_plan_vs_peft, family, *decoder_lora(family), ParallelPlan.preset("galaxy"),
+    reports = dist_pool(2).run(lora_plan_vs_peft, family, *decoder_lora(family), Plan.preset("galaxy"),
                                DECODERS[family][2], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -109,7 +109,7 @@ def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
                          ids=["llama-dp2", "llama-pp2", "qwen2-pp2"])
 def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp):
     """Causal LM: the loss weighted by label tokens across replicas and micro-batches."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *decoder_lora(family), ParallelPlan(), pp, dp,
+    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *decoder_lora(family), Plan(), pp, dp,
                                ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)
@@ -127,7 +127,7 @@ def exported(request, dist_pool, decoder_lora, tiny_bert_dir, tmp_path):
             model_dir, adapter = decoder_lora(family)
             shares, batch_fn, classes = DECODERS[family][2], tiny_lm_batch, None
         out = str(tmp_path / family)
-        logits = dist_pool(2).run(lora_train_and_export, model_dir, adapter, out, merge, ParallelPlan.preset("galaxy"),
+        logits = dist_pool(2).run(lora_train_and_export, model_dir, adapter, out, merge, Plan.preset("galaxy"),
                                   shares, batch_fn, classes)[0]
         return model_dir, out, logits, {k: v for k, v in batch_fn(seed=9).items() if k != "labels"}
     return export
@@ -156,7 +156,7 @@ def test_merged_export_is_a_plain_hf_checkpoint(exported, family):
 
 
 def serial_model(model_dir, **options):
-    model = build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
+    model = build_model(model_dir, Plan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
     return model, apply_peft(model, PeftOptions("lora", **options), seed=3)
 
 
@@ -166,7 +166,7 @@ def test_defaults_adapt_query_and_value_and_train_the_classifier(tiny_bert_dir):
     assert lora == ["query", "value"]
     assert {n for n in trainable if ".lora_" not in n} == {"classifier.weight", "classifier.bias"}
     # B starts at zero: the model computes the base model's logits.
-    base = build_model(tiny_bert_dir, ParallelPlan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
+    base = build_model(tiny_bert_dir, Plan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
     assert torch.equal(base(**tiny_batch(0))[0], model(**tiny_batch(0))[0])
     # Frozen weights: no gradient, no optimizer state.
     opt = torch.optim.AdamW(trainable.values())

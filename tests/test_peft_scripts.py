@@ -52,7 +52,7 @@ def test_galaxy_lora_equals_serial_lora_and_exports_a_peft_adapter(job):
 
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     from galaxy.peft import PeftOptions, apply_peft
     config, serial_metrics = write_config(job, "lora-serial", **LORA)
     run_script("pretrain_bert.py", config, 1)
@@ -69,7 +69,7 @@ def test_galaxy_lora_equals_serial_lora_and_exports_a_peft_adapter(job):
     enc = tok(["for x in y: pass", "a lambda expression"], padding="max_length", max_length=PAD,
               truncation=True, return_tensors="pt")
     hf = PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(job["model_dir"]), export).eval()
-    ours = build_model(job["model_dir"], ParallelPlan(), GalaxyGroup.serial(6, 96, PAD), num_labels=len(CLASSES))
+    ours = build_model(job["model_dir"], Plan(), GalaxyGroup.serial(6, 96, PAD), num_labels=len(CLASSES))
     apply_peft(ours, PeftOptions("lora", lora_path=export))
     ours.eval()
     with torch.no_grad():

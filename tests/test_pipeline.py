@@ -19,13 +19,12 @@ from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, make_tiny_bert, mak
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
-from galaxy.parallel.plan import ParallelPlan
-from galaxy.pipeline.split import stage_layer_ranges
+from galaxy.plan import Plan, PlanError, Workload
 from galaxy.pipeline.stage import keep_stage
 
 SERIAL = ((6,), (96,), (TINY_SEQ,))          # tiny BERT: 6 heads, 96 columns, 12 tokens
 UNEVEN_2 = ((4, 2), (64, 32), (7, 5))
-GALAXY = ParallelPlan.preset("galaxy")
+GALAXY = Plan.preset("galaxy")
 
 
 @pytest.fixture(scope="module")
@@ -102,22 +101,28 @@ def test_pp2_x_dp2_llama_matches_hf(dist_pool, llama3_dir):
 
 # --- the stage split, single process ---------------------------------------------------------------
 
+def stage_layers(layers: int, pp: int, stages=None):
+    """The stages' layer ranges of a resolved pp-stage plan on a model of `layers` layers."""
+    work = Workload(heads=1, kv_heads=1, columns=1, layers=layers, tokens=pp, rows=pp)
+    return Plan(pp=pp, microbatches=pp, stages=stages).resolve(pp, work).stage_layers()
+
+
 def test_stage_layer_ranges():
-    assert stage_layer_ranges(6, 2) == [range(0, 3), range(3, 6)]
-    assert stage_layer_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
-    assert stage_layer_ranges(6, 3, [1, 4, 1]) == [range(0, 1), range(1, 5), range(5, 6)]
-    with pytest.raises(ValueError, match="sums to 5"):
-        stage_layer_ranges(6, 2, [2, 3])
-    with pytest.raises(ValueError, match="2 entries but the pipeline has 3 stages"):
-        stage_layer_ranges(6, 3, [3, 3])
-    with pytest.raises(ValueError, match="at least one layer"):
-        stage_layer_ranges(6, 2, [6, 0])
-    with pytest.raises(ValueError, match="cannot fill"):
-        stage_layer_ranges(2, 3)
+    assert stage_layers(6, 2) == [range(0, 3), range(3, 6)]
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layers(6, 3, (1, 4, 1)) == [range(0, 1), range(1, 5), range(5, 6)]
+    with pytest.raises(PlanError, match="sums to 5"):
+        stage_layers(6, 2, (2, 3))
+    with pytest.raises(PlanError, match="has 2 entries but pp_deg is 3"):
+        stage_layers(6, 3, (3, 3))
+    with pytest.raises(PlanError, match="entries must be at least 1"):
+        stage_layers(6, 2, (6, 0))
+    with pytest.raises(PlanError, match="pp_deg 3 exceeds the model's 2 layers"):
+        stage_layers(2, 3)
 
 
 def _serial_model(model_dir):
-    return build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
+    return build_model(model_dir, Plan(), GalaxyGroup.serial(6, 96, TINY_SEQ), num_labels=3)
 
 
 def test_keep_stage_keeps_full_model_names(bert4_dir):
@@ -135,7 +140,7 @@ def test_keep_stage_keeps_full_model_names(bert4_dir):
 
 def test_tied_embeddings_split_into_two_equal_copies(tmp_path):
     model_dir = make_tiny_llama(str(tmp_path), tie_word_embeddings=True)
-    serial = lambda: build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
+    serial = lambda: build_model(model_dir, Plan(), GalaxyGroup.serial(8, 96, TINY_SEQ))
     first = keep_stage(serial(), range(0, 1), first=True, last=False)
     last = keep_stage(serial(), range(1, 2), first=False, last=True)
     assert first.attached.tied_across_stages == last.attached.tied_across_stages == {"lm_head.weight": "embed_tokens.weight"}

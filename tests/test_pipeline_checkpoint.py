@@ -156,8 +156,8 @@ def test_a_pipeline_checkpoint_is_laid_out_as_a_serial_one(dist_pool, ws):
     state = [json.load(open(os.path.join(d, "trainer_state.json"))) for d in (pp2, serial)]
     assert state[0].keys() == state[1].keys()
     assert state[0]["optimizer_groups"] == state[1]["optimizer_groups"]
-    assert state[0]["layout"]["pipeline"] == {"pp_deg": 2, "dp_deg": 1, "stages": [[0, 1], [1, 4]]}
-    assert state[1]["layout"]["pipeline"] == {"pp_deg": 1, "dp_deg": 1, "stages": [[0, 4]]}
+    assert (state[0]["layout"]["plan"]["pp"], state[0]["layout"]["stages"]) == (2, [[0, 1], [1, 4]])
+    assert (state[1]["layout"]["plan"]["pp"], state[1]["layout"]["stages"]) == (1, [[0, 4]])
     assert sorted(load_file(os.path.join(pp2, "rng.safetensors"))) == ["cpu", "cpu.stage1"]
     assert sorted(load_file(os.path.join(serial, "rng.safetensors"))) == ["cpu"]
 
@@ -373,12 +373,12 @@ def test_tied_llama_pipeline_checkpoints_and_exports_the_one_tied_weight(dist_po
 def test_stage_owns_its_layers_and_present_modules(ws):
     from galaxy.distributed.group import GalaxyGroup
     from galaxy.runtime.assemble import build_model
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.plan import Plan
     from galaxy.pipeline.stage import keep_stage
     from galaxy.pipeline.stage_state import stage_owns
 
     def whole():
-        return build_model(ws["model_dir"], ParallelPlan(), GalaxyGroup.serial(6, 96, PAD), num_labels=6)
+        return build_model(ws["model_dir"], Plan(), GalaxyGroup.serial(6, 96, PAD), num_labels=6)
     first = keep_stage(whole(), range(0, 1), first=True, last=False)
     last = keep_stage(whole(), range(1, 4), first=False, last=True)
     names = [n for n, _ in whole().named_parameters()]

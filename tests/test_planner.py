@@ -3,6 +3,7 @@ is known by hand, the profile files, the CLI end to end on tiny models, a search
 under pretrain_galaxy.py with HF's losses, and profile-devices on a real 2-process gloo group."""
 import json
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -12,13 +13,14 @@ from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job:
 from galaxy.config import apply_preset, load_config, validate_for_world
 from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
-from galaxy.planner.cost import CPU_ACTIVATION_SLACK, MIB, CostModel, Plan
+from galaxy.plan import Plan
+from galaxy.planner.cost import CostModel
+from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.pipeline_time import stage_ends, stage_order
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_device, check_link, compose, fit_link,
                                      link_time, load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
-from galaxy.planner.writer import plan_keys
 from galaxy.train.metrics import read_metrics
 
 FREE_LINK = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free link")
@@ -56,8 +58,16 @@ def device(rate, memory=1e6, name=None):
             "optimizer_s_per_param": {"adamw": 0.0, "sgd": 0.0}}
 
 
+def P(pp, dp, att, mlp, con, heads, columns, tokens, stages, microbatches=1, schedule="1f1b", checkpoint=(),
+      dp_sharding="none"):
+    """A resolved plan, as the planner's tests write it: checkpoint = recomputed leading layers per stage."""
+    plan = Plan(att=att, mlp=mlp, con=con, pp=pp, dp=dp, heads=heads, columns=columns, tokens=tokens, stages=stages,
+                microbatches=microbatches, schedule=schedule, checkpoint=(), dp_sharding=dp_sharding)
+    return plan.with_stage_checkpoints(checkpoint) if checkpoint else plan
+
+
 def galaxy_plan(heads, columns, tokens, layers=6, **kw):
-    return Plan(1, 1, "TP", "TP", "SP", tuple(heads), tuple(columns), tuple(tokens), (layers,), **kw)
+    return P(1, 1, "TP", "TP", "SP", tuple(heads), tuple(columns), tuple(tokens), (layers,), **kw)
 
 
 # --- the cost model ----------------------------------------------------------------------------------
@@ -80,7 +90,7 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     R, rows, m = 1e10, 16, 4
     model = synthetic_model(act_per_token=1000.0)
     cost = CostModel(model, [device(R), device(R)], FREE_LINK, batch_size=rows)
-    plan = Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "1f1b")
+    plan = P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "1f1b")
     t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
     assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
     # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
@@ -89,7 +99,7 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     mem = cost.estimate(plan).memory_mib
     assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
     assert mem[1] * MIB == pytest.approx(weights + act(1), rel=1e-9)
-    gpipe = cost.estimate(Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
+    gpipe = cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
     assert gpipe[1] * MIB == pytest.approx(weights + act(m), rel=1e-9)
 
 
@@ -111,7 +121,7 @@ def test_pipeline_schedule_by_hand():
 def test_gradient_accumulation_adds_a_pass_over_the_gradients_per_micro_batch():
     rate = 2e-9
     model = synthetic_model()
-    plan = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), 4)
+    plan = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), 4)
     times = [CostModel(model, [dict(device(1e10), grad_accumulate_s_per_param=a)], None, batch_size=8)
              .estimate(plan).step_s for a in (0.0, rate)]
     params = 6 * (12 * PER_HEAD + 1536 * PER_COLUMN)
@@ -124,8 +134,8 @@ def test_checkpointing_trades_activations_for_a_forward():
     R, rows = 1e10, 8
     model = synthetic_model(act_per_token=1e5)
     cost = CostModel(model, [device(R)], None, batch_size=rows)
-    base = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
-    none, two = cost.estimate(base), cost.estimate(Plan(**{**base.__dict__, "checkpoint": (2,)}))
+    base = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    none, two = cost.estimate(base), cost.estimate(base.with_stage_checkpoints((2,)))
     fwd_layer = rows * (ATT_F + MLP_F) / R
     assert two.step_s - none.step_s == pytest.approx(2 * fwd_layer, rel=1e-9)
     saved_per_layer = rows * 4 * 48 * 1e5 - rows * 48 * 384 * 4          # four sub-blocks' bytes - the input carry
@@ -134,7 +144,7 @@ def test_checkpointing_trades_activations_for_a_forward():
     assert (none.memory_mib[0] - two.memory_mib[0]) * MIB == pytest.approx(
         2 * saved_per_layer - rows * 4 * 48 * 1e5, rel=1e-9)
     cuda = CostModel(model, [dict(device(R), device="cuda")], None, batch_size=rows)
-    none, two = cuda.estimate(base), cuda.estimate(Plan(**{**base.__dict__, "checkpoint": (2,)}))
+    none, two = cuda.estimate(base), cuda.estimate(base.with_stage_checkpoints((2,)))
     assert (none.memory_mib[0] - two.memory_mib[0]) * MIB == pytest.approx(
         2 * saved_per_layer - rows * 4 * 48 * 1e5, rel=1e-9)                # no slack on CUDA
 
@@ -142,10 +152,10 @@ def test_checkpointing_trades_activations_for_a_forward():
 def test_sharded_data_parallel_divides_state_over_replicas():
     model = synthetic_model()
     cost = CostModel(model, [device(1e10), device(1e10)], FREE_LINK, batch_size=8)
-    plain = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    plain = P(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
     n = 6 * (12 * PER_HEAD + 1536 * PER_COLUMN)
-    full = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "full"})).memory_mib[0] * MIB
-    keep = cost.estimate(Plan(**{**plain.__dict__, "dp_sharding": "no_reshard"})).memory_mib[0] * MIB
+    full = cost.estimate(replace(plain, dp_sharding="full")).memory_mib[0] * MIB
+    keep = cost.estimate(replace(plain, dp_sharding="no_reshard")).memory_mib[0] * MIB
     ddp = cost.estimate(plain).memory_mib[0] * MIB
     assert ddp == pytest.approx(4 * n * 6)            # weights, grads, 2 moments, DDP buckets, AdamW's temporary
     # shards of weights, grads, 2 moments, AdamW's temporary; the unsharded gradients before their
@@ -159,7 +169,7 @@ def test_summed_gradients_and_a_fused_step_by_hand():
     temporary per parameter it holds; under SP the Galaxy group sums every layer weight's gradient,
     flattened into its buckets (one more copy); a fused step keeps no temporary."""
     n_layer = PER_HEAD * 12 + PER_COLUMN * 1536
-    sp = Plan(1, 1, "SP", "SP", "SP", (12, 0), (1536, 0), (24, 24), (6,))
+    sp = P(1, 1, "SP", "SP", "SP", (12, 0), (1536, 0), (24, 24), (6,))
     tp = galaxy_plan((6, 6), (768, 768), (24, 24))
     unfused = CostModel(synthetic_model(), [device(1e10), device(1e10)], FREE_LINK, batch_size=8)
     fused = CostModel(synthetic_model(), [{**device(1e10), "optimizer_fused": True}] * 2, FREE_LINK, batch_size=8)
@@ -175,19 +185,19 @@ def test_kept_heap_holds_an_embedding_gradient_per_accumulated_micro_batch():
     model["params"]["embed"] = E = 1_000_000
     plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=8)
     kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=8)
-    pp = Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), microbatches=4)
+    pp = P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), microbatches=4)
     extra = [(k - p) * MIB for k, p in zip(kept.estimate(pp).memory_mib, plain.estimate(pp).memory_mib)]
     assert extra == pytest.approx([3 * 4 * E, 0])             # stage 0 holds the embeddings
-    accum = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), microbatches=2)
-    one = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    accum = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), microbatches=2)
+    one = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
     assert (kept.estimate(accum).memory_mib[0] - plain.estimate(accum).memory_mib[0]) * MIB == pytest.approx(4 * E)
     assert kept.estimate(one).memory_mib[0] == plain.estimate(one).memory_mib[0]
 
 
 def test_dp_sharding_is_written_for_replicas_only():
-    plan = Plan(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
-    assert plan_keys(plan, 6)["dp_sharding"] == "full"
-    assert "dp_sharding" not in plan_keys(Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,)), 6)
+    plan = P(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
+    assert plan.to_keys(6)["dp_sharding"] == "full"
+    assert "dp_sharding" not in P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,)).to_keys(6)
 
 
 # --- the search -----------------------------------------------------------------------------------------
@@ -226,16 +236,16 @@ def test_a_memory_cap_moves_shares_off_the_proportional_split():
 def test_memory_short_of_activations_turns_on_the_fewest_recomputed_layers():
     model = synthetic_model(act_per_token=2e5)
     cost = CostModel(model, [device(1e10)], None, batch_size=8)
-    plan = Plan(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    plan = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
     need = cost.estimate(plan).memory_mib[0]
-    lean = cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (6,)})).memory_mib[0]
+    lean = cost.estimate(plan.with_stage_checkpoints((6,))).memory_mib[0]
     budget = (need + lean) / 2
-    k = Searcher(cost, [budget]).fit_checkpointing(plan).checkpoint[0]
+    k = Searcher(cost, [budget]).fit_checkpointing(plan).recomputed_in_stage(0)
     assert 0 < k < 6
-    assert cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k,)})).memory_mib[0] <= budget
-    assert cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k - 1,)})).memory_mib[0] > budget
+    assert cost.estimate(plan.with_stage_checkpoints((k,))).memory_mib[0] <= budget
+    assert cost.estimate(plan.with_stage_checkpoints((k - 1,))).memory_mib[0] > budget
     best = search(cost, [budget]).ranked[0]             # the search may also cut micro-batches instead
-    assert best.fits([budget]) and best.step_s <= cost.estimate(Plan(**{**plan.__dict__, "checkpoint": (k,)})).step_s
+    assert best.fits([budget]) and best.step_s <= cost.estimate(plan.with_stage_checkpoints((k,))).step_s
 
 
 def test_unequal_stages_get_layers_by_speed():
@@ -252,7 +262,7 @@ def test_pipeline_search_finds_the_best_stage_split_and_micro_batches(rates, lat
     link = check_link({"latency_s": latency, "bytes_per_s": 1e9}, "link")
     cost = CostModel(synthetic_model(), [device(r) for r in rates], link, batch_size=8)
     found = search(cost, [1e6, 1e6], meshes=[(2, 1)]).ranked[0]
-    every = [cost.estimate(Plan(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (a, 6 - a), m,
+    every = [cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (a, 6 - a), m,
                                 "1f1b" if m >= 2 else "gpipe")).step_s for a in range(1, 6) for m in (1, 2, 4, 8)]
     assert found.step_s == pytest.approx(min(every), rel=1e-12)
 

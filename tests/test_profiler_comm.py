@@ -18,7 +18,7 @@ from support.tiny_models import TINY_BERT, TINY_SEQ, tiny_batch
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.profiler import bert_matmul_flops, bert_plan_comm_bytes, profile_model
 from galaxy.profiler.comm import ring_bytes
 
@@ -64,13 +64,13 @@ def check_plan(reports, plan, shares):
 
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_world2_uneven(dist_pool, tiny_bert_dir, att, mlp, con):
-    plan = ParallelPlan(att, mlp, con)
+    plan = Plan(att, mlp, con)
     check_plan(dist_pool(2).run(profile_rank, tiny_bert_dir, plan, SHARES[2]), plan, SHARES[2])
 
 
 @pytest.mark.parametrize("preset", ["galaxy", "sp", "tp"])
 def test_world3_uneven(dist_pool, tiny_bert_dir, preset):
-    plan = ParallelPlan.preset(preset)
+    plan = Plan.preset(preset)
     check_plan(dist_pool(3).run(profile_rank, tiny_bert_dir, plan, SHARES[3]), plan, SHARES[3])
 
 
@@ -80,7 +80,7 @@ def test_galaxy_plan_by_hand(dist_pool, tiny_bert_dir):
     [b, 7, h] fp32 shards; the [CLS] gather; one all-reduce of the CON norms and deferred biases."""
     h, L = TINY_BERT["hidden_size"], TINY_BERT["num_hidden_layers"]
     shard = B * 7 * h * 4
-    reports = dist_pool(2).run(profile_rank, tiny_bert_dir, ParallelPlan("TP", "TP", "SP"), SHARES[2])
+    reports = dist_pool(2).run(profile_rank, tiny_bert_dir, Plan("TP", "TP", "SP"), SHARES[2])
     by_phase = reports[0].comm["by_phase"]
     assert by_phase["forward"]["all_gather"] == {"calls": 2 * L + 1, "sent": (2 * L) * shard + B * h * 4,
                                                  "received": (2 * L) * shard + B * h * 4}
@@ -95,13 +95,13 @@ def test_rank0_report_text(dist_pool, tiny_bert_dir):
     """What profile_flops.py prints on rank 0 under a plan: every rank's FLOPs and bytes, and the
     comparison with the closed form."""
     from galaxy.profiler.cli import ProfileJob, render
-    plan = ParallelPlan("TP", "TP", "SP")
+    plan = Plan("TP", "TP", "SP")
     reports = dist_pool(2).run(profile_rank, tiny_bert_dir, plan, SHARES[2])
     t = TINY_BERT
     expected = bert_plan_comm_bytes(plan, seq_shares=SHARES[2][2], batch=B, hidden=t["hidden_size"],
                                     layers=t["num_hidden_layers"], intermediate=t["intermediate_size"])
     from galaxy.models.build import load_hf_config
-    job = ProfileJob(SimpleNamespace(batch_size=B, pad_size=TINY_SEQ, dp_deg=1, comm_chunks=1), Namespace(model="bert"), {},
+    job = ProfileJob(SimpleNamespace(batch_size=B, pad_size=TINY_SEQ, plan=plan), Namespace(model="bert"), {},
                      load_hf_config(tiny_bert_dir), t["num_labels"])
     text = render(reports, job, 1, expected)
     assert "matches every rank" in text

@@ -31,7 +31,7 @@ from galaxy.models.closed_form import gpt2_plan_comm_bytes
 from galaxy.models.registry import family_of
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.profiler import llama_plan_comm_bytes, profile_model
 
 B = 3
@@ -75,15 +75,15 @@ def check(dist_pool, model_dir, plan, world, **cfg):
 
 @pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
 def test_world2_uneven(dist_pool, llama_dir, att, mlp, con):
-    check(dist_pool, llama_dir, ParallelPlan(att, mlp, con), 2)
+    check(dist_pool, llama_dir, Plan(att, mlp, con), 2)
 
 
 @pytest.mark.parametrize("preset", ["galaxy", "sp", "tp"])
 def test_world3_uneven(dist_pool, llama_dir, preset):
-    check(dist_pool, llama_dir, ParallelPlan.preset(preset), 3)
+    check(dist_pool, llama_dir, Plan.preset(preset), 3)
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan("TP", "TP", "SP"), ParallelPlan("SP", "TP", "None")],
+@pytest.mark.parametrize("plan", [Plan("TP", "TP", "SP"), Plan("SP", "TP", "None")],
                          ids=["galaxy", "attSP-mlpTP-conNone"])
 def test_tied_embeddings(dist_pool, tmp_path_factory, plan):
     """A tied head all-reduces its own gradient contribution, [vocab, H], as an untied one does."""
@@ -91,7 +91,7 @@ def test_tied_embeddings(dist_pool, tmp_path_factory, plan):
     check(dist_pool, tied, plan, 2)
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan("SP", "SP", "SP"), ParallelPlan("SP", "SP", "None")],
+@pytest.mark.parametrize("plan", [Plan("SP", "SP", "SP"), Plan("SP", "SP", "None")],
                          ids=["sp", "attSP-mlpSP-conNone"])
 def test_biases(dist_pool, tmp_path_factory, plan):
     """q/k/v and gate/up biases are summed under SP; the deferred o/down biases follow CON's rule."""
@@ -100,8 +100,8 @@ def test_biases(dist_pool, tmp_path_factory, plan):
     check(dist_pool, path, plan, 2, **cfg)
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan("SP", "SP", "SP"), ParallelPlan("SP", "TP", "None"),
-                                  ParallelPlan("TP", "SP", "SP")],
+@pytest.mark.parametrize("plan", [Plan("SP", "SP", "SP"), Plan("SP", "TP", "None"),
+                                  Plan("TP", "SP", "SP")],
                          ids=["sp", "attSP-mlpTP-conNone", "attTP-mlpSP-conSP"])
 def test_qwen2(dist_pool, tiny_lm_dir, plan):
     """Every kind against the spec's closed form; the gradient sync also by hand: the RMSNorm
@@ -126,7 +126,7 @@ def test_galaxy_plan_by_hand(dist_pool, llama_dir):
     (2L + 1) RMSNorm weights [H]."""
     H, L, V = T["hidden_size"], T["num_hidden_layers"], T["vocab_size"]
     shard = B * 7 * H * 4
-    reports = dist_pool(2).run(profile_rank, llama_dir, ParallelPlan("TP", "TP", "SP"), SHARES[2])
+    reports = dist_pool(2).run(profile_rank, llama_dir, Plan("TP", "TP", "SP"), SHARES[2])
     for r in reports:
         ph = r.comm["by_phase"]
         assert ph["forward"]["all_gather"] == {"calls": 2 * L, "sent": 2 * L * shard, "received": 2 * L * shard}
@@ -149,7 +149,7 @@ def test_sp_plan_by_hand(dist_pool, llama_dir):
     kv = B * 6 * (2 * 4 * 10) * 4 * 2                # bytes: fp32 shard x (N - 1)
     # norms; q_proj [120, H] and o_proj [H, 120]; k_proj and v_proj [40, H]; gate, up, down
     summed = (2 * L + 1) * H + L * (2 * 120 * H + 2 * 40 * H + 3 * H * I)
-    reports = dist_pool(3).run(profile_rank, llama_dir, ParallelPlan("SP", "SP", "SP"), SHARES[3])
+    reports = dist_pool(3).run(profile_rank, llama_dir, Plan("SP", "SP", "SP"), SHARES[3])
     for r in reports:
         ph = r.comm["by_phase"]
         assert ph["forward"]["all_gather"] == {"calls": L, "sent": L * kv, "received": L * kv}
@@ -165,7 +165,7 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
 
     from galaxy.config import load_config
     from galaxy.profiler.cli import closed_form_comm, prepare, render
-    plan = ParallelPlan("TP", "TP", "SP")
+    plan = Plan("TP", "TP", "SP")
     config = tmp_path / "profile.json"
     config.write_text(json.dumps(dict(model_path=llama_dir, pad_size=TINY_SEQ, batch_size=B,
                                       att_parallel_method="TP", mlp_parallel_method="TP", con_parallel_method="SP")))
@@ -183,8 +183,8 @@ def gpt2_dir(tiny_lm_dir):
     return tiny_lm_dir("gpt2")
 
 
-@pytest.mark.parametrize("plan", [ParallelPlan("TP", "TP", "SP"), ParallelPlan("SP", "SP", "SP"),
-                                  ParallelPlan("TP", "TP", "None"), ParallelPlan("SP", "TP", "None")],
+@pytest.mark.parametrize("plan", [Plan("TP", "TP", "SP"), Plan("SP", "SP", "SP"),
+                                  Plan("TP", "TP", "None"), Plan("SP", "TP", "None")],
                          ids=["galaxy", "sp", "tp", "attSP-mlpTP-conNone"])
 def test_gpt2_world2_uneven(dist_pool, gpt2_dir, plan):
     """SP attention gathers K and V, [b, s, 2 x 48]; the sum rule covers LayerNorm biases too."""

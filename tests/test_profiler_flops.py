@@ -18,7 +18,7 @@ from galaxy.distributed import collectives
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.closed_form import gpt2_matmul_flops
 from galaxy.models.registry import FAMILIES
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.profiler import CommRecorder, bert_matmul_flops, llama_matmul_flops, profile_model
 from galaxy.profiler.formulas import Formulas
 from galaxy.runtime.assemble import build_model
@@ -45,7 +45,7 @@ def llama_closed_form(seq):
 @pytest.fixture(scope="module")
 def bert_report(tiny_bert_dir):
     t = TINY_BERT
-    model = build_model(tiny_bert_dir, ParallelPlan(), GalaxyGroup.serial(t["num_attention_heads"],
+    model = build_model(tiny_bert_dir, Plan(), GalaxyGroup.serial(t["num_attention_heads"],
                         t["intermediate_size"], TINY_SEQ), num_labels=t["num_labels"], dropout=0.0)
     return model, profile_model(model, tiny_batch(0, batch=B), repeats=0)
 
@@ -137,7 +137,7 @@ def test_llama_gqa_matches_closed_form_galaxy(tiny_llama_dir, tmp_path, family):
     if family == "qwen2":
         model_dir = str(tmp_path)
         Qwen2ForCausalLM(Qwen2Config(**TINY_LLAMA_GQA)).save_pretrained(model_dir)
-    model = build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(
+    model = build_model(model_dir, Plan(), GalaxyGroup.serial(
         t["num_attention_heads"], t["intermediate_size"], 16), dropout=0.0)
     report = profile_model(model, lm_batch(16), repeats=0)
     expected = FAMILIES[family].matmul_flops(AutoConfig.from_pretrained(model_dir), B, 16)
@@ -155,7 +155,7 @@ def test_gpt2_matches_closed_form_galaxy(tmp_path):
     """Fused c_attn counts as Llama's q + kv (K/V heads = heads); the tied LM head scores every position."""
     t = TINY_GPT2
     model_dir = make_tiny_gpt2(str(tmp_path))
-    model = build_model(model_dir, ParallelPlan(), GalaxyGroup.serial(t["n_head"], GPT2_INTERMEDIATE, 16), dropout=0.0)
+    model = build_model(model_dir, Plan(), GalaxyGroup.serial(t["n_head"], GPT2_INTERMEDIATE, 16), dropout=0.0)
     report = profile_model(model, lm_batch(16), repeats=0)
     expected = gpt2_matmul_flops(batch=B, seq=16, hidden=t["n_embd"], layers=t["n_layer"], heads=t["n_head"],
                                  intermediate=GPT2_INTERMEDIATE, vocab=t["vocab_size"])
@@ -229,8 +229,7 @@ def test_recomputed_layers_count_one_more_forward(tiny_bert_dir):
     the backward counts 2x the whole forward plus 1x the recomputed layers' part."""
     t = TINY_BERT
     group = GalaxyGroup.serial(t["num_attention_heads"], t["intermediate_size"], TINY_SEQ)
-    model = build_model(tiny_bert_dir, ParallelPlan(), group, num_labels=t["num_labels"], dropout=0.0,
-                        activation_checkpointing=[1])
+    model = build_model(tiny_bert_dir, Plan(checkpoint=(1,)), group, num_labels=t["num_labels"], dropout=0.0)
     report = profile_model(model, tiny_batch(0, batch=B), repeats=0)
     expected = bert_closed_form()
     per_layer = sum(expected[k] for k in ("qkv", "attention", "out", "mlp")) // t["num_hidden_layers"]
@@ -247,8 +246,7 @@ def test_memory_report_knows_recompute_and_dp_sharding(tiny_bert_dir):
     group = GalaxyGroup.serial(t["num_attention_heads"], t["intermediate_size"], TINY_SEQ)
     reports = {}
     for spec in ("none", "full"):
-        model = build_model(tiny_bert_dir, ParallelPlan(), group, num_labels=t["num_labels"], dropout=0.0,
-                            activation_checkpointing=spec)
+        model = build_model(tiny_bert_dir, Plan(checkpoint=spec), group, num_labels=t["num_labels"], dropout=0.0)
         reports[spec] = profile_model(model, tiny_batch(0, batch=B), repeats=0, dp_shards=2)
     layer = {s: {m.name: m.act_bytes for m in r.modules} for s, r in reports.items()}
     inputs = B * TINY_SEQ * t["hidden_size"] * 4

@@ -8,7 +8,7 @@ from galaxy.runtime.assemble import build_model
 from galaxy.models.packaged_minilm import packaged_minilm_dir
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 PAD = 48
 
@@ -26,7 +26,7 @@ def galaxy_vs_hf_on_minilm():
     from transformers import BertForSequenceClassification
     model_dir = packaged_minilm_dir()
     group = world_group((7, 5), (896, 640), (27, 21))            # uneven: 12 heads, 1536 columns
-    model = build_model(model_dir, ParallelPlan("TP", "TP", "SP"), group, num_labels=3, dropout=0.0)
+    model = build_model(model_dir, Plan("TP", "TP", "SP"), group, num_labels=3, dropout=0.0)
     ref = BertForSequenceClassification.from_pretrained(model_dir, num_labels=3, hidden_dropout_prob=0.0,
                                                         attention_probs_dropout_prob=0.0)
     with torch.no_grad():   # the task head is new in both: start HF from galaxy's

@@ -31,7 +31,7 @@ import galaxy.models.weights as weights
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import CheckpointError
 from galaxy.runtime.assemble import build_model
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 
 SEED = 5
 PRESETS = ("tp", "sp", "galaxy", "galaxy2")
@@ -45,7 +45,7 @@ WHOLE, FIRST, LAST = None, (range(0, 2), True, False), (range(2, 3), False, True
 def compare_builds(model_dir, presets, shares, num_labels, stages):
     """On every rank of the pool: old and new build of each (preset, stage); a summary of each."""
     group = world_group(*shares)
-    return [_compare(model_dir, ParallelPlan.preset(p), group, num_labels, stage)
+    return [_compare(model_dir, Plan.preset(p), group, num_labels, stage)
             for p in presets for stage in stages]
 
 
@@ -198,7 +198,7 @@ def test_gpt2_rank_reads_its_heads_of_each_block(monkeypatch, gpt2_3_dir):
     """c_attn [48, 144] on disk: a rank reads its heads' columns of the q, k and v thirds (3 reads);
     the two ranks' reads partition every sharded tensor; galaxy's rows are HF's columns."""
     full = load_file(os.path.join(gpt2_3_dir, "model.safetensors"))
-    plan = ParallelPlan.preset("galaxy")
+    plan = Plan.preset("galaxy")
     builds = [recorded_build(monkeypatch, gpt2_3_dir, plan, fake_group(r, GPT2_SHARES)) for r in (0, 1)]
     key = "transformer.h.1.attn.c_attn.weight"
     assert [rec.reads[key] for _, rec in builds] == [3, 3]
@@ -291,7 +291,7 @@ def recorded_build(monkeypatch, model_dir, plan, group, **kwargs):
 
 def test_each_rank_reads_its_share_only(monkeypatch, bert3_dir):
     full = {n: t.numel() for n, t in load_file(os.path.join(bert3_dir, "model.safetensors")).items()}
-    plan = ParallelPlan.preset("galaxy")
+    plan = Plan.preset("galaxy")
     models, recorders = zip(*(recorded_build(monkeypatch, bert3_dir, plan, fake_group(r, BERT_SHARES), num_labels=3)
                               for r in (0, 1)))
     for model, rec in zip(models, recorders):
@@ -317,7 +317,7 @@ def test_each_rank_reads_its_share_only(monkeypatch, bert3_dir):
 
 def test_a_stage_reads_its_layers_only(monkeypatch, bert3_dir):
     group = fake_group(1, BERT_SHARES)
-    model, rec = recorded_build(monkeypatch, bert3_dir, ParallelPlan.preset("galaxy"), group, num_labels=3, stage=FIRST)
+    model, rec = recorded_build(monkeypatch, bert3_dir, Plan.preset("galaxy"), group, num_labels=3, stage=FIRST)
     assert not any(".layer.2." in n or n.startswith(("bert.pooler", "classifier")) for n in rec.elements)
     assert any(".layer.1." in n for n in rec.elements) and "bert.embeddings.word_embeddings.weight" in rec.elements
     assert sum(rec.elements.values()) == sum(p.numel() for p in model.parameters())
@@ -325,7 +325,7 @@ def test_a_stage_reads_its_layers_only(monkeypatch, bert3_dir):
 
 def test_tied_weight_read_once(monkeypatch, tmp_path):
     model_dir = make_tiny_llama(str(tmp_path / "tied"), tie_word_embeddings=True)
-    model, rec = recorded_build(monkeypatch, model_dir, ParallelPlan.preset("galaxy"), fake_group(0, LLAMA_SHARES))
+    model, rec = recorded_build(monkeypatch, model_dir, Plan.preset("galaxy"), fake_group(0, LLAMA_SHARES))
     assert model.lm_head.weight is model.embed_tokens.weight
     assert rec.reads["model.embed_tokens.weight"] == 1 and "lm_head.weight" not in rec.reads
     assert sum(rec.elements.values()) == sum(p.numel() for p in model.parameters())
@@ -356,7 +356,7 @@ def test_missing_tensor_message(bert3_dir, tmp_path, stage):
     """Also on a stage without that layer: every stage checks the whole model's names."""
     key = "bert.encoder.layer.1.attention.self.key.weight"
     model_dir = _without(bert3_dir, str(tmp_path / "m"), lambda s: s.pop(key))
-    old, new = _errors(model_dir, ParallelPlan.preset("galaxy"), fake_group(1, BERT_SHARES), num_labels=3,
+    old, new = _errors(model_dir, Plan.preset("galaxy"), fake_group(1, BERT_SHARES), num_labels=3,
                        stage=stage)
     assert new == old == ("checkpoint has no tensor 'bert.encoder.layer.1.attention.self.key.weight' "
                           "(for layers.1.att.key.weight)")
@@ -364,7 +364,7 @@ def test_missing_tensor_message(bert3_dir, tmp_path, stage):
 
 @pytest.mark.parametrize("stage", [WHOLE, FIRST, LAST])
 def test_wrong_classifier_shape_message(bert3_dir, stage):
-    old, new = _errors(bert3_dir, ParallelPlan.preset("tp"), fake_group(0, BERT_SHARES), num_labels=5, stage=stage)
+    old, new = _errors(bert3_dir, Plan.preset("tp"), fake_group(0, BERT_SHARES), num_labels=5, stage=stage)
     assert new == old == ("checkpoint tensor 'classifier.weight' has shape (3, 48), the model needs (5, 48) "
                           "(check num_labels / class_list)")
 
@@ -373,7 +373,7 @@ def test_wrong_sharded_shape_names_the_full_shape(bert3_dir, tmp_path):
     """A rank that reads only columns 0-63 still reports the whole tensor against the whole need."""
     key = "bert.encoder.layer.0.intermediate.dense.weight"
     model_dir = _without(bert3_dir, str(tmp_path / "s"), lambda s: s.update({key: s[key][:95].clone()}))
-    old, new = _errors(model_dir, ParallelPlan.preset("galaxy"), fake_group(0, BERT_SHARES), num_labels=3)
+    old, new = _errors(model_dir, Plan.preset("galaxy"), fake_group(0, BERT_SHARES), num_labels=3)
     assert new == old == (f"checkpoint tensor {key!r} has shape (95, 48), the model needs (96, 48) "
                           "(check num_labels / class_list)")
 
@@ -381,15 +381,15 @@ def test_wrong_sharded_shape_names_the_full_shape(bert3_dir, tmp_path):
 def test_serial_build_equals_full_read(bert3_dir):
     """Group of one: nothing sharded, every tensor read whole."""
     group = GalaxyGroup.serial(6, 96, TINY_SEQ)
-    new = dict(build_model(bert3_dir, ParallelPlan(), group, num_labels=3).named_parameters())
-    ref = dict(full_read_build(bert3_dir, ParallelPlan(), group, num_labels=3).named_parameters())
+    new = dict(build_model(bert3_dir, Plan(), group, num_labels=3).named_parameters())
+    ref = dict(full_read_build(bert3_dir, Plan(), group, num_labels=3).named_parameters())
     assert sorted(new) == sorted(ref) and all(torch.equal(p, ref[n]) for n, p in new.items())
 
 
 def test_chunked_reads_are_exact(monkeypatch, llama3_dir):
     """Rows come in chunks (here at most 200 elements, 3 rows of 64): same values, same total."""
     monkeypatch.setattr(weights._SafetensorsFiles, "CHUNK_ELEMENTS", 200)
-    group, plan = fake_group(1, LLAMA_SHARES), ParallelPlan.preset("galaxy")
+    group, plan = fake_group(1, LLAMA_SHARES), Plan.preset("galaxy")
     model, rec = recorded_build(monkeypatch, llama3_dir, plan, group, stage=LAST)
     ref = dict(full_read_build(llama3_dir, plan, group, stage=LAST).named_parameters())
     new = dict(model.named_parameters())

@@ -14,7 +14,7 @@ from support.trainer_support import GALAXY_W2, make_workspace, step_losses, trai
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
-from galaxy.parallel.plan import ParallelPlan
+from galaxy.plan import Plan
 from galaxy.parallel.clip import clip_grad_norm_
 
 MAX_NORM = 0.05   # well below the tiny model's gradient norm, so clipping really scales
@@ -34,8 +34,8 @@ def clip_vs_hf(model_dir, plan, shares):
 
 
 @pytest.mark.parametrize("world,plan,shares", [
-    (2, ParallelPlan("TP", "TP", "SP"), ((4, 2), (64, 32), (7, 5))),
-    (3, ParallelPlan("SP", "TP", "None"), ((3, 2, 1), (50, 30, 16), (6, 4, 2))),
+    (2, Plan("TP", "TP", "SP"), ((4, 2), (64, 32), (7, 5))),
+    (3, Plan("SP", "TP", "None"), ((3, 2, 1), (50, 30, 16), (6, 4, 2))),
 ], ids=["galaxy-w2", "attSP-mlpTP-conNone-w3"])
 def test_clip_matches_torch_on_the_serial_model(dist_pool, tiny_bert_dir, world, plan, shares):
     for rank, (norm, ref_norm, (err, where)) in enumerate(dist_pool(world).run(clip_vs_hf, tiny_bert_dir, plan, shares)):

@@ -1,6 +1,6 @@
 """Ranks agree before they train: same world size, same settings, one job per port.
 
-Ranks started with different configs (say another tp_num_attention_heads_list) would otherwise
+Ranks started with different configs (say other head shares in the plan) would otherwise
 train to the end with wrong numbers, and ranks with different --world, or a job started on a
 port another job holds, would wait on gloo's own connect timeout instead of timeout_s. So the
 rendezvous is done in two steps (galaxy.launch.init_distributed):

@@ -14,7 +14,8 @@ torch DeviceMesh named ("pp", "dp", "mp"):
   pp           same (dp, galaxy rank): corresponding ranks of consecutive stages, which
                exchange activations point to point (their shards have identical shapes)
 
-Uneven Galaxy shares do not concern the mesh: it only groups ranks. An axis of size 1 has no
+The mesh is built from a resolved galaxy.plan.Plan (its pp, dp and Galaxy shares); uneven shares do
+not concern the mesh itself: it only groups ranks. An axis of size 1 has no
 process group (`None`), so every collective on it returns early.
 
 Timeouts: torch gives a subgroup its own default (30 minutes), not the world group's, so the
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from galaxy.config import resolve_splits
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.plan import Plan
 
 AXES = ("pp", "dp", "mp")
 
@@ -62,19 +63,14 @@ def global_rank(pp_index: int, dp_index: int, galaxy_rank: int, dp: int, group_s
     return (pp_index * dp + dp_index) * group_size + galaxy_rank
 
 
-def make_mesh(pp: int, dp: int, heads, intermediate, seq, device_type: str | None = None,
-              timeout: timedelta | None = None) -> Mesh:
-    """Build every process group (collective: all ranks call it with the same arguments).
-
-    heads, intermediate, seq: the Galaxy shares, one entry per rank of a Galaxy group, so the
-    group size is len(seq) and the world must be pp * dp * len(seq). timeout bounds every
-    collective on the mesh's groups (None: torch's default for new groups).
+def make_mesh(plan: Plan, device_type: str | None = None, timeout: timedelta | None = None) -> Mesh:
+    """Build every process group of a resolved plan's mesh (collective: all ranks call it with the
+    same plan). The world must be plan.pp * plan.dp * plan.group; timeout bounds every collective
+    on the mesh's groups (None: torch's default for new groups).
     """
-    size, world, rank = len(seq), dist.get_world_size(), dist.get_rank()
-    if not len(heads) == len(intermediate) == size:
-        raise ValueError(f"shares disagree on the Galaxy group size: heads {heads}, "
-                         f"intermediate {intermediate}, seq {seq}")
-    if pp * dp * size != world:
+    pp, dp, size = plan.pp, plan.dp, plan.group
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if plan.world != world:
         raise ValueError(f"world {world} != pp {pp} x dp {dp} x Galaxy group {size}")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -82,7 +78,7 @@ def make_mesh(pp: int, dp: int, heads, intermediate, seq, device_type: str | Non
     override = None if timeout is None else {axis: C10dBackend.Options(dist.get_backend(), timeout) for axis in AXES}
     grid = init_device_mesh(device_type, (pp, dp, size), mesh_dim_names=AXES, backend_override=override)
     pg = {axis: grid.get_group(axis) if n > 1 else None for axis, n in zip(AXES, (pp, dp, size))}
-    galaxy = GalaxyGroup(rank % size, size, pg["mp"], tuple(heads), tuple(intermediate), tuple(seq))
+    galaxy = GalaxyGroup(rank % size, size, pg["mp"], plan.heads, plan.columns, plan.tokens)
     return Mesh(galaxy, (rank // size) % dp, dp, pg["dp"], rank // (size * dp), pp, pg["pp"], grid, timeout)
 
 
@@ -105,19 +101,3 @@ def pipeline_ends_group(mesh: Mesh) -> dist.ProcessGroup | None:
             if dist.get_rank() in pair:
                 mine = pg
     return mine
-
-
-def build_mesh(cfg, rank: int, world: int, shape: dict) -> Mesh:
-    """The mesh a run config asks for: pp_deg x dp_deg x (what remains) Galaxy ranks, on a
-    model of `shape` (galaxy.models.shape.read_model_shape)."""
-    if rank != dist.get_rank() or world != dist.get_world_size():
-        raise ValueError(f"rank {rank} / world {world} disagree with the process group "
-                         f"({dist.get_rank()} / {dist.get_world_size()})")
-    size = world // (cfg.pp_deg * cfg.dp_deg)
-    splits = resolve_splits(cfg, size, shape)
-    # A split the plan does not use may be None (it cannot be made): any placeholder will do.
-    shares = lambda key, total: tuple(splits[key] or (total,) * size)  # noqa: E731
-    return make_mesh(cfg.pp_deg, cfg.dp_deg,
-                     shares("tp_num_attention_heads_list", shape["num_attention_heads"]),
-                     shares("tp_intermediate_size_list", shape["intermediate_size"]),
-                     shares("seq_scatter_list", cfg.pad_size), timeout=timedelta(seconds=cfg.timeout_s))

@@ -17,8 +17,6 @@ gradient right for the consumer (see docs/design.md section 2):
 """
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 from torch import nn
 
@@ -27,12 +25,7 @@ from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link,
                                         start, wait)
-
-
-class Layout(str, Enum):
-    R = "R"
-    S = "S"
-    P = "P"
+from galaxy.plan import Layout   # noqa: F401 (the layouts' home; importers take it from here too)
 
 
 class _ReduceToReplicated(torch.autograd.Function):

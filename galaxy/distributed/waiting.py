@@ -27,7 +27,9 @@ import os
 
 import torch.distributed as dist
 
-from galaxy.config import COMM_WAITS as WAIT_MODES
+from galaxy.config import choices
+
+WAIT_MODES = choices("comm_wait")
 
 _poll = False
 

@@ -22,7 +22,7 @@ class StageInfo:
 @dataclass
 class Attached:
     # Set by apply_plan.
-    plan: object = None                  # galaxy.parallel.plan.ParallelPlan
+    plan: object = None                  # galaxy.plan.Plan
     group: object = None                 # galaxy.distributed.group.GalaxyGroup
     rules: dict = field(default_factory=dict)   # param name -> ParamRule (gradient rule, sharding)
     sharded_rng: object = None           # galaxy.layers.rng.ShardedRNG when the group is split

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from galaxy.config import ConfigError, _is_int, _show
+from galaxy.config import ConfigError, is_int as _is_int, show as _show
 from galaxy.models.registry import FAMILIES, supported_model_types
 
 

@@ -71,7 +71,7 @@ class DataParallelRunner(Runner):
     """Forward and backward of one global batch on dp replicas of a Galaxy-group model.
 
     Every replica gets its own batch_size / dp rows (it reads no other rows) and runs them in
-    grad_accum_steps micro-batches; DDP averages over replicas at the last micro-batch only.
+    the plan's micro-batches (grad_accum_steps); DDP averages over replicas at the last micro-batch only.
     With dp 1 this is plain Galaxy training (no DDP), so one runner serves every pp 1 mesh.
 
     dp_sharding "full" / "no_reshard" (with dp > 1): FSDP2 instead of DDP. "full" reduce-scatters
@@ -80,11 +80,11 @@ class DataParallelRunner(Runner):
     reduce-scatters once per step.
     """
 
-    def __init__(self, model: nn.Module, mesh, *, grad_accum_steps: int = 1, device=None,
-                 autocast=nullcontext, dp_sharding: str = "none"):
+    def __init__(self, model: nn.Module, plan, mesh, *, device=None, autocast=nullcontext):
+        """plan: its micro-batches (gradient accumulation) and dp_sharding apply here."""
         super().__init__(model, mesh, autocast)
-        self.accum = grad_accum_steps
-        self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
+        self.accum = plan.microbatches
+        self.sharding = plan.dp_sharding if mesh.dp_pg is not None else "none"
         self.whole = None
         if self.sharding == "none":
             self.module = wrap_data_parallel(model, mesh.dp_pg, device)

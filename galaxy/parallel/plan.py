@@ -1,4 +1,4 @@
-"""apply_plan: make one model definition run under a per-sub-block TP/SP plan.
+"""apply_plan: make one model definition run under a plan's sub-block methods (galaxy.plan.Plan).
 
 For every block it (1) sets the four Transitions from the layouts of the sub-blocks,
 (2) shards TP sub-blocks to this rank's heads / MLP columns, (3) turns on the K/V gather of SP
@@ -15,39 +15,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from galaxy.config import PLAN_METHODS
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import KVGather, Layout
 from galaxy.layers.rng import ShardedRNG
 from galaxy.layers.sharding import block_spans, shard_offset, slice_like
-
-PRESETS = {
-    "tp": ("TP", "TP", "None"),
-    "sp": ("SP", "SP", "SP"),
-    "galaxy": ("TP", "TP", "SP"),     # Megatron TP+SP, with uneven shares
-    "galaxy2": ("TP", "SP", "SP"),
-}
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    att: str = "TP"     # TP | SP
-    mlp: str = "TP"     # TP | SP
-    con: str = "SP"     # SP | None
-
-    @staticmethod
-    def preset(name: str) -> "ParallelPlan":
-        att, mlp, con = PRESETS[name]
-        return ParallelPlan(att=att, mlp=mlp, con=con)
-
-    def __post_init__(self):
-        for key, allowed in PLAN_METHODS.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key} method must be one of {allowed}, got {getattr(self, key)!r}")
-
-    @property
-    def con_layout(self) -> Layout:
-        return Layout.S if self.con == "SP" else Layout.R
+from galaxy.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -87,7 +59,7 @@ def replicated_rule(layout: Layout, group: GalaxyGroup) -> ParamRule:
     return SUM if layout == Layout.S and group.size > 1 else REPLICATED
 
 
-def apply_plan(model: nn.Module, plan: ParallelPlan, group: GalaxyGroup,
+def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
                rng: ShardedRNG | None = None) -> dict[str, ParamRule]:
     """Modify `model` in place; returns the gradient rules and stores them, the plan, the group
     and the sharded RNG (None unless the group is split) in model.attached, for what is added to

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from galaxy.distributed import waiting
-from galaxy.config import DP_SHARDING
+from galaxy.plan import DP_SHARDING
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -43,12 +43,12 @@ from galaxy.pipeline.tied import TiedWeightSync
 
 
 class PipelineRunner(Runner):
-    def __init__(self, model, plan, mesh, *, num_microbatches: int, schedule: str = "1f1b",
-                 device=None, autocast=nullcontext, dp_sharding: str = "none"):
+    def __init__(self, model, plan, mesh, *, device=None, autocast=nullcontext):
+        """plan: its micro-batches, schedule and dp_sharding apply here."""
         super().__init__(model, mesh, autocast)
-        self.plan, self.n, self.schedule_name = plan, num_microbatches, schedule
+        self.plan, self.n, self.schedule_name = plan, plan.microbatches, plan.schedule
         self.device = torch.device(device or "cpu")
-        self.sharding = dp_sharding if mesh.dp_pg is not None else "none"
+        self.sharding = plan.dp_sharding if mesh.dp_pg is not None else "none"
         self.stage_module, self.whole = StageModule(model), None
         if self.sharding == "none":
             self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg, self.device)
@@ -61,7 +61,7 @@ class PipelineRunner(Runner):
         self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
-        schedule_class(schedule)     # an unknown name fails here, not at the first step
+        schedule_class(plan.schedule)     # an unknown name fails here, not at the first step
 
     # --- training -----------------------------------------------------------------------------
 

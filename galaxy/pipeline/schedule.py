@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from galaxy.config import PIPELINE_SCHEDULES
+from galaxy.plan import SCHEDULES as PIPELINE_SCHEDULES
 
 SCHEDULES = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B), strict=True))
 

@@ -18,7 +18,22 @@ import argparse
 import dataclasses
 import sys
 
-from galaxy.config import ConfigError, apply_preset, load_config, peft_method
+from galaxy.config import ConfigError, apply_preset, load_config, peft_method, with_plan
+from galaxy.data import load_examples
+from galaxy.data.errors import DataError
+from galaxy.launch import main as launch_main
+from galaxy.models.registry import family_of
+from galaxy.models.shape import read_model_shape
+from galaxy.plan import DP_SHARDING, Plan
+from galaxy.planner.cost import CostModel
+from galaxy.planner.device_compute import model_signature, tables_match
+from galaxy.planner.device_profile import run as profile_devices_run
+from galaxy.planner.draw import draw_plan
+from galaxy.planner.model_profile import ModelProfileError, check_model_profile, profile_model
+from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
+from galaxy.planner.search import divisors, search
+from galaxy.planner.table import mib, no_fit_line, table
+from galaxy.planner.writer import write_planned_config
 
 PROG = "plan.py"
 SCRIPTS = {"classification": "pretrain_galaxy.py", "causal_lm": "finetune_llama.py"}
@@ -41,19 +56,16 @@ def num_labels_of(cfg, family) -> int | None:
         return None
     names = cfg.class_list
     if names is None:
-        from galaxy.data import load_examples
         names = load_examples(cfg.train_path, "train")[1]
     return len(names)
 
 
 def measuring_config(cfg):
     """The base config with its plan and outputs dropped: profiling measures, at any world."""
-    neutral = dict(att_parallel_method="SP", mlp_parallel_method="SP", con_parallel_method="SP",
-                   tp_num_attention_heads_list=None, tp_intermediate_size_list=None, seq_scatter_list=None,
-                   pp_deg=1, dp_deg=1, stage_num_hidden_layers_list=None, num_microbatches=1,
-                   grad_accum_steps=1, activation_checkpointing="none", metrics_file=None, save_dir=None,
-                   save_interval=None, keep_checkpoints=None, export_dir=None, resume=None, dp_sharding="none")
-    return dataclasses.replace(cfg, **neutral, _given=frozenset(cfg._given) - set(neutral))
+    outputs = dict(metrics_file=None, save_dir=None, save_interval=None, keep_checkpoints=None, export_dir=None,
+                   resume=None)
+    return with_plan(dataclasses.replace(cfg, **outputs, _given=frozenset(cfg._given) - set(outputs)),
+                     Plan.preset("sp"))
 
 
 # --- profile-devices -----------------------------------------------------------------------------
@@ -81,8 +93,6 @@ def _devices_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _devices_prepare(cfg, opts) -> DevicesJob:
-    from galaxy.models.registry import family_of
-    from galaxy.models.shape import read_model_shape
     if opts.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
     family = family_of(read_model_shape(cfg.model_path)["model_type"])
@@ -92,14 +102,11 @@ def _devices_prepare(cfg, opts) -> DevicesJob:
 def profile_devices(argv) -> None:
     if "--compose" in argv:
         return compose_devices(argv)
-    from galaxy.launch import main as launch_main
-    from galaxy.planner.device_profile import run
-    launch_main(preset="galaxy", train_fn=run, script=f"{PROG} profile-devices", argv=argv,
+    launch_main(preset="galaxy", train_fn=profile_devices_run, script=f"{PROG} profile-devices", argv=argv,
                 prepare_fn=_devices_prepare, add_arguments=_devices_arguments, config_fn=measuring_config)
 
 
 def compose_devices(argv) -> None:
-    from galaxy.planner.profiles import ProfileError, compose, write_json
     p = _Parser(prog=f"{PROG} profile-devices",
                 description="Join devices profiled alone (in rank order) and a link into one devices profile.")
     p.add_argument("--compose", nargs="+", required=True, metavar="DEVICES.json",
@@ -124,11 +131,6 @@ def profile_model_command(argv) -> None:
     p.add_argument("--config_file", required=True, metavar="PATH", help="the base JSON config (model, pad_size)")
     p.add_argument("--out", required=True, metavar="PATH", help="model profile to write")
     args = p.parse_args(argv)
-    from galaxy.data.errors import DataError
-    from galaxy.models.registry import family_of
-    from galaxy.models.shape import read_model_shape
-    from galaxy.planner.model_profile import profile_model
-    from galaxy.planner.profiles import write_json
     try:
         cfg = load_config(args.config_file)
         shape = read_model_shape(cfg.model_path)
@@ -182,7 +184,6 @@ def meshes_of(pps, dps, world: int, layers: int) -> list[tuple[int, int]] | None
     for v in pps or ():
         if v > layers:
             raise ConfigError(f"--pp {v} is more stages than the model's {layers} layers")
-    from galaxy.planner.search import divisors
     divs = divisors(world)
     meshes = [(pp, dp) for pp in (pps or divs) for dp in (dps or divs) if world % (pp * dp) == 0]
     if not meshes:
@@ -204,14 +205,6 @@ def _check_model_matches(model: dict, shape: dict, cfg, where: str) -> None:
 
 def search_command(argv) -> None:
     args = _search_parser().parse_args(argv)
-    from galaxy.data.errors import DataError
-    from galaxy.models.shape import read_model_shape
-    from galaxy.planner.cost import CostModel, model_signature, tables_match
-    from galaxy.config import DP_SHARDING
-    from galaxy.planner.model_profile import ModelProfileError, check_model_profile
-    from galaxy.planner.profiles import ProfileError, compose, read_json
-    from galaxy.planner.search import search
-    from galaxy.planner.writer import write_planned_config
     try:
         cfg = apply_preset(load_config(args.config_file), "galaxy")
         shape = read_model_shape(cfg.model_path)
@@ -261,58 +254,7 @@ def search_command(argv) -> None:
     run = f"python {script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
     print(f"wrote {args.out}; train it with: {run}")
     if args.png:
-        from galaxy.planner.draw import draw_plan
         print(f"plan drawn: {draw_plan(best, model, devices, args.png)}")
-
-
-def describe(plan) -> dict:
-    """The columns of the table for one plan."""
-    g = plan.group
-    splits = []
-    if g > 1 and plan.att == "TP":
-        splits.append("heads " + ",".join(map(str, plan.heads)))
-    if g > 1 and plan.mlp == "TP":
-        splits.append("cols " + ",".join(map(str, plan.columns)))
-    if g > 1 and "SP" in (plan.att, plan.mlp, plan.con):
-        splits.append("tok " + ",".join(map(str, plan.tokens)))
-    methods = f"{plan.att} {plan.mlp} {plan.con}" if g > 1 else "-"
-    mb = f"{plan.microbatches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
-    ck = "none" if not any(plan.checkpoint) else ",".join(map(str, plan.checkpoint))
-    extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""
-    return {"mesh": f"{plan.pp}x{plan.dp}x{g}{extra}", "methods": methods, "splits": " ".join(splits) or "-",
-            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck}
-
-
-def table(ranked) -> str:
-    head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
-            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank")
-    lines = [head]
-    for i, est in enumerate(ranked, 1):
-        d = describe(est.plan)
-        mem = ",".join(mib(m) for m in est.memory_mib)
-        lines.append(f"{i:>2} {est.step_s * 1e3:>9.1f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
-                     f"{d['mb']:<9} {d['ckpt']:<9} {max(est.sent_bytes) / 1e6:>12.2f}  {mem} | {d['splits']}")
-    return "\n".join(lines)
-
-
-def mib(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
-
-
-def no_fit_line(result, devices) -> str:
-    lean = result.leanest
-    if lean is None:
-        return "no plan can be formed for this world and batch (check batch_size, the devices and --pp / --dp)"
-    short = lean.shortfall(result.budgets)
-    worst = [r for r in range(len(short)) if short[r] > 0]
-    parts = [f"rank {r} ({devices[r].get('name', 'device')}) needs {mib(lean.memory_mib[r])} MiB, its budget is "
-             f"{mib(result.budgets[r])} MiB: short by {mib(short[r])} MiB" for r in worst[:4]]
-    more = f" and {len(worst) - 4} more ranks" if len(worst) > 4 else ""
-    d = describe(lean.plan)
-    methods = f"ATT MLP CON {d['methods']}, " if lean.plan.group > 1 else ""
-    return (f"no plan fits the memory budgets; under the leanest plan (pp x dp x g {d['mesh']}, {methods}"
-            f"{d['mb']} micro-batches, recomputed layers per stage {d['ckpt']}) " + "; ".join(parts) + more +
-            "; raise --memory_mib, lower batch_size or pad_size, or add devices")
 
 
 def main(argv=None) -> None:

@@ -59,7 +59,7 @@ def draw_plan(est: Estimate, model: dict, devices: list[dict], path: str) -> str
     left.set_ylim(0, world)
     left.set_xticks([0.5, 1.5, 2.5], ["ATT", "CON", "MLP"])
     left.set_yticks([world - 0.5 - r for r in range(world)], labels, fontsize=7)
-    ck = ", ".join(str(c) for c in plan.checkpoint) if any(plan.checkpoint) else "none"
+    ck = ", ".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp)) if plan.checkpoint else "none"
     left.set_title(f"pp {plan.pp} x dp {plan.dp} x group {plan.group}, {plan.microbatches} micro-batch(es)"
                    f"{' ' + plan.schedule if plan.pp > 1 else ''}, recomputed layers per stage: {ck}", fontsize=9)
 

@@ -66,6 +66,26 @@ def _whole_model_params(hf, num_labels) -> dict:
             "total": sum(p.numel() for p in model.parameters())}
 
 
+def _layer_params(bench: SubBlockBench, seq: int) -> dict:
+    """One layer's parameters per sub-block kind: [c0, c1] (c0 + c1 x share) under TP, else a count."""
+    att_total, att_step = bench.units["att_tp"]
+    mlp_total, _ = bench.units["mlp_tp"]
+    return {
+        "att_tp": _linear(lambda u: bench.params("att_tp", u), att_step, att_total),
+        "mlp_tp": _linear(lambda u: bench.params("mlp_tp", u), 1, mlp_total),
+        "att_sp": bench.params("att_sp", seq), "mlp_sp": bench.params("mlp_sp", seq),
+        "con": sum(p.numel() for p in bench.layer.con1.parameters())
+        + sum(p.numel() for p in bench.layer.con2.parameters()),
+    }
+
+
+def _saved_bytes(bench: SubBlockBench, kind: str) -> list[float]:
+    """[c0, c1] of the bytes a sub-block kind saves for backward for ROWS rows, at a share u."""
+    total, step = bench.units[kind]
+    lo = total if kind == "embed" else _half(total, step)
+    return _linear(lambda u: bench.saved_bytes(kind, u, ROWS), lo, total)
+
+
 def profile_model(cfg, num_labels: int | None) -> dict:
     """The model profile of cfg's model at cfg.pad_size (see the module docstring)."""
     from galaxy.profiler.cli import synthetic_batch
@@ -80,24 +100,10 @@ def profile_model(cfg, num_labels: int | None) -> dict:
     units = bench.units
 
     params = _whole_model_params(hf, num_labels)
-    att_total, att_step = units["att_tp"]
-    mlp_total, _ = units["mlp_tp"]
-    layer_params = {
-        "att_tp": _linear(lambda u: bench.params("att_tp", u), att_step, att_total),
-        "mlp_tp": _linear(lambda u: bench.params("mlp_tp", u), 1, mlp_total),
-        "att_sp": bench.params("att_sp", seq), "mlp_sp": bench.params("mlp_sp", seq),
-        "con": sum(p.numel() for p in bench.layer.con1.parameters())
-        + sum(p.numel() for p in bench.layer.con2.parameters()),
-    }
-    per_layer = sum(p.numel() for p in bench.layer.parameters())
-    params["layer"] = layer_params
-    params["per_layer"] = per_layer
-
-    acts = {}
-    for kind in ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "head", "embed"):
-        total, step = units[kind]
-        lo = total if kind == "embed" else _half(total, step)
-        acts[kind] = [v / ROWS for v in _linear(lambda u: bench.saved_bytes(kind, u, ROWS), lo, total)]
+    params["layer"] = _layer_params(bench, seq)
+    params["per_layer"] = sum(p.numel() for p in bench.layer.parameters())
+    acts = {kind: [v / ROWS for v in _saved_bytes(bench, kind)]
+            for kind in ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "head", "embed")}
 
     # The profiler on the one-layer model, one row: FLOPs per sub-block, and its activation count.
     batch = synthetic_batch(bench.task, 1, seq, hf.vocab_size, num_labels, cfg.seed, "cpu")

@@ -25,8 +25,9 @@ import itertools
 import time
 from dataclasses import dataclass, replace
 
-from galaxy.config import PLAN_METHODS
-from galaxy.planner.cost import CostModel, Estimate, Plan
+from galaxy.plan import METHODS as PLAN_METHODS
+from galaxy.plan import Plan
+from galaxy.planner.cost import CostModel, Estimate
 
 METHODS = [(a, m, c) for a in PLAN_METHODS["att"] for m in PLAN_METHODS["mlp"] for c in PLAN_METHODS["con"]]
 MAX_MICROBATCHES = 64
@@ -74,7 +75,7 @@ class Searcher:
         self.methods = methods
         self.max_moves = max_moves
         self.tried = 0
-        self._seen: dict[tuple, tuple] = {}
+        self._seen: dict[Plan, tuple] = {}
         u = self.model["units"]
         self.heads, self.head_unit = u["att_tp"]
         self.columns = u["mlp_tp"][0]
@@ -92,19 +93,18 @@ class Searcher:
 
     def evaluate(self, plan: Plan) -> tuple[tuple, Estimate]:
         """(score, estimate): score = (total MiB over budget, step seconds), lower is better."""
-        key = plan.key()
-        hit = self._seen.get(key)
+        hit = self._seen.get(plan)
         if hit is None:
             fitted = self.fit_checkpointing(plan)
             est = self.cost.estimate(fitted)
             self.tried += 1
-            hit = self._seen[key] = ((round(sum(est.shortfall(self.budgets)), 3), est.step_s), est)
+            hit = self._seen[plan] = ((round(sum(est.shortfall(self.budgets)), 3), est.step_s), est)
         return hit
 
     def fit_checkpointing(self, plan: Plan) -> Plan:
         """The fewest leading layers per stage whose recomputation makes the stage's ranks fit."""
         ckpt = [0] * plan.pp
-        plan = replace(plan, checkpoint=tuple(ckpt))
+        plan = replace(plan, checkpoint=())
         mem = self.cost.estimate_memory(plan)
         for p in range(plan.pp):
             ranks = self.cost.stage_ranks(plan, p)
@@ -116,13 +116,13 @@ class Searcher:
                 mid = (lo + hi) // 2
                 trial = list(ckpt)
                 trial[p] = mid
-                m2 = self.cost.estimate_memory(replace(plan, checkpoint=tuple(trial)))
+                m2 = self.cost.estimate_memory(plan.with_stage_checkpoints(trial))
                 if all(m2[r] <= self.budgets[r] for r in ranks):
                     best, hi = mid, mid - 1
                 else:
                     lo = mid + 1
             ckpt[p] = best
-        return replace(plan, checkpoint=tuple(ckpt))
+        return plan.with_stage_checkpoints(ckpt)
 
     # --- the enumeration -------------------------------------------------------------------------
 
@@ -168,8 +168,8 @@ class Searcher:
                        for p in range(pp)]
         stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
         schedule = "1f1b" if m >= pp else "gpipe"
-        return Plan(pp, dp, att, mlp, con, heads, columns, tokens, stages, m, schedule,
-                    (0,) * pp, shard)
+        return Plan(att=att, mlp=mlp, con=con, pp=pp, dp=dp, heads=heads, columns=columns, tokens=tokens,
+                    stages=stages, microbatches=m, schedule=schedule, checkpoint=(), dp_sharding=shard)
 
     # --- local search ----------------------------------------------------------------------------
 
@@ -305,10 +305,10 @@ class Searcher:
 
     def run(self, top: int = 5) -> SearchResult:
         start = time.perf_counter()
-        results: dict[tuple, tuple] = {}
+        results: dict[Plan, tuple] = {}
         for cand in self.candidates():
             score, est = self.optimize(self.initial(*cand))
-            results.setdefault(est.plan.key(), (score, est))
+            results.setdefault(est.plan, (score, est))
         ordered = sorted(results.values(), key=lambda se: se[0])
         fitting = [e for s, e in ordered if s[0] == 0]
         leanest = None if fitting else (ordered[0][1] if ordered else None)

@@ -1,22 +1,21 @@
 """--check's one paragraph: what the run would do, from the checked config, job and model."""
 from __future__ import annotations
 
-from galaxy.config import resolve_splits
+from galaxy.config import resolved_plan
 from galaxy.models.shape import read_model_shape
 
 
 def _plan(cfg, world: int) -> str:
-    group = world // (cfg.pp_deg * cfg.dp_deg)
     if world == 1:
         return "serially on 1 process"
-    splits = resolve_splits(cfg, group, read_model_shape(cfg.model_path))
-    sharded = f" (replicas sharded: {cfg.dp_sharding})" if cfg.dp_sharding != "none" else ""
-    plan = (f"plan ATT {cfg.att_parallel_method} / CON {cfg.con_parallel_method} / MLP {cfg.mlp_parallel_method} "
-            f"on world {world} = pp {cfg.pp_deg} x dp {cfg.dp_deg}{sharded} x Galaxy group {group}")
-    shares = [f"{what} {splits[key]}" for key, what in (("tp_num_attention_heads_list", "heads"),
-                                                        ("tp_intermediate_size_list", "MLP columns"),
-                                                        ("seq_scatter_list", "tokens")) if splits[key] and group > 1]
-    return plan + (f" ({', '.join(shares)})" if shares else "")
+    plan = resolved_plan(cfg, world, read_model_shape(cfg.model_path))
+    sharded = f" (replicas sharded: {plan.dp_sharding})" if plan.dp_sharding != "none" else ""
+    text = (f"plan ATT {plan.att} / CON {plan.con} / MLP {plan.mlp} on world {world} = pp {plan.pp} x "
+            f"dp {plan.dp}{sharded} x Galaxy group {plan.group}")
+    shares = [f"{what} {list(getattr(plan, name))}" for name, what in
+              (("heads", "heads"), ("columns", "MLP columns"), ("tokens", "tokens"))
+              if getattr(plan, name) and plan.group > 1]
+    return text + (f" ({', '.join(shares)})" if shares else "")
 
 
 def _model(report) -> str:

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def prepare(cfg, opts) -> ProfileJob:
     """Checks before any process group starts (a mistake is one line and exit status 2)."""
-    if cfg.pp_deg > 1:
+    if cfg.plan.pp > 1:
         raise ConfigError("pp_deg > 1 is not supported by the profiler yet; set it to 1")
     shape = read_model_shape(cfg.model_path)
     try:
@@ -112,41 +112,40 @@ def synthetic_batch(task: str, batch: int, seq: int, vocab: int, num_labels: int
 def closed_form_flops(job: ProfileJob) -> int:
     """Forward matrix FLOPs of the serial model on one replica's rows (the whole batch without data
     parallelism), from the family's closed form."""
-    rows = job.cfg.batch_size // job.cfg.dp_deg
+    rows = job.cfg.batch_size // job.cfg.plan.dp
     return job.family.matmul_flops(job.hf, rows, job.cfg.pad_size, job.num_labels)["total"]
 
 
-def closed_form_comm(job: ProfileJob, plan, seq_shares) -> dict:
-    """Bytes per collective kind the plan's transitions, head and gradient sync should move per rank
-    (one replica's rows)."""
-    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // job.cfg.dp_deg, seq_shares,
-                                      comm_chunks=job.cfg.comm_chunks)
+def closed_form_comm(job: ProfileJob, plan) -> dict:
+    """Bytes per collective kind the (resolved) plan's transitions, head and gradient sync should move
+    per rank (one replica's rows)."""
+    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // plan.dp, plan.tokens,
+                                      comm_chunks=plan.comm_chunks)
 
 
 def run(job: ProfileJob, env) -> None:
-    from galaxy.distributed.mesh import build_mesh
     from galaxy.runtime.assemble import build_model
     from galaxy.runtime.runners import set_overlap
     from galaxy.parallel.grad_sync import GradientSync
-    from galaxy.parallel.plan import ParallelPlan
+    from galaxy.runtime.runners import plan_and_mesh
     cfg, opts = job.cfg, job.opts
     torch.manual_seed(cfg.seed)
-    mesh = build_mesh(cfg, env.rank, env.world, job.shape)
-    plan = ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
+    plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
-                        device=env.device, dropout=cfg.dropout, activation_checkpointing=cfg.activation_checkpointing)
-    set_overlap(model, cfg.comm_chunks, cfg.kv_blocks)
-    batch = synthetic_batch(job.task_kind, cfg.batch_size // cfg.dp_deg, cfg.pad_size, job.hf.vocab_size,
-                            job.num_labels, cfg.seed, env.device)
+                        device=env.device, dropout=cfg.dropout)
+    set_overlap(model, plan.comm_chunks, plan.kv_blocks)
+    rows = cfg.batch_size // plan.dp
+    batch = synthetic_batch(job.task_kind, rows, cfg.pad_size, job.hf.vocab_size, job.num_labels, cfg.seed,
+                            env.device)
     plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if mesh.galaxy.size > 1 else None
     report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),
                            repeats=opts.repeats, warmup=opts.warmup, plan=plan_dict,
                            optimizer_states=2 if cfg.optimizer == "adamw" else 0,
-                           dp_shards=cfg.dp_deg if cfg.dp_sharding != "none" else 1)
-    if cfg.dp_deg > 1:
-        report.notes.append(f"data parallel: each of the {cfg.dp_deg} replicas runs {cfg.batch_size // cfg.dp_deg} "
+                           dp_shards=plan.dp if plan.dp_sharding != "none" else 1)
+    if plan.dp > 1:
+        report.notes.append(f"data parallel: each of the {plan.dp} replicas runs {rows} "
                             f"of the {cfg.batch_size} rows; the gradient reduction over the replicas "
-                            f"({'FSDP, ' + cfg.dp_sharding if cfg.dp_sharding != 'none' else 'DDP'}) is not profiled")
+                            f"({'FSDP, ' + plan.dp_sharding if plan.dp_sharding != 'none' else 'DDP'}) is not profiled")
     deepspeed_flops = None
     if opts.compare_deepspeed:
         from galaxy.profiler.deepspeed_compare import deepspeed_forward_flops
@@ -158,7 +157,7 @@ def run(job: ProfileJob, env) -> None:
         reports = reports[:mesh.galaxy.size]     # replica 0's Galaxy group (ranks 0..N-1); replicas are alike
     if env.rank != 0:
         return
-    expected_comm = closed_form_comm(job, plan, mesh.galaxy.tokens) if len(reports) > 1 else None
+    expected_comm = closed_form_comm(job, plan) if len(reports) > 1 else None
     print(render(reports, job, opts.depth, expected_comm, deepspeed_flops), flush=True)
     if opts.json:
         write_json(opts.json, reports, closed_form_flops(job), expected_comm)

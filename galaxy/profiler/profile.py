@@ -236,16 +236,6 @@ def _assemble(model, batch, counting: _Counting, timings: list[_Timing], plan) -
 
     root = build("")
     order = list(mods)                   # definition order, parents before children
-    sub_blocks = []
-    for name in order:
-        match = _SUB_BLOCK_NAME.match(name)
-        if match:
-            m = stats[name]
-            sub_blocks.append(SubBlockStats(
-                layer=int(match.group(1)), name=match.group(2), kind=SUB_BLOCKS[match.group(2)],
-                params=m.params, fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops, macs=m.macs,
-                fwd_elementwise_flops=m.fwd_elementwise_flops, bwd_elementwise_flops=m.bwd_elementwise_flops,
-                act_bytes=m.act_bytes, fwd_latency_s=m.fwd_latency_s, bwd_latency_s=m.bwd_latency_s))
     totals = Totals(params=root.params, fwd_flops=root.fwd_flops, bwd_flops=root.bwd_flops, macs=root.macs,
                     elementwise_flops=root.fwd_elementwise_flops, bwd_elementwise_flops=root.bwd_elementwise_flops,
                     act_bytes=root.act_bytes, fwd_latency_s=root.fwd_latency_s, bwd_latency_s=root.bwd_latency_s)
@@ -254,10 +244,25 @@ def _assemble(model, batch, counting: _Counting, timings: list[_Timing], plan) -
     return ProfileReport(
         model=type(model).__name__, batch_size=ids.shape[0], seq_len=ids.shape[1],
         rank=group.rank if group else 0, world=group.size if group else 1, plan=plan,
-        totals=totals, modules=[stats[n] for n in order], sub_blocks=sub_blocks,
+        totals=totals, modules=[stats[n] for n in order], sub_blocks=_sub_blocks(order, stats),
         comm=counting.recorder.stats.to_dict(), notes=_notes(model, counting),
         fwd_ops={str(k): v for k, v in sorted(counting.fwd_total.items(), key=lambda kv: -kv[1])},
         bwd_ops={str(k): v for k, v in sorted(counting.bwd_total.items(), key=lambda kv: -kv[1])})
+
+
+def _sub_blocks(order: list[str], stats: dict) -> list[SubBlockStats]:
+    """The figures of every layer's ATT, CON1, MLP and CON2, in layer order."""
+    out = []
+    for name in order:
+        match = _SUB_BLOCK_NAME.match(name)
+        if match:
+            m = stats[name]
+            out.append(SubBlockStats(
+                layer=int(match.group(1)), name=match.group(2), kind=SUB_BLOCKS[match.group(2)],
+                params=m.params, fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops, macs=m.macs,
+                fwd_elementwise_flops=m.fwd_elementwise_flops, bwd_elementwise_flops=m.bwd_elementwise_flops,
+                act_bytes=m.act_bytes, fwd_latency_s=m.fwd_latency_s, bwd_latency_s=m.bwd_latency_s))
+    return out
 
 
 def _notes(model, counting: _Counting) -> list[str]:

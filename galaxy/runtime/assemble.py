@@ -5,20 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from galaxy.config import recompute_layers
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
 from galaxy.models.build import load_hf_config, load_hf_weights, locate_weights, model_class
 from galaxy.models.registry import family_of
 from galaxy.models.weights import LazyCheckpoint
-from galaxy.parallel.plan import ParallelPlan, apply_plan
+from galaxy.parallel.plan import apply_plan
 from galaxy.pipeline.stage import keep_stage
+from galaxy.plan import Plan, recompute_layers
 
 
-def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_labels: int | None = None,
+def build_model(model_path: str, plan: Plan, group: GalaxyGroup, *, num_labels: int | None = None,
                 seed: int = 0, device: torch.device | str = "cpu", dropout: float | None = None,
-                stage: tuple[range, bool, bool] | None = None, task: str | None = None,
-                activation_checkpointing="none") -> nn.Module:
+                stage: tuple[range, bool, bool] | None = None, task: str | None = None) -> nn.Module:
     """This rank's part of the model: its shard under `plan`, of its pipeline stage, loaded.
 
     The model is built on the meta device, sharded by the plan and pruned to the stage there
@@ -28,8 +27,8 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     stage: (layers, first, last) of a pipeline stage (galaxy.pipeline.stage.keep_stage); None
     keeps the whole model.
     task: "classification" | "causal_lm"; None: the family's first (primary) task.
-    activation_checkpointing: which layers recompute their activations in backward ("none",
-    "full", a number of leading layers or a list of indices; galaxy.config.recompute_layers).
+    plan: its sub-block methods (apply_plan) and the layers that recompute in backward (its
+    checkpoint: resolved layer indices, or as a config writes it).
     """
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
@@ -37,7 +36,7 @@ def build_model(model_path: str, plan: ParallelPlan, group: GalaxyGroup, *, num_
     with torch.device("meta"):
         model = model_class(family, task)(cfg, num_labels=num_labels)
     apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
-    for i in recompute_layers(activation_checkpointing, len(model.layers)):
+    for i in recompute_layers(plan.checkpoint, len(model.layers)):
         model.layers[i].set_recompute(True, model.attached.sharded_rng)
     with LazyCheckpoint(model_path) as checkpoint:
         # The whole model against the checkpoint's headers (no data) before pruning: a bad

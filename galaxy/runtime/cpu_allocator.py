@@ -27,7 +27,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from galaxy.config import CPU_ALLOCATORS
+from galaxy.config import choices
+
+CPU_ALLOCATORS = choices("cpu_allocator")
 
 # glibc's <malloc.h>
 M_TRIM_THRESHOLD = -1

@@ -13,11 +13,11 @@ import torch
 
 from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
-from galaxy.distributed.mesh import build_mesh
 from galaxy.runtime.assemble import build_model
 from galaxy.runtime.generate import greedy_generate
+from galaxy.runtime.runners import plan_and_mesh
 from galaxy.train.checkpoint import Checkpoint, resolve_resume
-from galaxy.train.trainer import Job, check_task, plan_of, prepare_causal_lm, train
+from galaxy.train.trainer import Job, check_task, prepare_causal_lm, train
 
 
 def add_generation_arguments(parser) -> None:
@@ -42,7 +42,7 @@ def prepare_llama(cfg, args):
     from transformers import AutoTokenizer
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if cfg.pp_deg > 1:
+    if cfg.plan.pp > 1:
         raise ConfigError("--generate runs Galaxy plans, not pipelines; set pp_deg to 1")
     shape = read_model_shape(cfg.model_path)
     check_task(shape["model_type"], "causal_lm")
@@ -54,9 +54,9 @@ def prepare_llama(cfg, args):
 def generate(job: GenerationJob, env) -> list[int]:
     cfg = job.cfg
     torch.manual_seed(cfg.seed)
-    mesh = build_mesh(cfg, env.rank, env.world, job.shape)
+    plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     source = job.resume.model_dir if job.resume else cfg.model_path
-    model = build_model(source, plan_of(cfg), mesh.galaxy, seed=cfg.seed, device=env.device, task="causal_lm")
+    model = build_model(source, plan, mesh.galaxy, seed=cfg.seed, device=env.device, task="causal_lm")
     ids = greedy_generate(model, job.tokenizer, job.prompt, job.max_new_tokens, cfg.pad_size, env.device)
     if env.rank == 0:
         print(job.prompt + job.tokenizer.decode(ids, skip_special_tokens=True), flush=True)

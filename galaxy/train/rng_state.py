@@ -21,7 +21,7 @@ stage p's, "sharded.{global rank}" every rank's sharded stream. A pp_deg 1 check
 
 Restored:
   replicated  stage p's saved state on every rank of stage p when the stages run the same layers
-              as when saved (pp_deg and stage_num_hidden_layers_list giving the same layer ranges;
+              as when saved (the plan's stages giving the same layer ranges;
               the plan, Galaxy shares and dp_deg may differ: every rank of a stage still starts
               from the same state, the lockstep rule holds). When the layer ranges changed, stage
               p's old state means nothing for the new stage p: every rank of stage p reseeds from

@@ -27,20 +27,18 @@ from tqdm import tqdm
 from galaxy.distributed import waiting
 from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
-from galaxy.distributed.mesh import build_mesh
 from galaxy.models.build import CheckpointError
 from galaxy.models.registry import families_for
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.parallel.loss_scale import riding_with_the_loss
-from galaxy.parallel.plan import ParallelPlan
 from galaxy.peft import PeftOptions, apply_peft, export_peft, parameter_counts, peft_summary
-from galaxy.runtime.runners import build_runner
-from galaxy.pipeline.split import stage_layer_ranges
+from galaxy.runtime.runners import build_runner, plan_and_mesh
 from galaxy.pipeline.stage_state import agree_on_load
 from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.train.checkpoint import Checkpoint, resolve_resume, save_checkpoint
 from galaxy.runtime.export import export_hf
 from galaxy.train.head import checkpoint_head_rows, replace_classifier
+from galaxy.train.layout import layout_record, saved_layout
 from galaxy.train.metrics import MetricsWriter
 from galaxy.train.optim import make_optimizer
 from galaxy.train.optim_state import load_optimizer_state
@@ -115,30 +113,12 @@ def prepare_causal_lm(cfg) -> Job:
     return _prepare(cfg, "causal_lm")
 
 
-def plan_of(cfg) -> ParallelPlan:
-    return ParallelPlan(cfg.att_parallel_method, cfg.mlp_parallel_method, cfg.con_parallel_method)
-
-
-def pipeline_layout(pp_deg: int, dp_deg: int, num_hidden_layers: int, stage_list) -> dict:
-    """The mesh's pipeline side, as a checkpoint records it: stages as [first layer, end)."""
-    ranges = stage_layer_ranges(num_hidden_layers, pp_deg, stage_list)
-    return {"pp_deg": pp_deg, "dp_deg": dp_deg, "stages": [[r.start, r.stop] for r in ranges]}
-
-
-def saved_layout(layout: dict, num_hidden_layers: int) -> dict:
-    """A checkpoint's layout; those written before pipelines could save were pp_deg 1 runs."""
-    if "pipeline" in layout:
-        return layout
-    dp = layout["world"] // len(layout["seq"])
-    return {**layout, "pipeline": pipeline_layout(1, dp, num_hidden_layers, None)}
-
-
 class Trainer:
     def __init__(self, job: Job, env):
         cfg = self.cfg = job.cfg
         self.job, self.task, self.env, self.lead = job, job.task, env, env.rank == 0
         torch.manual_seed(cfg.seed)     # identical on every rank while the model is built
-        self.mesh = mesh = build_mesh(cfg, env.rank, env.world, job.shape)
+        self.plan, self.mesh = plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
         self.group = mesh.galaxy
         self.autocast = autocast_for(cfg.mixed_precision, env.device)
         source = job.resume.model_dir if job.resume else cfg.model_path
@@ -156,14 +136,8 @@ class Trainer:
                 replace_classifier(model, num_labels, cfg.seed)
             apply_peft(model, self.peft, seed=cfg.seed, state=peft_state)
 
-        self.runner = build_runner(source, plan_of(cfg), mesh, num_labels=build_labels, seed=cfg.seed,
-                                   device=env.device, dropout=cfg.dropout, autocast=self.autocast, adapt=adapt,
-                                   grad_accum_steps=cfg.grad_accum_steps,
-                                   stage_num_hidden_layers_list=cfg.stage_num_hidden_layers_list,
-                                   num_microbatches=cfg.num_microbatches, schedule=cfg.pipeline_schedule,
-                                   activation_checkpointing=cfg.activation_checkpointing,
-                                   task=self.task.kind, dp_sharding=cfg.dp_sharding,
-                                   comm_chunks=cfg.comm_chunks, kv_blocks=cfg.kv_blocks)
+        self.runner = build_runner(source, plan, mesh, num_labels=build_labels, seed=cfg.seed, device=env.device,
+                                   dropout=cfg.dropout, autocast=self.autocast, adapt=adapt, task=self.task.kind)
         self.model = self.runner.model   # this rank's part: a Galaxy shard (of one pipeline stage)
         # Dropout streams per pipeline stage, in lockstep within it (galaxy/train/rng_state.py);
         # after the build, so that what building drew does not matter.
@@ -211,14 +185,8 @@ class Trainer:
     # --- checkpoint state -------------------------------------------------------------------
 
     def layout(self) -> dict:
-        """What the random streams depend on: the per-rank (sharded) ones on all of it, each
-        stage's replicated one on pipeline.stages (galaxy/train/rng_state.py)."""
-        g, plan, cfg = self.group, plan_of(self.cfg), self.cfg
-        return {"world": self.env.world, "plan": [plan.att, plan.mlp, plan.con],
-                "heads": list(g.heads), "intermediate": list(g.columns), "seq": list(g.tokens),
-                "device": self.env.device.type,
-                "pipeline": pipeline_layout(cfg.pp_deg, cfg.dp_deg, self.job.shape["num_hidden_layers"],
-                                            cfg.stage_num_hidden_layers_list)}
+        """What the random streams depend on (galaxy/train/rng_state.py), as a checkpoint records it."""
+        return layout_record(self.plan, self.env.world, self.env.device.type)
 
     def trainer_state(self) -> dict:
         return {"tokens_seen": self.tokens_seen, "data": self.batches.state_dict(),
@@ -239,9 +207,10 @@ class Trainer:
         self.batches.load_state_dict(state["data"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         self.saved_step = self.step
-        saved, now = saved_layout(state["layout"], self.job.shape["num_hidden_layers"]), self.layout()
+        saved = saved_layout(state["layout"], self.job.shape["num_hidden_layers"])
+        now = self.layout()
         restore_rng(self.model, self.env.device, ckpt.rng_tensors(), same_layout=saved == now,
-                    same_stages=saved["pipeline"]["stages"] == now["pipeline"]["stages"],
+                    same_stages=saved["stages"] == now["stages"],
                     seed=self.cfg.seed, step=self.step, stage=self.mesh.pp_rank)
         if state["schedule"] != self.schedule.state_dict():
             self.notes.append(f"resume: the learning-rate schedule {state['schedule']} of the checkpoint "
@@ -282,7 +251,7 @@ class Trainer:
         cfg, env, job = self.cfg, self.env, self.job
         metrics = MetricsWriter(cfg.metrics_file, enabled=self.lead)
         metrics.log_event("start", step=self.step, resumed_from=job.resume.path if job.resume else None,
-                          world=env.world, plan=self.layout()["plan"])
+                          world=env.world, plan=[self.plan.att, self.plan.mlp, self.plan.con])
         for note in self.notes:
             self._note(note)
         first_step, start = self.step, time.perf_counter()

@@ -9,11 +9,19 @@ import torch.distributed as dist
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.registry import family_of
+from galaxy.plan import Plan
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| relative to max |b| (the scale of the reference tensor)."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def mesh_of(pp: int, dp: int, heads, columns, tokens, **plan):
+    """The mesh of a pp x dp x Galaxy-group plan with these shares (collective), and that plan."""
+    from galaxy.distributed.mesh import make_mesh
+    plan = Plan(pp=pp, dp=dp, heads=tuple(heads), columns=tuple(columns), tokens=tuple(tokens), **plan)
+    return make_mesh(plan)
 
 
 def world_group(heads, inter, seq) -> GalaxyGroup:

@@ -12,9 +12,13 @@ import torch
 
 from support.parity import HF_LOADERS, rel_err, worst_param_error
 
+from dataclasses import replace
+
 from galaxy.distributed.mesh import make_mesh
+from galaxy.models.shape import read_model_shape
 from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.parallel.sharded_dp import local
+from galaxy.plan import Plan, even_split
 from galaxy.runtime.runners import build_runner
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
@@ -54,6 +58,18 @@ def hf_forward(ref):
     return forward
 
 
+def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
+    """The resolved plan a test runs: `plan`'s methods, the shares given (heads, columns, tokens),
+    and the mesh, stages, micro-batches and options of o (DEFAULTS' keys)."""
+    heads, columns, tokens = shares
+    pp, layers = o["pp"], read_model_shape(model_dir)["num_hidden_layers"]
+    return replace(plan, pp=pp, dp=o["dp"], heads=tuple(heads), columns=tuple(columns), tokens=tuple(tokens),
+                   stages=tuple(o["stage_layers"] or even_split(layers, pp)),
+                   microbatches=o["num_microbatches"] if pp > 1 else o["grad_accum_steps"], schedule=o["schedule"],
+                   checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
+                   comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
+
+
 def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_step0=None) -> dict:
     """o["steps"] SGD steps of galaxy's runner and of `reference` (a (forward, parameters) pair,
     forward: whole batch -> (logits, loss)) on the same batches; only parameters that require a
@@ -70,12 +86,9 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
     """
     assert o["lr"] is not None, "train_and_compare needs o['lr'] (stable_lr(family) when a test names none)"
     torch.manual_seed(0)
-    mesh = make_mesh(o["pp"], o["dp"], *shares)
-    runner = build_runner(model_dir, plan, mesh, num_labels=3, stage_num_hidden_layers_list=o["stage_layers"],
-                          num_microbatches=o["num_microbatches"], schedule=o["schedule"],
-                          grad_accum_steps=o["grad_accum_steps"], activation_checkpointing=o["activation_checkpointing"],
-                          task=o["task"], adapt=o["adapt"], dp_sharding=o["dp_sharding"],
-                          comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
+    plan = run_plan(model_dir, plan, shares, o)
+    mesh = make_mesh(plan)
+    runner = build_runner(model_dir, plan, mesh, num_labels=3, task=o["task"], adapt=o["adapt"])
     forward, ref_params = reference
     opt = torch.optim.SGD([p for p in runner.parameters() if p.requires_grad], lr=o["lr"])
     ref_opt = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=o["lr"])

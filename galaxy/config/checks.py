@@ -1,0 +1,44 @@
+"""The checks of a loaded config that need no world: each key's declared range, then the rules
+that tie keys together. Every problem is one line naming the key and the fix."""
+from __future__ import annotations
+
+from galaxy.config.errors import ConfigError
+from galaxy.config.keys import PEFT_FLAGS, GalaxyConfig
+from galaxy.config.schema import declared, range_problem
+from galaxy.plan import plan_key_problems
+
+
+def key_problems(cfg: GalaxyConfig) -> list[str]:
+    """Every out-of-range value and every pair of keys that disagree, one line each."""
+    problems = []
+    for f, _ in declared(type(cfg)):
+        value = getattr(cfg, f.name)
+        if value is not None:
+            line = range_problem(f.name, value, f.metadata)
+            if line:
+                problems.append(line)
+    try:
+        peft_method(cfg)
+    except ConfigError as e:
+        problems += e.problems
+    if cfg.init_method is not None and not cfg.init_method.startswith(("tcp://", "file://", "env://")):
+        problems.append(f"init_method {cfg.init_method} must start with tcp://, file:// or env://")
+    for name in ("save_interval", "keep_checkpoints"):
+        if getattr(cfg, name) is not None and cfg.save_dir is None:
+            problems.append(f"{name} is set but save_dir is not; add save_dir or remove {name}")
+    if cfg.resume == "latest" and cfg.save_dir is None:
+        problems.append('resume is "latest" but save_dir is not set; add save_dir (the folder '
+                        'the checkpoints are in) or give resume a checkpoint folder')
+    # The plan checks its own keys too: a line both give is said once.
+    return list(dict.fromkeys(problems + plan_key_problems(cfg, cfg.batch_size)))
+
+
+def peft_method(cfg) -> str:
+    """The PEFT method the flags select (galaxy.peft's name for it); ConfigError unless at most
+    one flag is true. None true means full fine-tuning, unless the config set full_model to
+    false explicitly (it is in cfg._given): then it asked for no method at all."""
+    on = [flag for flag in PEFT_FLAGS if getattr(cfg, flag, False)]
+    if len(on) > 1 or (not on and "full_model" in getattr(cfg, "_given", ())):
+        got = " and ".join(on) + (" are all true" if on else "full_model is false and no other is true")
+        raise ConfigError(f"{got}; set exactly one of {', '.join(PEFT_FLAGS)} to true")
+    return PEFT_FLAGS[on[0]] if on else "full"

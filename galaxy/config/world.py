@@ -1,0 +1,38 @@
+"""The checks that need the world and the model: can this config run as rank R of N processes?
+And the plan it runs, every share concrete."""
+from __future__ import annotations
+
+from galaxy.config.errors import ConfigError, raise_all
+from galaxy.plan import Plan, PlanError, Workload
+
+
+def workload(cfg, shape: dict) -> Workload:
+    """The model's sizes (galaxy.models.shape.read_model_shape) and the config's batch."""
+    return Workload.of(shape, cfg.pad_size, cfg.batch_size)
+
+
+def validate_for_world(cfg, world: int, rank: int, shape: dict) -> None:
+    """Check that cfg can run as `rank` of `world` processes on a model of `shape`; raises one
+    ConfigError naming every problem found."""
+    if world < 1:
+        raise ConfigError(f"--world must be at least 1, got {world}")
+    if not 0 <= rank < world:
+        raise ConfigError(f"--rank {rank} is out of range for --world {world}; use 0..{world - 1}")
+    if cfg.preset == "serial" and world != 1:
+        who = cfg._script or "the serial preset"
+        raise ConfigError(f"--world is {world} but {who} runs on one process; use --world 1 "
+                          f"or a distributed script")
+    problems = cfg.plan.problems(world, workload(cfg, shape))
+    if cfg.pad_size > shape["max_position_embeddings"]:
+        problems.append(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
+                        f"{shape['max_position_embeddings']}; lower pad_size")
+    raise_all(problems)
+
+
+def resolved_plan(cfg, world: int, shape: dict) -> Plan:
+    """cfg's plan for `world` processes on a model of `shape`, every share, stage and recomputed
+    layer concrete (omitted share lists split evenly, larger shares first)."""
+    try:
+        return cfg.plan.resolve(world, workload(cfg, shape))
+    except PlanError as e:
+        raise ConfigError(*e.problems) from None

@@ -1,0 +1,392 @@
+"""The plan: every choice of how one model is spread over the devices, in one torch-free type.
+
+    mesh        pp x dp x group: pipeline stages, data-parallel replicas of each stage, and the
+                Galaxy ranks that split every block between them (group = world / (pp * dp));
+                rank = (pp_index * dp + dp_index) * group + galaxy_rank (galaxy.distributed.mesh)
+    methods     how each sub-block runs in the group: att TP|SP, mlp TP|SP, con SP|None
+    shares      per Galaxy rank: query heads (a TP ATT), MLP columns (a TP MLP), tokens (SP)
+    pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
+                accumulation's otherwise) and the schedule (gpipe | 1f1b)
+    memory      the layers that recompute in backward (activation checkpointing), and whether the
+                replicas shard parameters, gradients and optimizer state (dp_sharding, FSDP2)
+    overlap     comm_chunks: a TP sub-block's collectives in chunks of the sequence; kv_blocks: SP
+                attention over the own keys while the other ranks' K/V travel
+
+A Plan reads and writes the config's flat keys (`from_keys` / `to_keys`: today's JSON and
+Galaxy-LM's keep their names), fills in what a config leaves out (`resolve`: even splits, larger
+shares first) and lists its own problems for a world, a model and a batch, one line each naming
+the key and the fix. Everything that splits a model (the config, the mesh, apply_plan, the
+runners, the planner, checkpoints' layout record, the profiler) takes this one type.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from enum import Enum
+from itertools import accumulate
+from typing import NamedTuple
+
+
+class Layout(str, Enum):
+    """How an activation between sub-blocks lies on the Galaxy group (docs/design.md section 2)."""
+    R = "R"     # replicated: every rank holds the full [b, S, h]
+    S = "S"     # sequence-sharded: rank r holds its tokens [b, s_r, h]
+    P = "P"     # partial: every rank holds [b, S, h]; the true value is the sum over ranks
+
+METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
+SCHEDULES = ("gpipe", "1f1b")
+# dp_sharding: replicas hold whole copies (DDP), or FSDP2 shards them and frees each layer's
+# gathered parameters after its forward ("full", ZeRO-3 like) or keeps them to backward ("no_reshard").
+DP_SHARDING = ("none", "full", "no_reshard")
+# The named method combinations (att, mlp, con); "galaxy" is the default plan.
+PRESETS = {
+    "tp": ("TP", "TP", "None"),
+    "sp": ("SP", "SP", "SP"),
+    "galaxy": ("TP", "TP", "SP"),     # Megatron TP+SP, with uneven shares
+    "galaxy2": ("TP", "SP", "SP"),
+}
+
+# Flat config key -> Plan field. The micro-batches have two keys: num_microbatches with a
+# pipeline, grad_accum_steps without one.
+FIELD_OF_KEY = {
+    "att_parallel_method": "att", "mlp_parallel_method": "mlp", "con_parallel_method": "con",
+    "pp_deg": "pp", "dp_deg": "dp",
+    "tp_num_attention_heads_list": "heads", "tp_intermediate_size_list": "columns", "seq_scatter_list": "tokens",
+    "stage_num_hidden_layers_list": "stages", "num_microbatches": "microbatches",
+    "grad_accum_steps": "microbatches", "pipeline_schedule": "schedule",
+    "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
+    "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks",
+}
+SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
+              "tokens": "seq_scatter_list"}
+
+
+class Workload(NamedTuple):
+    """What a plan is checked and resolved against: the model's sizes and the batch."""
+    heads: int          # query heads (num_attention_heads)
+    kv_heads: int       # key/value heads (num_key_value_heads; = heads without grouped-query attention)
+    columns: int        # MLP intermediate size
+    layers: int         # transformer layers
+    tokens: int         # sequence length (pad_size)
+    rows: int | None = None      # global batch rows (batch_size); None: not checked
+
+    @staticmethod
+    def of(shape: dict, tokens: int, rows: int | None = None) -> "Workload":
+        """From a model shape (galaxy.models.shape.read_model_shape)."""
+        return Workload(shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"],
+                        shape["num_hidden_layers"], tokens, rows)
+
+
+@dataclass(frozen=True)
+class Plan:
+    att: str = "TP"                           # TP | SP
+    mlp: str = "TP"                           # TP | SP
+    con: str = "SP"                           # SP | None
+    pp: int = 1                               # pipeline stages
+    dp: int = 1                               # data-parallel replicas of every stage
+    heads: tuple[int, ...] | None = None      # query heads per Galaxy rank; None: even
+    columns: tuple[int, ...] | None = None    # MLP columns per Galaxy rank; None: even
+    tokens: tuple[int, ...] | None = None     # tokens per Galaxy rank; None: even
+    stages: tuple[int, ...] | None = None     # layers per pipeline stage; None: even
+    microbatches: int = 1                     # per optimizer step (pipeline or accumulation)
+    schedule: str = "1f1b"                    # gpipe | 1f1b (pp > 1)
+    # "none", "full", a number of leading layers, or layer indices; resolved: the indices
+    checkpoint: str | int | tuple[int, ...] = "none"
+    dp_sharding: str = "none"                 # none | full | no_reshard
+    comm_chunks: int = 1
+    kv_blocks: bool = False
+
+    # --- the flat keys -----------------------------------------------------------------------
+
+    @staticmethod
+    def preset(name: str, **rest) -> "Plan":
+        att, mlp, con = PRESETS[name]
+        return Plan(att=att, mlp=mlp, con=con, **rest)
+
+    @staticmethod
+    def from_keys(keys) -> "Plan":
+        """From an object or dict holding the flat config keys (absent ones keep the defaults)."""
+        get = keys.get if isinstance(keys, dict) else lambda k, d=None: getattr(keys, k, d)
+        values = {}
+        for key, name in FIELD_OF_KEY.items():
+            value = get(key, None)
+            if value is None or name == "microbatches":
+                continue
+            values[name] = tuple(value) if isinstance(value, list) else value
+        pipelined = (get("pp_deg", 1) or 1) > 1
+        micro = get("num_microbatches" if pipelined else "grad_accum_steps", None)
+        if micro is not None:
+            values["microbatches"] = micro
+        return Plan(**values)
+
+    def to_keys(self, layers: int | None = None) -> dict:
+        """The flat config keys of this plan; a share list only where a split uses it (and the
+        group has more than one rank, once resolved). layers: the model's, to write a resolved
+        checkpoint as "full" or a leading count."""
+        keys = {"att_parallel_method": self.att, "mlp_parallel_method": self.mlp,
+                "con_parallel_method": self.con, "pp_deg": self.pp, "dp_deg": self.dp,
+                "activation_checkpointing": self.checkpoint_key(layers)}
+        for name, key in SHARE_KEYS.items():
+            shares = getattr(self, name)
+            if shares is not None and self.uses(name) and len(shares) > 1:
+                keys[key] = list(shares)
+        if self.pp > 1:
+            keys.update(num_microbatches=self.microbatches, pipeline_schedule=self.schedule)
+            if self.stages is not None:
+                keys["stage_num_hidden_layers_list"] = list(self.stages)
+        elif self.microbatches > 1:
+            keys["grad_accum_steps"] = self.microbatches
+        if self.dp > 1:
+            keys["dp_sharding"] = self.dp_sharding
+        if self.comm_chunks > 1:
+            keys["comm_chunks"] = self.comm_chunks
+        if self.kv_blocks:
+            keys["kv_blocks"] = True
+        return keys
+
+    def checkpoint_key(self, layers: int | None = None):
+        """activation_checkpointing as a config writes it: "none", "full", a number of leading
+        layers (no pipeline), or the layer indices."""
+        if not isinstance(self.checkpoint, tuple):
+            return self.checkpoint
+        if not self.checkpoint:
+            return "none"
+        if layers is not None and len(self.checkpoint) == layers:
+            return "full"
+        if self.pp == 1 and self.checkpoint == tuple(range(len(self.checkpoint))):
+            return len(self.checkpoint)
+        return list(self.checkpoint)
+
+    # --- what a resolved plan answers ----------------------------------------------------------
+
+    def uses(self, share: str) -> bool:
+        """Whether a split of this kind ("heads", "columns", "tokens") is in use."""
+        if share == "heads":
+            return self.att == "TP"
+        if share == "columns":
+            return self.mlp == "TP"
+        return "SP" in (self.att, self.mlp, self.con)
+
+    @property
+    def con_layout(self) -> Layout:
+        """The residual stream's layout (the CONs'): token shards under CON SP, else replicated."""
+        return Layout.S if self.con == "SP" else Layout.R
+
+    @property
+    def group(self) -> int:
+        """Galaxy ranks per group (a resolved plan's)."""
+        return len(self.tokens)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.group
+
+    @property
+    def recomputed(self) -> frozenset[int]:
+        """The layers that recompute in backward (of a plan whose stages are known)."""
+        if isinstance(self.checkpoint, tuple):
+            return frozenset(self.checkpoint)
+        return recompute_layers(self.checkpoint, sum(self.stages))
+
+    def stage_layers(self) -> list[range]:
+        """Global layer indices of every stage, in stage order (a resolved plan's)."""
+        ends = list(accumulate(self.stages))
+        return [range(end - n, end) for n, end in zip(self.stages, ends)]
+
+    def recomputed_in_stage(self, p: int) -> int:
+        """How many of stage p's layers recompute (a plan whose stages are known)."""
+        start = sum(self.stages[:p])
+        layers = range(start, start + self.stages[p])
+        if isinstance(self.checkpoint, tuple):      # resolved: the planner's hot path
+            return sum(i in layers for i in self.checkpoint)
+        return len(self.recomputed.intersection(layers))
+
+    def with_stage_checkpoints(self, counts) -> "Plan":
+        """This plan recomputing the first counts[p] layers of every stage p (resolved)."""
+        picked = [i for layers, n in zip(self.stage_layers(), counts) for i in layers[:n]]
+        return replace(self, checkpoint=tuple(picked))
+
+    # --- filling in and checking ------------------------------------------------------------------
+
+    def key_problems(self) -> list[str]:
+        """What is wrong with the keys whatever the world and model: one line each."""
+        problems = []
+        for name, key in (("pp", "pp_deg"), ("dp", "dp_deg"), ("microbatches", None), ("comm_chunks", "comm_chunks")):
+            value = getattr(self, name)
+            if value < 1:
+                key = key or ("num_microbatches" if self.pp > 1 else "grad_accum_steps")
+                problems.append(f"{key} must be at least 1, got {value}")
+        for name, key in (*SHARE_KEYS.items(), ("stages", "stage_num_hidden_layers_list")):
+            values = getattr(self, name)
+            if values is not None and not values:
+                problems.append(f"{key} must not be empty; give one entry per rank or remove the key")
+            if name != "stages":
+                for i, v in enumerate(values or ()):
+                    if v < 1:
+                        problems.append(f"{key}[{i}] must be at least 1 (every rank needs a share), got {v}")
+        return problems
+
+    def problems(self, world: int, work: Workload) -> list[str]:
+        """Every reason this plan cannot run on `world` processes for `work`, one line each."""
+        problems = []
+        cells = self.pp * self.dp
+        if world % cells:
+            problems.append(f"--world {world} is not divisible by pp_deg {self.pp} x dp_deg "
+                            f"{self.dp} = {cells}; use a multiple of {cells} ranks or change "
+                            f"pp_deg/dp_deg")
+        if work.rows is not None and work.rows % self.dp:
+            problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
+                            f"use a multiple of {self.dp}")
+        problems += self._pipeline_problems(work)
+        try:
+            recompute_layers(self.checkpoint, work.layers)
+        except PlanError as e:
+            problems += e.problems
+        if self.dp_sharding != "none" and self.dp == 1:
+            problems.append(f"dp_sharding is '{self.dp_sharding}' but dp_deg is 1: it shards the data-parallel "
+                            f"replicas' parameters over dp_deg > 1 replicas; set dp_deg or remove dp_sharding")
+        if not world % cells:
+            problems += self._shares(world // cells, world, work)[1]
+        return problems
+
+    def resolve(self, world: int, work: Workload) -> "Plan":
+        """This plan with every share, stage and recomputed layer concrete; PlanError naming
+        every problem. A share list the methods do not use stays None when it cannot be made."""
+        problems = self.key_problems() + self.problems(world, work)
+        if problems:
+            raise PlanError(*problems)
+        shares = self._shares(world // (self.pp * self.dp), world, work)[0]
+        stages = self.stages or tuple(even_split(work.layers, self.pp))
+        return replace(self, **shares, stages=stages,
+                       checkpoint=tuple(sorted(recompute_layers(self.checkpoint, work.layers))))
+
+    def _shares(self, size: int, world: int, work: Workload) -> tuple[dict, list[str]]:
+        kv_group = work.heads // work.kv_heads
+        att_tp = self.att == "TP"
+        cells = f"world {world} / (pp_deg {self.pp} x dp_deg {self.dp})"
+        wanted = {  # field -> (total, what the total is, unit of the default split, fix)
+            "heads": (work.heads, "num_attention_heads in the model config", kv_group if att_tp else 1,
+                      "or set att_parallel_method to 'SP'"),
+            "columns": (work.columns, "intermediate_size in the model config", 1,
+                        "or set mlp_parallel_method to 'SP'"),
+            "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
+        }
+        out, problems = {}, []
+        for name, (total, what, unit, fix) in wanted.items():
+            key, given = SHARE_KEYS[name], getattr(self, name)
+            if given is not None:
+                problems += _given_share_problems(key, given, size, total, what, cells,
+                                                  kv_group if name == "heads" and att_tp else 1, work)
+                out[name] = tuple(given)
+                continue
+            try:
+                out[name] = tuple(even_split(total, size, unit))
+            except ValueError:
+                if self.uses(name):
+                    units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
+                    problems.append(
+                        f"{key} is omitted and {what} ({units}) cannot be split over the "
+                        f"{size} ranks of the Galaxy group ({cells}) without a rank getting "
+                        f"none; use at most {total // unit} ranks per group {fix}")
+                out[name] = None
+        return out, problems
+
+    def _pipeline_problems(self, work: Workload) -> list[str]:
+        stages, given, problems = self.pp, self.stages, []
+        if given is not None:
+            if len(given) != stages:
+                problems.append(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
+                                f"{stages}; give one layer count per stage")
+            elif sum(given) != work.layers:
+                problems.append(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
+                                f"{work.layers} layers; make the entries add up to {work.layers}")
+            if given and min(given) < 1:
+                problems.append("stage_num_hidden_layers_list entries must be at least 1")
+        elif stages > work.layers:
+            problems.append(f"pp_deg {stages} exceeds the model's {work.layers} layers; use at most "
+                            f"{work.layers} stages")
+        if stages > 1 and self.schedule == "1f1b" and self.microbatches < stages:
+            problems.append(f"num_microbatches is {self.microbatches} but the 1f1b schedule needs at least "
+                            f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg) "
+                            f"or set pipeline_schedule to gpipe")
+        if stages > 1 and work.rows is not None and (work.rows // self.dp) % self.microbatches:
+            problems.append(f"num_microbatches {self.microbatches} does not divide the "
+                            f"{work.rows // self.dp} rows per replica (batch_size / dp_deg); "
+                            "choose a divisor")
+        return problems
+
+
+def _given_share_problems(key, given, size, total, what, cells, kv_group, work) -> list[str]:
+    if len(given) != size:
+        return [f"{key} has {len(given)} entries but the Galaxy group has {size} ranks ({cells})"]
+    if sum(given) != total:
+        return [f"{key} sums to {sum(given)} but {what} is {total}; make the entries add up to {total}"]
+    for i, v in enumerate(given):
+        if v % kv_group:
+            return [f"{key}[{i}] is {v}, not a multiple of {kv_group}: the model's {work.heads} query "
+                    f"heads share {work.kv_heads} KV heads, so each TP rank needs whole groups of "
+                    f"{kv_group} heads"]
+    return []
+
+
+def plan_key_problems(keys, rows: int | None = None) -> list[str]:
+    """What is wrong with a config's plan keys before any world or model is known (keys: an
+    object with the flat keys as attributes; rows: the global batch)."""
+    plan = Plan.from_keys(keys)
+    problems = plan.key_problems()
+    accumulation = getattr(keys, "grad_accum_steps", 1)
+    if plan.pp > 1 and accumulation > 1:
+        problems.append("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
+                        "num_microbatches is its accumulation); remove it")
+    if plan.pp == 1 and rows is not None and accumulation >= 1 and rows % accumulation:
+        problems.append(f"batch_size {rows} is not divisible by grad_accum_steps "
+                        f"{accumulation}; batch_size is the global batch of one optimizer "
+                        f"step, split into grad_accum_steps equal micro-batches")
+    return problems
+
+
+class PlanError(ValueError):
+    """Problems of a plan: one line each (`problems`), joined by newlines."""
+
+    def __init__(self, *problems: str):
+        self.problems = list(problems)
+        super().__init__("\n".join(problems))
+
+
+def plan_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Plan))
+
+
+def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Split total into parts multiples of unit that differ by at most one unit, larger first.
+
+    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
+    Raises ValueError when some part would be 0 or total is not a multiple of unit.
+    """
+    if parts < 1 or unit < 1:
+        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
+    if total % unit:
+        raise ValueError(f"{total} is not a multiple of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * unit for i in range(parts)]
+
+
+def recompute_layers(spec, num_layers: int) -> frozenset[int]:
+    """The layers activation checkpointing recomputes: spec "none", "full", a number of leading
+    layers or layer indices (config key activation_checkpointing)."""
+    if spec == "none":
+        return frozenset()
+    if spec == "full":
+        return frozenset(range(num_layers))
+    if isinstance(spec, int):
+        if not 0 <= spec <= num_layers:
+            raise PlanError(f"activation_checkpointing {spec} is not a number of layers of the model's "
+                            f"{num_layers}; use 0..{num_layers}, \"full\" or a list of layer indices")
+        return frozenset(range(spec))
+    bad = [i for i in spec if not 0 <= i < num_layers]
+    if bad:
+        raise PlanError(f"activation_checkpointing names layer {bad[0]}, but the model's layers are "
+                        f"0..{num_layers - 1}; fix the list")
+    return frozenset(spec)

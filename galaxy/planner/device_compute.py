@@ -1,0 +1,75 @@
+"""Seconds a device spends on a sub-block at a share: from its measured compute table when the table
+was taken for this model and pad_size, else from the model profile's FLOPs and the device's GEMM rate."""
+from __future__ import annotations
+
+import bisect
+
+
+def _interp(xs, ys, x):
+    """Piecewise linear through (xs, ys), extended linearly past both ends; one point: constant."""
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+class DeviceCompute:
+    """Seconds one device spends on a sub-block kind at a share: its measured table when the
+    profile has one for this model, else the model profile's FLOPs over its GEMM rate."""
+
+    FLOPS_OF = {"att_tp": "att", "att_sp": "att", "mlp_tp": "mlp", "mlp_sp": "mlp", "con": "con",
+                "head": "head", "embed": None}
+
+    def __init__(self, device: dict, model: dict, use_tables: bool):
+        self.device, self.model = device, model
+        compute = device.get("compute") if use_tables else None
+        self.tables = compute["kinds"] if compute else {}
+        self.rows = compute["rows"] if compute else []
+        self.rate = device.get("gemm_flops_per_s")
+        self.ew_rate = device.get("elementwise_flops_per_s")
+        self._cache: dict = {}
+
+    def __call__(self, kind: str, units: int, rows: float) -> tuple[float, float]:
+        key = (kind, units, rows)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._table(kind, units, rows) if kind in self.tables \
+                else self._flops(kind, units, rows)
+        return hit
+
+    def _table(self, kind, units, rows):
+        t = self.tables[kind]
+        out = []
+        for grid in (t["fwd_s"], t["bwd_s"]):
+            per_unit = [_interp(self.rows, row, rows) for row in grid]
+            out.append(max(0.0, _interp(t["units"], per_unit, units)))
+        return tuple(out)
+
+    def _flops(self, kind, units, rows):
+        name = self.FLOPS_OF[kind]
+        if name is None or self.rate is None:
+            return 0.0, 0.0
+        f = self.model["flops_per_row"][name]
+        total = self.model["units"][kind][0]
+        frac = 1.0 if kind == "head" and self.model["task"] == "classification" else units / total
+        ew = self.ew_rate
+        fwd = f["fwd"] / self.rate + (f["fwd_elementwise"] / ew if ew else 0.0)
+        bwd = f["bwd"] / self.rate + (f["bwd_elementwise"] / ew if ew else 0.0)
+        return fwd * rows * frac, bwd * rows * frac
+
+
+def model_signature(model: dict) -> dict:
+    """What a device's compute table must have been measured at to apply to this model."""
+    hf = model["hf_config"]
+    return {"model_type": hf.get("model_type"), "hidden_size": hf.get("hidden_size"),
+            "num_attention_heads": hf.get("num_attention_heads"),
+            "num_key_value_heads": hf.get("num_key_value_heads") or hf.get("num_attention_heads"),
+            "intermediate_size": hf.get("intermediate_size"), "vocab_size": hf.get("vocab_size"),
+            "pad_size": model["pad_size"]}
+
+
+def tables_match(device: dict, signature: dict) -> bool:
+    compute = device.get("compute")
+    return bool(compute) and all(compute.get("model", {}).get(k) == v for k, v in signature.items())

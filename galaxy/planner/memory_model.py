@@ -1,0 +1,111 @@
+"""The memory model: each rank's peak bytes under a plan.
+
+Memory, per rank (MiB): the process baseline (device profile) + parameters, gradients and optimizer
+state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moments, SGD none) + DDP's
+gradient buckets (a second copy of the gradients, dp > 1) + the Galaxy group's buckets (a second
+copy of the gradients it sums: the sequence-parallel sub-blocks' weights) + the activations saved
+for backward (model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
+pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only its input carry,
+plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
+as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
+parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
+resident memory, and glibc keeps freed activation memory, so the activations count twice
+(CPU_ACTIVATION_SLACK; the second time as if no layer were recomputed: backward still rebuilds
+them all) and the temporaries come on top; on CUDA the larger of the two. With sharded
+data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered
+parameters beside their shards), gradients and optimizer state are divided over the dp replicas;
+the unsharded gradients before their reduce-scatter still count once, as DDP's buckets do.
+"""
+from __future__ import annotations
+
+import functools
+
+from galaxy.plan import Plan
+from galaxy.planner.model_terms import FP32, MIB, ModelTerms
+
+OPT_STATE = {"adamw": 2, "sgd": 0}   # fp32 tensors per parameter the optimizer keeps
+OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of an unfused step (AdamW: sqrt(v))
+# CPU peak RSS: glibc keeps most freed activation memory in its heap, and backward's gradients of
+# activations come on top: activations x (1 + slack), then + an unfused optimizer's temporaries.
+# Measured with the fused step on all-MiniLM-L6-v2 (bench/plan_accuracy.py, 8 x 64 tokens, 16 plans):
+# slack 1.0 puts all 31 ranks within 10% (median 2.4%); 0.5 left plans with few activations (pipeline
+# stages, accumulation, recomputation) 9-11% under. A device profile may set its own
+# "activation_slack". CUDA (caching allocator): max(acts, temps).
+CPU_ACTIVATION_SLACK = 1.0
+
+
+class MemoryModel(ModelTerms):
+    def estimate_memory(self, plan: Plan) -> list[float]:
+        """MiB per rank (the memory half of estimate(), cheaper)."""
+        g, pp, m = plan.group, plan.pp, plan.microbatches
+        rows = self.batch / (plan.dp * m)
+        s_con = [self._kinds(plan, j)[2] for j in range(g)]
+        out = [0.0] * (g * pp * plan.dp)
+        for p in range(pp):
+            inflight = self.in_flight(plan, p)
+            for j in range(g):
+                n = self.params_of(plan, p, j)
+                for d in range(plan.dp):
+                    r = (p * plan.dp + d) * g + j
+                    out[r] = self._memory(plan, p, j, r, n, rows, plan.recomputed_in_stage(p), inflight, plan.stages[p],
+                                          s_con[j], p == 0, p == pp - 1) / MIB
+        return out
+
+    def _memory(self, plan, p, j, r, n, rows, c, inflight, L, s_con, first, last) -> float:
+        """Bytes of rank r (stage p, Galaxy rank j, n parameters) at its peak."""
+        dev = self.devices[r]
+        state, acts, temp = self._memory_parts(plan, p, j, n, rows, c, inflight, L, s_con, first, last)
+        if dev.get("optimizer_fused"):                # one kernel per tensor group: no temporaries
+            temp = 0.0
+        if dev.get("device", "cpu") == "cuda":       # the caching allocator reuses freed activations
+            return dev.get("baseline_mib", 0.0) * MIB + state + max(acts, temp)
+        slack = dev.get("activation_slack", CPU_ACTIVATION_SLACK)
+        # The slack stands for what backward touches beside the saved activations (their gradients,
+        # freed blocks the heap keeps), and backward still walks every layer's activations when it
+        # rebuilds them: recomputation saves the saved activations once, not 1 + slack times
+        # (bench/plan_accuracy.py: Galaxy with every layer recomputed measured 751-760 MiB against
+        # 684 predicted at 1 + slack; serial 834, 794 predicted, 880 now).
+        whole = acts if not c else \
+            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last)[1]
+        kept = 0.0
+        if dev.get("freed_memory_kept") and first:
+            # Each accumulated micro-batch after the first makes a fresh dense embedding gradient and
+            # adds it into .grad; a heap that keeps freed memory (galaxy.runtime.cpu_allocator) keeps
+            # that block too, split by later small allocations, so the next one extends the heap
+            # (bench/plan_accuracy.py: pp 2, 4 micro-batches, stage 0 measured 851-885 MiB against
+            # 747 predicted without this term).
+            kept = (plan.microbatches - 1) * self.embed_params * FP32
+        return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
+
+    @functools.lru_cache(maxsize=65536)
+    def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer state and the buckets' gradient copies; activations at the
+        backward's peak; an unfused optimizer step's temporaries) in bytes."""
+        dp = plan.dp
+        sharded = plan.dp_sharding != "none" and dp > 1
+        weights = n / dp if sharded else n
+        if sharded and plan.dp_sharding == "full":
+            weights += 2 * self.layer_params_of(plan, j)          # a layer gathered, the next prefetched
+        elif sharded:                                             # no_reshard: the gathered parameters stay
+            weights += n                                          # beside their shards until the step ends
+        held = n / dp if sharded else n                           # what grads and optimizer state cover
+        opt = OPT_STATE.get(self.optimizer, 0) * held
+        # A second copy of the gradients: DDP's buckets (its gradients are views of them, but
+        # backward makes each gradient afresh after zero_grad(set_to_none) and the bucket takes a copy);
+        # under sharding, each unit's unsharded gradients before their reduce-scatter (freed unit by
+        # unit, but the allocator keeps the memory: bench/plan_memory.py measured 929 MiB where the
+        # shards alone predicted 728).
+        buckets = n if dp > 1 else 0
+        # The Galaxy group's "sum" gradients are flattened into their all-reduce buckets: one more
+        # copy, in buffers GradientSync keeps from step to step.
+        buckets += L * self.summed_layer_params_of(plan, j) / (dp if sharded else 1)
+        layer, biggest = self.layer_act_per_row(plan, j)
+        carry = self.carry * s_con * self.hidden * FP32
+        per_mb = (L - c) * layer + c * carry
+        if first:
+            per_mb += self._act("embed", self.seq)
+        if last:
+            per_mb += self._act("head", s_con)
+        acts = rows * (inflight * per_mb + (layer if c else 0) + biggest)
+        temp = OPT_TEMP.get(self.optimizer, 0) * held * FP32
+        return FP32 * (weights + held + opt + buckets), acts, temp

@@ -1,0 +1,52 @@
+"""The search's ranked plans as a table, and the one line that says why nothing fits."""
+from __future__ import annotations
+
+
+def describe(plan) -> dict:
+    """The columns of the table for one plan."""
+    g = plan.group
+    splits = []
+    if g > 1 and plan.att == "TP":
+        splits.append("heads " + ",".join(map(str, plan.heads)))
+    if g > 1 and plan.mlp == "TP":
+        splits.append("cols " + ",".join(map(str, plan.columns)))
+    if g > 1 and "SP" in (plan.att, plan.mlp, plan.con):
+        splits.append("tok " + ",".join(map(str, plan.tokens)))
+    methods = f"{plan.att} {plan.mlp} {plan.con}" if g > 1 else "-"
+    mb = f"{plan.microbatches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
+    ck = "none" if not plan.checkpoint else ",".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp))
+    extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""
+    return {"mesh": f"{plan.pp}x{plan.dp}x{g}{extra}", "methods": methods, "splits": " ".join(splits) or "-",
+            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck}
+
+
+def table(ranked) -> str:
+    head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
+            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank")
+    lines = [head]
+    for i, est in enumerate(ranked, 1):
+        d = describe(est.plan)
+        mem = ",".join(mib(m) for m in est.memory_mib)
+        lines.append(f"{i:>2} {est.step_s * 1e3:>9.1f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
+                     f"{d['mb']:<9} {d['ckpt']:<9} {max(est.sent_bytes) / 1e6:>12.2f}  {mem} | {d['splits']}")
+    return "\n".join(lines)
+
+
+def mib(x: float) -> str:
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
+
+
+def no_fit_line(result, devices) -> str:
+    lean = result.leanest
+    if lean is None:
+        return "no plan can be formed for this world and batch (check batch_size, the devices and --pp / --dp)"
+    short = lean.shortfall(result.budgets)
+    worst = [r for r in range(len(short)) if short[r] > 0]
+    parts = [f"rank {r} ({devices[r].get('name', 'device')}) needs {mib(lean.memory_mib[r])} MiB, its budget is "
+             f"{mib(result.budgets[r])} MiB: short by {mib(short[r])} MiB" for r in worst[:4]]
+    more = f" and {len(worst) - 4} more ranks" if len(worst) > 4 else ""
+    d = describe(lean.plan)
+    methods = f"ATT MLP CON {d['methods']}, " if lean.plan.group > 1 else ""
+    return (f"no plan fits the memory budgets; under the leanest plan (pp x dp x g {d['mesh']}, {methods}"
+            f"{d['mb']} micro-batches, recomputed layers per stage {d['ckpt']}) " + "; ".join(parts) + more +
+            "; raise --memory_mib, lower batch_size or pad_size, or add devices")
