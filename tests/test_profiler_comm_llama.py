@@ -162,6 +162,7 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
     """profile_flops.py's closed form for --model llama, built from the checkpoint's config.json as
     the script does, matches the measurement and says so in the report."""
     from argparse import Namespace
+    from dataclasses import replace
 
     from galaxy.config import load_config
     from galaxy.profiler.cli import closed_form_comm, prepare, render
@@ -171,7 +172,7 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
                                       att_parallel_method="TP", mlp_parallel_method="TP", con_parallel_method="SP")))
     job = prepare(load_config(str(config)), Namespace(model="llama", compare_deepspeed=False, repeats=1, warmup=0,
                                                       depth=1))
-    expected = closed_form_comm(job, plan, SHARES[2][2])
+    expected = closed_form_comm(job, replace(plan, tokens=tuple(SHARES[2][2])))
     assert expected == closed_form(plan, SHARES[2])
     reports = dist_pool(2).run(profile_rank, llama_dir, plan, SHARES[2])
     text = render(reports, job, 1, expected)
