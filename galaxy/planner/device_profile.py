@@ -203,7 +203,7 @@ def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
     sub-block does before its collective. Back-to-back calls meet warm buffers, a busy gloo thread
     and ranks in lockstep; a call after compute meets what a sub-block leaves behind (the peer a
     little early or late, the communication thread asleep), and took 1.3-2.6x as long on this
-    project's 2-core VM at the sizes a step moves (bench/README.md, plan_accuracy.py). The mean of
+    project's 2-core VM at the sizes a step moves (bench/results/plan_accuracy.md). The mean of
     every call is kept whatever --statistic says: a step pays every call, its slow ones too (a
     waiting thread woken a scheduler tick late: 4 ms on some VMs, against 0.3 ms typical)."""
     from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence

@@ -7,7 +7,7 @@ galaxy.launch.main parses the arguments (its own and this script's, see add_argu
 the config, starts the process group and owns the exit codes, as for every entry script. The batch is
 synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend on token values.
 Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
-and communication; --json writes the report (schema: README.md, section Profiling).
+and communication; --json writes the report (schema: docs/profiling.md).
 
 dp_deg > 1: every data-parallel replica profiles its batch_size / dp_deg rows on its Galaxy group's
 model; the figures are those of replica 0's ranks. The gradient reduction over the replicas (DDP's
