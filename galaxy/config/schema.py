@@ -53,19 +53,19 @@ def default_of(f: Field):
 
 def parse(name: str, value, typ, meta: dict):
     """The value converted to its declared type, or ConfigError naming the key and what it takes."""
-    members = members(typ)
+    options = members(typ)
     if value is None:
-        if type(None) in members:
+        if type(None) in options:
             return meta.get("null_as")
         raise ConfigError(f"{name} must be {describe(typ, meta)}, got {show(value)}")
-    for member in members:
+    for member in options:
         ok, out = _parse_one(name, value, member)
         if ok:
             return out
-    literal = [m for m in members if get_origin(m) is Literal]
-    if literal and len(members) - (type(None) in members) == 1:
+    literal = [m for m in options if get_origin(m) is Literal]
+    if literal and len(options) - (type(None) in options) == 1:
         valid = ", ".join(f"'{v}'" for v in get_args(literal[0]))
-        raise ConfigError(f"{name} must be one of {valid}{' or null' if type(None) in members else ''}, "
+        raise ConfigError(f"{name} must be one of {valid}{' or null' if type(None) in options else ''}, "
                           f"got {show(value)}")
     raise ConfigError(f"{name} must be {describe(typ, meta)}, got {show(value)}")
 
