@@ -38,7 +38,8 @@ def test_fused_step_is_the_default_step(name):
 
 def test_step_kind_of_plain_tensors():
     assert step_kind("adamw", [torch.nn.Parameter(torch.randn(3))], lr=1e-3) == "fused"
-    assert step_kind("sgd", [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(()))], lr=0.1) == "fused"
+    vector_and_scalar = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(()))]
+    assert step_kind("sgd", vector_and_scalar, lr=0.1) == "fused"
     assert step_kind("sgd", [], lr=0.1) == "loop"
     frozen = torch.nn.Parameter(torch.randn(2), requires_grad=False)
     opt = make_optimizer(SimpleNamespace(optimizer="adamw", learning_rate=1e-3, weight_decay=0.0),
@@ -61,7 +62,8 @@ def _sharded_steps(name: str, plain_shape):
     opt = build_optimizer(name, ours, lr=1e-2, weight_decay=0.01)
     kind = "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "loop"
     ref_opt = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[name](ref, lr=1e-2, weight_decay=0.01, foreach=False)
-    like = lambda g, p: distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) if p.dim() and p is not ours[-1] else g  # noqa: E731
+    def like(g, p):
+        return g if p is ours[-1] else distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
     _step_both(ours, ref, opt, ref_opt, shapes, gen, like)
     errors = [((p.full_tensor() if p is not ours[-1] else p) - q).abs().max().item() for p, q in zip(ours, ref)]
     return kind, max(errors)
