@@ -5,10 +5,11 @@ x activation checkpointing x mixed precision x gradient accumulation x clipping 
 overlap), rows in which every pair of values of every two factors meets (tests/support/covering.py)
 run as users run them, from the entry scripts (the shared command drivers, torch imported once per
 driver). A row either trains 2 steps with finite losses equal to the serial run of the same config
-(within 1e-5 in fp32, dropout off; finite only under bf16), or holds a pair Galaxy refuses
+(within 1e-5 in fp32, dropout off; 2e-2 under bf16), or holds a pair Galaxy refuses
 (combinations.REFUSED) and exits 2 before any process group starts, one "error:" line per problem,
 the expected one among them. Any other outcome fails the test, naming the row.
 
+Combinations the whole product found failing (combinations.FOUND) run too.
 GALAXY_COMBINATIONS=all runs the whole product instead of the pairs, and
 GALAXY_COMBINATIONS_SHARD=i/n only its i-th of n slices (for several machines).
 """
@@ -34,6 +35,7 @@ def chosen_rows() -> list[dict]:
         rows = pairwise(space.FACTORS, set(space.REFUSED))
         for (a, b) in space.REFUSED:      # the first row with one value, given the other
             rows.append({**next(r for r in rows if r[a[0]] == a[1]), b[0]: b[1]})
+        rows += space.FOUND
     shard = os.environ.get("GALAXY_COMBINATIONS_SHARD")
     if shard:
         i, n = map(int, shard.split("/"))
@@ -46,7 +48,7 @@ def jobs_of(rows: list[dict], models: dict, folder) -> list[tuple[str, dict]]:
     two-rank jobs first so that the one-rank ones run two at a time."""
     wanted = {space.name(r): r for r in rows}
     for row in rows:
-        if row["mesh"] != "serial" and space.refusal(row) is None and space.exact(row):
+        if row["mesh"] != "serial" and space.refusal(row) is None:
             twin = space.serial_twin(row)
             wanted.setdefault(space.name(twin), twin)
     jobs = []
@@ -77,14 +79,14 @@ def judge(row: dict, outcome: list[tuple], metrics: str, script: str) -> str | N
 
 
 def compare(row: dict, losses: dict) -> str | None:
-    """Against the serial twin's losses (where the plan is exact)."""
-    if row["mesh"] == "serial" or not space.exact(row) or space.refusal(row) is not None:
+    """Against the serial twin's losses, within combinations.tolerance."""
+    if row["mesh"] == "serial" or space.refusal(row) is not None:
         return None
     ours, ref = losses[space.name(row)], losses.get(space.name(space.serial_twin(row)))
     if ref is None:
         return "its serial twin did not train"
     off = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(ours, ref))
-    return None if off <= 1e-5 else f"losses {ours} off the serial run's {ref} by {off:.2e}"
+    return None if off <= space.tolerance(row) else f"losses {ours} off the serial run's {ref} by {off:.2e}"
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,8 @@ def _stand_in(signature: tuple, value: float) -> torch.Tensor:
     DTensor is built from this rank's local part without checking the other ranks')."""
     sharding, device, dtype, ndim, single = signature
     shape = (1 if single or i else 2 for i in range(max(ndim, sharding is not None)))
-    local = torch.full(tuple(shape), value, device=device, dtype=dtype)
-    return local if sharding is None else DTensor.from_local(local, *sharding, run_check=False)
+    part = torch.full(tuple(shape), value, device=device, dtype=dtype)
+    return part if sharding is None else DTensor.from_local(part, *sharding, run_check=False)
 
 
 def _trial(name: str, signatures: list[tuple], kind: str, hyper: dict) -> list[torch.Tensor]:

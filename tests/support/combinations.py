@@ -24,6 +24,13 @@ FACTORS = {
     "clip": ["off", "on"],
     "overlap": ["off", "on"],          # comm_chunks 2 (a TP ATT's or MLP's) and kv_blocks (an SP ATT's)
 }
+# Combinations the whole product found failing, run in the suite too (pairs do not hold them).
+FOUND = [
+    # a pipeline stage sent the bf16 side state into an fp32 buffer: NaN from step 1
+    # (galaxy.pipeline.stage.carry_dtype)
+    {"family": "llama", "optimizer": "adamw", "peft": "side_only", "mesh": "pp2", "recompute": "none",
+     "precision": "bf16", "accum": 1, "clip": "on", "overlap": "on"},
+]
 # Pairs of values Galaxy refuses before any process group starts, and a piece of the one line it
 # prints: no row that trains holds one, and each is tried in a row of its own.
 REFUSED = {
@@ -61,9 +68,11 @@ def refusal(row: dict) -> str | None:
     return None
 
 
-def exact(row: dict) -> bool:
-    """Whether the row's losses must equal its serial twin's (fp32, dropout off); bf16 only finite."""
-    return row["precision"] == "none"
+def tolerance(row: dict) -> float:
+    """How far the row's losses may be from its serial twin's, relative: 1e-5 where the plan is
+    exact (fp32, dropout off); under bf16 (8-bit mantissa: 3.9e-3 a rounding) 2e-2, far below
+    what a wrong carry or gradient does, far above what another order of bf16 sums does."""
+    return 1e-5 if row["precision"] == "none" else 2e-2
 
 
 def serial_twin(row: dict) -> dict:
