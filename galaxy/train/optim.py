@@ -27,6 +27,7 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 # Fastest first; each is the keyword torch's optimizers take for it. The loop (one tensor at a
 # time, plain aten ops) runs on every tensor kind DTensor can hold.
 STEP_KINDS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
+STEP_FLAGS = ("fused", "foreach")     # the parameter-group keys that hold the choice
 
 
 def _signature(p: torch.Tensor) -> tuple:
