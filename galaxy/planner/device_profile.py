@@ -31,7 +31,7 @@ import torch.distributed as dist
 from galaxy.planner.harness import SubBlockBench
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
 from galaxy.runtime import cpu_allocator
-from galaxy.train.optim import build_optimizer, fused_allowed
+from galaxy.train.optim import build_optimizer, step_kind
 
 
 def rss_mib() -> float:
@@ -312,7 +312,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
-            "optimizer_fused": fused_allowed(list(bench.model.parameters())),
+            "optimizer_fused": step_kind("adamw", list(bench.model.parameters()), lr=1e-4) == "fused",
             "grad_accumulate_s_per_param": accumulate_rate(env.device, max(3, repeats), statistic),
             "freed_memory_kept": cpu_allocator.kept(),
             "compute": compute}
