@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 # Bottom first; a module may import its own package and those of earlier rows.
-LAYERS = [("config", "files", "data", "compat"), ("distributed",), ("layers",), ("models",), ("parallel",),
+LAYERS = [("config", "files", "data", "compat", "assets"), ("distributed",), ("layers",), ("models",), ("parallel",),
           ("pipeline",), ("runtime",), ("peft",), ("preflight",), ("train",), ("launch",), ("profiler",),
           ("planner",)]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}

@@ -6,7 +6,8 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 """
 from __future__ import annotations
 
-from galaxy.models import bert, closed_form, gpt2, llama, packaged_minilm, qwen2, tiny_llama
+from galaxy.assets import packaged_minilm, tiny_llama
+from galaxy.models import bert, closed_form, gpt2, llama, qwen2
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
@@ -29,7 +30,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         lora_targets=("q_proj", "v_proj"),
         matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.llama_comm_of,
         default_tokenizer=tiny_llama.default_tokenizer,
-        default_tokenizer_name="the tiny-llama byte-level BPE tokenizer (galaxy.models.tiny_llama)"),
+        default_tokenizer_name="the tiny-llama byte-level BPE tokenizer (galaxy.assets.tiny_llama)"),
     FamilySpec(     # Llama with q/k/v biases: Llama's names, FLOPs; its own "sum" parameters
         name="qwen2", model_types=("qwen2",),
         tasks={"causal_lm": qwen2.Qwen2ForCausalLM},
