@@ -35,12 +35,10 @@ class GalaxyModel(nn.Module):
       self.layers   nn.ModuleList of galaxy.layers.block.TransformerBlock(att, con1, mlp, con2)
       self.enter    a Transition: embeddings (R) -> the CON layout (set by the plan)
 
-    and the modules named in first_stage_modules / last_stage_modules. Its sub-blocks follow
-    the block protocol (galaxy.layers.block): ATT and MLP return (output, deferred bias) and
-    have `shard_tp(shares, rank)` and `deferred_bias`; ATT has `kv_gather`, `local_rows`,
-    `kv_blocks` and `rng_scope` (set by a plan for SP and dropout) and splits into `project` / `attend` /
-    `finish` (token-wise, whole-sequence, token-wise: chunked TP overlap calls them); each CON has `rng_scope` and `adapter`
-    (a bottleneck adapter, galaxy.peft.adapter) and returns (residual stream, next input).
+    and the modules named in first_stage_modules / last_stage_modules. The sub-blocks are the
+    shared ones (galaxy.layers: SelfAttention, FeedForward, Connector), built with the family's
+    Hugging Face names, its norms and its attention core (scale, rotary positions, mask layout);
+    they own everything a plan sets (TP sharding, the SP K/V gather, dropout streams, overlap).
     """
 
     # -- facts every family states (class attributes) --------------------------------------

@@ -11,8 +11,6 @@ Each CON returns (residual stream, normalised input of the next sub-block).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,10 +18,10 @@ from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
-from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
-from galaxy.layers.linear import OutputProjection
-from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+from galaxy.layers.connector import Connector
+from galaxy.layers.mlp import FeedForward
+from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap, pre_norm_names
@@ -49,134 +47,27 @@ def rotate_half(x):
     return torch.cat((-b, a), dim=-1)
 
 
-class LlamaAttention(nn.Module):
-    """ATT: grouped-query attention with rotary positions. Query heads share K/V heads in groups."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        h = cfg.hidden_size
-        self.head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.group = self.num_heads // self.num_kv_heads           # query heads per K/V head
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = OutputProjection(self.num_heads * self.head_dim, h, bias=bias)
-        self.dropout_p = cfg.attention_dropout
-        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
-        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
-        self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
-        self.rng_scope = nullcontext
-
-    deferred_bias = "o_proj.bias"
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        """Keep this rank's query heads and their K/V heads (shares are whole K/V groups)."""
-        d, g = self.head_dim, self.group
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.q_proj, start * d, count * d)
-        shard_column_parallel(self.k_proj, start // g * d, count // g * d)
-        shard_column_parallel(self.v_proj, start // g * d, count // g * d)
-        shard_row_parallel(self.o_proj, start * d, count * d)
-        self.num_heads, self.num_kv_heads = count, count // g
-        q_sizes = tuple(n * d for n in shares)
-        kv_sizes = tuple(n // g * d for n in shares)
-        specs = {"q_proj.weight": (0, q_sizes), "k_proj.weight": (0, kv_sizes),
-                 "v_proj.weight": (0, kv_sizes), "o_proj.weight": (1, q_sizes)}
-        if self.q_proj.bias is not None:
-            specs.update({"q_proj.bias": (0, q_sizes), "k_proj.bias": (0, kv_sizes), "v_proj.bias": (0, kv_sizes)})
-        return specs
-
-    # The block protocol's pieces (galaxy.layers.block): a TP ATT whose transitions travel in
-    # chunks runs project per chunk, attend once over the whole sequence, finish per chunk.
-
-    def project(self, x):
-        """Token-wise: x [b, s, h] -> (q [b, s, heads*d], k, v [b, s, kv_heads*d]), not yet rotated."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def attend(self, q, k, v, mask, cos, sin):
-        """The whole sequence's q, k, v (as project returns them) -> context [b, S, heads*d]."""
-        return self._attend(self._rotate(q, cos, sin), self._rotate(k, cos, sin), self._heads(v), mask)
-
-    def finish(self, ctx):
-        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
-        return self.o_proj(ctx), self.o_proj.bias
-
-    def _heads(self, t):
-        return split_heads(t, self.head_dim)                             # [b, s, heads, d]
-
-    def _rotate(self, t, cos, sin):
-        # t: [b, s, heads*d]; cos, sin: [b, s, d] at t's positions
-        t = self._heads(t)
-        return t * cos[:, :, None] + rotate_half(t) * sin[:, :, None]
-
-    def _attend(self, q, k, v, mask):
-        # q: [b, s, heads, d]; k, v: [b, S, kv_heads, d]; mask: [b, 1, s, S] -> [b, s, heads*d]
-        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope,
-                         enable_gqa=self.group > 1)
-
-    def forward(self, x, mask, cos, sin):
-        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend);
-        # cos, sin: [b, S, d] for the full sequence
-        if self.local_rows is not None:      # SP: own queries, all keys
-            mask, cos, sin = mask[:, :, self.local_rows], cos[:, self.local_rows], sin[:, self.local_rows]
-        if self.kv_gather is None:
-            return self.finish(self.attend(*self.project(x), mask, cos, sin))
-        # SP: K rotated at its own (global) positions, then K and V gathered in one collective
-        # while Q is projected and the own keys attended to.
-        k, v = self._rotate(self.k_proj(x), cos, sin), self._heads(self.v_proj(x))   # [b, s, kv_heads, d]
-        ctx = attention_while_gathering(lambda: self._rotate(self.q_proj(x), cos, sin), k, v, self.kv_gather, mask,
-                                        dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, enable_gqa=self.group > 1,
-                                        blocks=self.kv_blocks)
-        return self.finish(ctx)
+def rotary(t, context: dict):
+    """Queries or keys t [b, s, heads, d] rotated by the context's cos, sin [b, s, d] (the
+    layer_context's tables, at t's positions)."""
+    cos, sin = context["cos"][:, :, None], context["sin"][:, :, None]
+    return t * cos + rotate_half(t) * sin
 
 
-class LlamaMLP(nn.Module):
-    """MLP: SwiGLU, down(act(gate(x)) * up(x))."""
-
-    deferred_bias = "down_proj.bias"
-
-    def __init__(self, cfg):
-        super().__init__()
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = OutputProjection(i, h, bias=bias)
-        self.act = ACT2FN[cfg.hidden_act]
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.gate_proj, start, count)
-        shard_column_parallel(self.up_proj, start, count)
-        shard_row_parallel(self.down_proj, start, count)
-        specs = {"gate_proj.weight": (0, shares), "up_proj.weight": (0, shares), "down_proj.weight": (1, shares)}
-        if self.up_proj.bias is not None:
-            specs.update({"gate_proj.bias": (0, shares), "up_proj.bias": (0, shares)})
-        return specs
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.down_proj.bias
-
-
-class LlamaConnector(nn.Module):
-    """CON: stream = stream + x (+ bias); returns (stream, norm(stream))."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rng_scope = nullcontext   # no dropout in Llama's residual path
-        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
-
-    def forward(self, x, bias, residual):
-        if bias is not None:
-            x = x + bias
-        if self.adapter is not None:
-            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
-        stream = residual + x
-        return stream, self.norm(stream)
+def llama_layer(cfg, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> TransformerBlock:
+    """ATT (grouped-query attention with rotary positions, causal mask; o_proj's bias deferred),
+    CON1 (residual add, post_attention_layernorm), MLP (SwiGLU), CON2 (residual add, the next
+    layer's input_layernorm). No dropout in the residual path."""
+    h = cfg.hidden_size
+    att = SelfAttention(h, cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                        head_dim=getattr(cfg, "head_dim", None), qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
+                        qkv_bias=qkv_bias, out_bias=out_bias, dropout_p=cfg.attention_dropout, positions=rotary,
+                        query_dims={"mask": 2, "cos": 1, "sin": 1})
+    con1 = Connector(RMSNorm(h, cfg.rms_norm_eps))
+    mlp = FeedForward(h, cfg.intermediate_size, ACT2FN[cfg.hidden_act], names=("gate_proj", "up_proj", "down_proj"),
+                      bias=mlp_bias)
+    con2 = Connector(RMSNorm(h, cfg.rms_norm_eps))
+    return TransformerBlock(att, con1, mlp, con2)
 
 
 class LlamaBackbone(GalaxyModel):
@@ -190,10 +81,13 @@ class LlamaBackbone(GalaxyModel):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.first_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            TransformerBlock(LlamaAttention(cfg), LlamaConnector(cfg), LlamaMLP(cfg), LlamaConnector(cfg))
-            for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(llama_layer(cfg, **self.biases(cfg)) for _ in range(cfg.num_hidden_layers))
         self.enter = Transition()             # embeddings (R) -> CON layout
+
+    @staticmethod
+    def biases(cfg) -> dict:
+        """Which projections carry a bias: Llama's two switches (Qwen2 answers otherwise)."""
+        return {"qkv_bias": cfg.attention_bias, "out_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
 
     def materialize(self) -> None:
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
@@ -323,3 +217,4 @@ def hf_names(cfg):
         "side_out.{rest}": "side.output.{rest}",
     })
     return pre_norm_names(table, cfg.num_hidden_layers, "model.layers.{i}.input_layernorm.{w}", "model.norm.{w}")
+
