@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from galaxy.distributed.comm_bytes import plan_comm_bytes, sum_param_units
 from galaxy.distributed.transitions import Layout, Transition
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
@@ -132,3 +133,60 @@ HF_NAMES = {
 HF_BASE_PREFIX = "bert."
 HF_HEAD_PARAMS = ("classifier.weight", "classifier.bias")
 
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+# (FLOPs: 2 per multiply-add, forward; the backward is twice that. Bytes: per rank and training
+# step, in the ring convention of galaxy.distributed.comm_bytes.)
+
+def bert_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, intermediate: int,
+                      num_labels: int) -> dict[str, int]:
+    """BERT for sequence classification (encoder, pooler on [CLS], classifier)."""
+    bs = batch * seq
+    per_layer = {
+        "qkv": 3 * 2 * bs * hidden * hidden,
+        "attention": 2 * 2 * batch * seq * seq * hidden,      # Q K^T and P V over all heads
+        "out": 2 * bs * hidden * hidden,
+        "mlp": 2 * 2 * bs * hidden * intermediate,
+    }
+    parts = {k: layers * v for k, v in per_layer.items()}
+    parts["pooler"] = 2 * batch * hidden * hidden
+    parts["classifier"] = 2 * batch * hidden * num_labels
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def bert_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of BERT's gradients summed over the group, per layer (GradientSync's units, in
+    backward order; galaxy.distributed.buckets groups them into all-reduces).
+
+    Per layer: CON SP: two LayerNorms (2 x 2H) and the two deferred output biases (2H);
+    ATT SP: Q, K, V weights and biases, the output weight; MLP SP: up weight and bias, down weight.
+    """
+    h, i = hidden, intermediate
+    return sum_param_units(plan, layers=layers, group_size=group_size, con=6 * h, att=4 * h * h + 3 * h,
+                           mlp=2 * h * i + i)
+
+
+def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int,
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Collectives one rank issues in one training step (plan_comm_bytes): SP attention gathers
+    K and V [b, s, 2H]; the exit gathers one token per rank (the [CLS] candidate)."""
+    n = len(seq_shares)
+    return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                           kv_features=2 * hidden, exit_tokens=1,
+                           sum_param_units=bert_sum_param_units(plan, hidden=hidden, layers=layers,
+                                                                intermediate=intermediate, group_size=n),
+                           comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def flops_of(cfg, batch: int, seq: int, num_labels: int) -> dict[str, int]:
+    return bert_matmul_flops(batch=batch, seq=seq, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+                             intermediate=cfg.intermediate_size, num_labels=num_labels)
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return bert_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=cfg.hidden_size,
+                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                                comm_chunks=comm_chunks)

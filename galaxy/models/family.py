@@ -137,9 +137,10 @@ class FamilySpec:
     hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): HF-name suffixes
     lora_targets: tuple[str, ...] = ()           # peft's default target_modules for the family
     padding_side: str = "right"                  # the tokenizer's padding side galaxy trains with
-    # The profiler's closed forms (galaxy.models.closed_form): matmul FLOPs of one forward pass,
-    # (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the bytes per collective kind
-    # a plan moves per rank and step, (plan, cfg, batch, seq_shares) -> {kind: bytes}.
+    # The profiler's closed forms, beside the family's model (e.g. galaxy.models.bert): matmul
+    # FLOPs of one forward pass, (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the
+    # bytes per collective kind a plan moves per rank and step, (plan, cfg, batch, seq_shares) ->
+    # {kind: bytes} (built on galaxy.distributed.comm_bytes).
     matmul_flops: Callable[..., dict] | None = None
     plan_comm_bytes: Callable[..., dict] | None = None
     notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors

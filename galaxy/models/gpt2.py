@@ -24,12 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Transition
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
-from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+                                          decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap, pre_norm_names
 
@@ -156,3 +158,56 @@ def config_shape(raw: dict) -> dict:
     return {"hidden_size": cfg.n_embd, "num_attention_heads": cfg.n_head, "num_hidden_layers": cfg.n_layer,
             "max_position_embeddings": cfg.n_positions, "intermediate_size": inner_size(cfg)}
 
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+
+def gpt2_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, intermediate: int,
+                      vocab: int) -> dict[str, int]:
+    """GPT-2 causal LM: plain multi-head attention (c_attn's Q third is "q", its K and V thirds
+    "kv", c_proj "o"), a two-matrix MLP (c_fc, c_proj), the tied LM head on every position."""
+    return decoder_matmul_flops(batch=batch, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=heads,
+                                intermediate=intermediate, vocab=vocab, mlp_matrices=2)
+
+
+def gpt2_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of GPT-2's gradients summed over the group, per GradientSync unit in backward order.
+
+    Per layer: CON SP: two LayerNorms (ln_2 in CON1, the next ln_1 or ln_f in CON2, weight and
+    bias: 2 x 2H) and the two deferred c_proj biases (2H); ATT SP: c_attn [3H, H] and its bias 3H,
+    c_proj [H, H]; MLP SP: c_fc [I, H] and its bias I, c_proj [H, I]. Then, under CON SP, the first
+    layer's ln_1 before the first block (`first_norm`, 2H), the last unit backward finishes. The
+    embeddings and the tied LM head are not summed here.
+    """
+    h, i = hidden, intermediate
+    return sum_param_units(plan, layers=layers, group_size=group_size, con=6 * h, att=4 * h * h + 3 * h,
+                           mlp=2 * h * i + i, first=2 * h)
+
+
+def gpt2_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int, vocab: int,
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """GPT-2 causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    The same transitions as Llama's (galaxy.models.llama.llama_plan_comm_bytes: the residual
+    stream never leaves the CON layout; the causal-LM head runs on it), with plain multi-head
+    attention: SP attention gathers K and V as one tensor [b, s, 2H] (kv_features = 2H).
+    Gradient sync: one all-reduce per bucket of gpt2_sum_param_units.
+    """
+    units = gpt2_sum_param_units(plan, hidden=hidden, layers=layers, intermediate=intermediate,
+                                 group_size=len(seq_shares))
+    return causal_lm_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                                kv_features=2 * hidden, vocab=vocab, sum_param_units=units,
+                                comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def gpt2_shape(cfg) -> dict:
+    return dict(hidden=cfg.n_embd, layers=cfg.n_layer, intermediate=inner_size(cfg), vocab=cfg.vocab_size)
+
+
+def flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return gpt2_matmul_flops(batch=batch, seq=seq, heads=cfg.n_head, **gpt2_shape(cfg))
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return gpt2_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **gpt2_shape(cfg), comm_chunks=comm_chunks)

@@ -17,12 +17,14 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
-from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+                                          decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap, pre_norm_names
 
@@ -218,3 +220,88 @@ def hf_names(cfg):
     })
     return pre_norm_names(table, cfg.num_hidden_layers, "model.layers.{i}.input_layernorm.{w}", "model.norm.{w}")
 
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+
+def llama_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                       intermediate: int, vocab: int, head_dim: int | None = None) -> dict[str, int]:
+    """Llama causal LM: grouped-query attention, SwiGLU (gate, up, down), LM head on every position."""
+    return decoder_matmul_flops(batch=batch, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                intermediate=intermediate, vocab=vocab, head_dim=head_dim, mlp_matrices=3)
+
+
+def llama_sum_param_units(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                          intermediate: int, attention_bias: bool = False, mlp_bias: bool = False,
+                          qkv_bias: bool | None = None, group_size: int) -> list[int]:
+    """Elements of Llama's gradients summed over the group, per GradientSync unit in backward
+    order: each layer (last first), then `first_norm` (before the layers).
+
+    attention_bias: q/k/v and o_proj have biases (Llama's key); qkv_bias: q/k/v have biases
+    (None: as attention_bias; Qwen2: True with attention_bias False, no o_proj bias).
+    CON SP: the RMSNorm weights, [H] each: the first layer's input norm before the first block
+    (`first_norm`) plus CON1's and CON2's per layer (CON2 of the last layer holds the final norm),
+    (2L + 1) x H; and the deferred output biases, H per layer for each of o_proj / down_proj
+    that has one (attention_bias / mlp_bias).
+    ATT SP: q_proj [heads*d, H], k_proj and v_proj [kv_heads*d, H], o_proj [H, heads*d];
+    with qkv_bias, q/k/v biases (heads*d + 2 kv_heads*d; o_proj's is deferred, above).
+    MLP SP: gate_proj and up_proj [I, H], down_proj [H, I]; with mlp_bias, gate and up biases (2I).
+    The LM head and the embeddings are not summed here (see llama_plan_comm_bytes).
+    """
+    qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+    h, i, q, kv = hidden, intermediate, heads * head_dim, kv_heads * head_dim
+    return sum_param_units(plan, layers=layers, group_size=group_size, first=h,
+                           con=2 * h + h * (int(attention_bias) + int(mlp_bias)),
+                           att=2 * q * h + 2 * kv * h + (q + 2 * kv if qkv_bias else 0),
+                           mlp=3 * h * i + (2 * i if mlp_bias else 0))
+
+
+def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                          intermediate: int, vocab: int, head_dim: int | None = None,
+                          attention_bias: bool = False, mlp_bias: bool = False, qkv_bias: bool | None = None,
+                          comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
+    Every layer is the same four-transition block as BERT's (galaxy.layers.block): each sub-block
+    reads the CON's normalised input x [b, S|s_i, H] and hands its output back; the residual
+    stream, the carry's other half, never leaves the CON layout, so it adds no collective. Per
+    layer and per TP/SP sub-block (galaxy.distributed.comm_bytes, forward | backward; shards [b, s, H]):
+      CON SP,   TP:  S -> R gather | reduce-scatter in, P -> S reduce-scatter | gather out
+      CON None, TP:  R -> R copy | all-reduce [b, S, H] in, P -> R all-reduce | identity out
+      CON None, SP:  R -> S split | gather in, S -> R gather | split out
+      CON SP,   SP:  nothing
+    SP attention gathers K and V, rotated, as one tensor [b, s, 2 kv_heads d] (grouped-query:
+    kv_heads, not heads), then reduce-scatters its gradient: kv_features = 2 kv_heads d.
+    Entry (CON SP): the embeddings run replicated and are split, R -> S (free), whose backward
+    all-gathers the gradient [b, s, H]; first_norm runs after the split, on the shards.
+    Head (CON SP): the causal-LM head's all-reduces (causal_lm_comm_bytes); under CON None the
+    head runs on R: no collective.
+    Gradient sync: one all-reduce per bucket of the "sum" parameters (llama_sum_param_units; the
+    bias flags are its own).
+    """
+    d = head_dim or hidden // heads
+    units = llama_sum_param_units(plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                  intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
+                                  qkv_bias=qkv_bias, group_size=len(seq_shares))
+    return causal_lm_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                                kv_features=2 * kv_heads * d, vocab=vocab, sum_param_units=units,
+                                comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def llama_shape(cfg) -> dict:
+    heads = cfg.num_attention_heads
+    return dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                vocab=cfg.vocab_size, head_dim=getattr(cfg, "head_dim", None))
+
+
+def flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return llama_matmul_flops(batch=batch, seq=seq, **llama_shape(cfg))
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **llama_shape(cfg),
+                                 attention_bias=bool(getattr(cfg, "attention_bias", False)),
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), comm_chunks=comm_chunks)

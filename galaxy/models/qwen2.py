@@ -17,7 +17,7 @@ K/V groups (column-parallel); under SP they are whole "sum" parameters, like the
 """
 from __future__ import annotations
 
-from galaxy.models.llama import LlamaForCausalLM
+from galaxy.models.llama import LlamaForCausalLM, llama_plan_comm_bytes, llama_shape
 
 
 def check_full_attention(cfg) -> None:
@@ -51,3 +51,10 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
         v_proj.bias [kv_heads * d]; no bias on o_proj or in the MLP."""
         return {"qkv_bias": True, "out_bias": False, "mlp_bias": False}
 
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    """The spec's bytes per collective: Llama's, with q/k/v biases and no o_proj or MLP bias among
+    the summed gradients. Qwen2's matmul FLOPs are Llama's (llama.flops_of: a bias adds no
+    matrix product)."""
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **llama_shape(cfg), qkv_bias=True,
+                                 comm_chunks=comm_chunks)
