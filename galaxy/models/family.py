@@ -149,6 +149,13 @@ class FamilySpec:
     # num_attention_heads, intermediate_size, num_hidden_layers, max_position_embeddings} (the
     # keys it knows; a missing one is reported by the check). None: config.json uses those names.
     config_shape: Callable[[dict], dict] | None = None
+    # A config with shape keys and no model_path builds a randomly initialised model of the family
+    # (galaxy.models.random_init): transformers' auto class whose model is written (its own seeded
+    # init), and a tokenizer to ship with it () -> tokenizer (galaxy.assets), described for the
+    # note line.
+    random_init_class: str = "AutoModelForCausalLM"
+    default_tokenizer: Callable[[], object] | None = None
+    default_tokenizer_name: str = ""
 
     def hf_layout(self, hf_name: str) -> bool:
         """Whether Hugging Face stores tensor `hf_name` transposed against galaxy ([in, out])."""
@@ -174,12 +181,6 @@ class FamilySpec:
         [in, out] (Conv1D). peft's LoRA tensors are [r, in] and [out, r] either way; the flag only
         tells peft how to merge into the base weight."""
         return bool(self.hf_transposed)
-    # A config with shape keys and no model_path builds a randomly initialised model of the family
-    # (galaxy.models.random_init): transformers' auto class whose model is written (its own seeded
-    # init), and a tokenizer to ship with it () -> tokenizer, described for the note line.
-    random_init_class: str = "AutoModelForCausalLM"
-    default_tokenizer: Callable[[], object] | None = None
-    default_tokenizer_name: str = ""
 
     def model_class(self, task: str) -> type[GalaxyModel]:
         try:
