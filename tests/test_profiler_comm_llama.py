@@ -2,7 +2,7 @@
 closed forms.
 
 The CommRecorder counts the collectives each rank really issues in one training step (forward,
-backward, gradient sync); galaxy.models.closed_form.llama_plan_comm_bytes derives them from the
+backward, gradient sync); galaxy.models.llama.llama_plan_comm_bytes derives them from the
 shapes and the plan alone. They must agree byte for byte, per collective kind, on every rank:
 all 8 ATT x MLP x CON plans at world 2 with uneven shares, the galaxy / tp / sp presets at world 3,
 tied embeddings, attention and MLP biases. Two plans are also written out by hand, per phase.
@@ -15,7 +15,7 @@ The tiny Llama has hidden size 48, grouped-query attention, 12 query heads shari
 and the ungrouped 2 x 12 x 10 = 240, so a closed form that used any of those would fail.
 
 The tiny GPT-2 (4 heads of 12, hidden 48, LayerNorms with biases, fused c_attn, tied LM head) under
-four plans at world 2, heads 3 / 1: galaxy.models.closed_form.gpt2_plan_comm_bytes.
+four plans at world 2, heads 3 / 1: galaxy.models.gpt2.gpt2_plan_comm_bytes.
 """
 import itertools
 import json
@@ -27,7 +27,7 @@ from support.tiny_models import GPT2_INTERMEDIATE, TINY_GPT2, TINY_LLAMA, TINY_S
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config
-from galaxy.models.closed_form import gpt2_plan_comm_bytes
+from galaxy.models.gpt2 import gpt2_plan_comm_bytes
 from galaxy.models.registry import family_of
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync

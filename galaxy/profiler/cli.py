@@ -27,10 +27,9 @@ import torch.distributed as dist
 from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
 from galaxy.launch import main as launch_main
-from galaxy.models.closed_form import human_check
 from galaxy.models.registry import FAMILIES, family_of
 from galaxy.profiler.profile import profile_model
-from galaxy.profiler.table import comm_table, human, module_table, sub_block_table, summary
+from galaxy.profiler.table import comm_table, human, human_check, module_table, sub_block_table, summary
 
 SCRIPT = "profile_flops.py"
 

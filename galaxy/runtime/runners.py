@@ -26,8 +26,7 @@ def set_overlap(model, comm_chunks: int = 1, kv_blocks: bool = False) -> None:
     collective per transition, galaxy.layers.block); with `kv_blocks` an SP ATT attends to its own
     keys while the K/V all-gather travels (galaxy.layers.attention.attention_while_gathering)."""
     for layer in model.layers:
-        layer.comm_chunks = comm_chunks
-        layer.att.kv_blocks = kv_blocks
+        layer.set_overlap(comm_chunks, kv_blocks)
 
 
 def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = None, seed: int = 0,
