@@ -75,6 +75,7 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
             rules[f"{name}.{pname}"] = con_rule
 
     for i, layer in enumerate(model.layers):
+        layer.set_overlap(plan)              # comm_chunks, kv_blocks
         prefix = f"layers.{i}"
         for name, shares, to, frm in (("att", group.heads, layer.to_att, layer.from_att),
                                       ("mlp", group.columns, layer.to_mlp, layer.from_mlp)):

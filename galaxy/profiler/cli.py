@@ -124,7 +124,6 @@ def closed_form_comm(job: ProfileJob, plan) -> dict:
 
 def run(job: ProfileJob, env) -> None:
     from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.runners import set_overlap
     from galaxy.parallel.grad_sync import GradientSync
     from galaxy.runtime.runners import plan_and_mesh
     cfg, opts = job.cfg, job.opts
@@ -132,7 +131,6 @@ def run(job: ProfileJob, env) -> None:
     plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout)
-    set_overlap(model, plan.comm_chunks, plan.kv_blocks)
     rows = cfg.batch_size // plan.dp
     batch = synthetic_batch(job.task_kind, rows, cfg.pad_size, job.hf.vocab_size, job.num_labels, cfg.seed,
                             env.device)
