@@ -1,17 +1,16 @@
-"""Greedy generation equals HF generate under every plan (Llama; Qwen2 under two); causal-LM data
+"""KV-cached greedy generation equals HF generate under every plan (Llama; Qwen2 under two); causal-LM data
 encodes as documented."""
 import json
 
 import pytest
 import torch
 
-from support.parity import HF_LOADERS, world_group
+from support.generation_runners import galaxy_generate, requests_for
+from support.parity import HF_LOADERS
 
 from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, encode_lm_sample, format_prompt,
                                    read_lm_samples)
 from galaxy.data.errors import DataError
-from galaxy.runtime.assemble import build_model
-from galaxy.runtime.generate import greedy_generate
 from galaxy.assets.tiny_llama import write_tiny_llama
 from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
 from galaxy.plan import Plan
@@ -46,10 +45,10 @@ def llama_dir(lm_dir):
 
 
 def generate_under(model_dir, att, mlp, con, shares):
-    from transformers import AutoTokenizer
-    group = world_group(*shares)
-    model = build_model(model_dir, Plan(att, mlp, con), group)
-    return greedy_generate(model, AutoTokenizer.from_pretrained(model_dir), PROMPT, 12, PAD)
+    heads, columns, tokens = shares
+    plan = Plan(att, mlp, con, heads=heads, columns=columns, tokens=tokens)
+    (got, _), = galaxy_generate(model_dir, plan, requests_for(model_dir, [PROMPT], 12))[0]
+    return got
 
 
 def hf_generate(family, model_dir):

@@ -8,6 +8,7 @@ line. Empty lines are skipped. Errors name the file and line.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 from galaxy.data.chat import ROLES, render_chat_prompt
@@ -22,6 +23,8 @@ class Prompt:
 
 
 def read_prompts(path: str) -> list[Prompt]:
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: no such file")
     lines = [(n, line) for n, line in _lines(path) if line.strip()]
     if not lines:
         raise DataError(f"{path}: no prompts (the file is empty)")
