@@ -25,6 +25,11 @@ from galaxy.runtime import cgroup
 # CFS period: 10 ms rather than the kernel's 100 ms, so that a device is slow at the time scale of
 # a sub-block (a few ms) instead of running at full speed for cpus x 100 ms and then stopping.
 PERIOD_US = 10_000
+# CPU weight: the run's folder gets the most the kernel allows, so that on a busy host the devices
+# still get their shares (the quotas keep the testbed to the sum of its devices' cpus); devices
+# weigh in proportion to their cpus, so that when even that falls short they shrink alike.
+RUN_WEIGHT = {1: ("cpu.shares", 262144), 2: ("cpu.weight", 10000)}
+DEVICE_WEIGHT_PER_CPU = {1: 1024, 2: 100}          # the kernel's default weight, per core
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory")
 V2_CONTROLLERS = ("cpu", "memory")
 KILL_WAIT_S = 5.0
@@ -73,6 +78,8 @@ def make_run_dirs(layout: Layout, run_name: str) -> None:
             raise EdgeError(f"cannot make the cgroup {path}: {e.strerror}") from None
         if layout.version == 2:
             enable_controllers(path)
+    name, weight = RUN_WEIGHT[layout.version]
+    write(os.path.join(layout.roots["cpu"], run_name, name), weight)
 
 
 def enable_controllers(path: str) -> None:
@@ -99,6 +106,8 @@ class DeviceCgroup:
         quota = round(self.device.cpus * PERIOD_US)
         limit = self.device.memory_mib * 2 ** 20
         cpu, mem = self.dirs["cpu"], self.dirs["memory"]
+        weight = max(2, round(self.device.cpus * DEVICE_WEIGHT_PER_CPU[self.layout.version]))
+        write(os.path.join(cpu, RUN_WEIGHT[self.layout.version][0]), weight)
         if self.layout.version == 1:
             write(os.path.join(cpu, "cpu.cfs_period_us"), PERIOD_US)
             write(os.path.join(cpu, "cpu.cfs_quota_us"), quota)
