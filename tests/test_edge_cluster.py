@@ -56,6 +56,11 @@ def test_cli_exits_2_with_one_line_for_a_bad_file(tmp_path):
         assert done.returncode == 2
         assert done.stderr.splitlines() == [f"python -m galaxy.edge: error: {path}: devices[0] 'pi': unknown key "
                                             f"'lnk_mbit'; did you mean 'link_mbit'?"]
+    path = write_cluster(tmp_path / "ok.json", device("pi"))
+    done = edge("run", "--cluster", path, "--", "no-such-command", timeout=60)
+    assert done.returncode == 2
+    assert "python -m galaxy.edge: error: command not found: no-such-command (what every device runs, after --)" \
+        in done.stderr.splitlines()
     (tmp_path / "broken.json").write_text("{")
     done = edge("run", "--cluster", str(tmp_path / "broken.json"), "--", "true", timeout=60)
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "not valid JSON" in done.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 
@@ -79,6 +80,8 @@ def run_command(args) -> int:
     if cluster is None:
         return 2
     missing = host.missing(cluster)
+    if shutil.which(args.command[0]) is None:
+        missing.append(f"command not found: {args.command[0]} (what every device runs, after --)")
     for line in missing:
         error(line)
     if missing:

@@ -9,9 +9,11 @@ class EdgeError(Exception):
 
 
 def run(*argv: str) -> str:
-    """stdout of argv; EdgeError with the command and its first line of stderr if it fails."""
+    """stdout of argv; EdgeError with the command and its first line of stderr if it fails.
+    In a session of its own: a Ctrl-C at the terminal must not kill an `ip link del` halfway
+    through the teardown it interrupts."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, start_new_session=True)
     except OSError as e:
         raise EdgeError(f"cannot run `{argv[0]}`: {e.strerror}") from None
     if done.returncode != 0:
