@@ -3,7 +3,7 @@ leaves nothing behind, whether a run ends, is interrupted, or its launcher is ki
 
 Rates are measured by the ranks themselves (galaxy.edge.probe) through gloo, as Galaxy's
 collectives run: a 4 MiB send between two devices (payload rate, TCP/IP headers cost 3-4%), and
-GEMMs of one thread timed on each device in turn (the best of 5 windows of 0.3 s, so that another
+GEMMs of one thread timed on each device in turn (the best of 8 windows of 0.3 s, so that another
 process's burst on the shared host is not taken for the device's speed).
 """
 import json
@@ -25,7 +25,7 @@ def probe(tmp_path_factory):
     cluster = write_cluster(tmp / "probe.json", device("fast", 1.0, link_mbit=300), device("half", 0.5, link_mbit=300),
                             device("slow", 0.4, link_mbit=100, threads=2))
     out = tmp / "probe_result.json"
-    done = edge("run", "--cluster", cluster, "--", *PROBE, "link", "gemm", "--out", str(out))
+    done = edge("run", "--cluster", cluster, "--", *PROBE, "link", "gemm", "--rounds", "8", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text()), done
 

@@ -6,7 +6,7 @@
   link    rank 0 and every other device in turn send --bytes (4 MiB) each way through gloo, timed by
           the sender up to a one-element reply: the payload rate in Mbit/s (TCP/IP headers cost
           3-4% of the link)
-  gemm    each device in turn, alone, multiplies 256 x 256 matrices for GEMM_ROUNDS windows of
+  gemm    each device in turn, alone, multiplies 256 x 256 matrices for --rounds windows of
           GEMM_WINDOW_S; its best window in GFLOP/s (the window least disturbed by the host's
           other work; a window spans 30 CFS periods, so a device's share shows whole)
   memory  the last device allocates --mib MiB, 1 MiB at a time, touched; the others wait for it
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from galaxy.distributed.interface import bind_to_rendezvous
 
-GEMM_N, GEMM_WINDOW_S, GEMM_ROUNDS = 256, 0.3, 5
+GEMM_N, GEMM_WINDOW_S = 256, 0.3
 
 
 def timed_send(peer: int, nbytes: int, sending: bool) -> float:
@@ -60,12 +60,13 @@ def link(rank: int, world: int, nbytes: int) -> dict:
     return out
 
 
-def gemm(rank: int, world: int) -> dict:
-    """{"gemm <rank>": best GFLOP/s}; devices take turns, so none competes with another."""
+def gemm(rank: int, world: int, rounds: int) -> dict:
+    """{"gemm <rank>": best GFLOP/s of `rounds` windows}; devices take turns, so none competes
+    with another."""
     a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
     a @ b
     best = 0.0
-    for _ in range(GEMM_ROUNDS):
+    for _ in range(rounds):
         for turn in range(world):
             dist.barrier()
             if turn == rank:
@@ -90,6 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("modes", nargs="+", choices=("link", "gemm", "memory"))
     p.add_argument("--out", metavar="PATH", help="JSON file rank 0 writes the figures to")
     p.add_argument("--bytes", type=int, default=4 << 20, help="bytes per timed transfer (default 4 MiB)")
+    p.add_argument("--rounds", type=int, default=5, help="gemm: timed windows per device (default 5)")
     p.add_argument("--mib", type=int, default=1024, help="memory: MiB the last device allocates")
     p.add_argument("--timeout_s", type=float, default=60, help="bound on every collective (default 60)")
     p.add_argument("--world", type=int, required=True)
@@ -108,7 +110,7 @@ def main(argv=None) -> None:
         if mode == "link":
             mine |= link(args.rank, args.world, args.bytes)
         elif mode == "gemm":
-            mine |= gemm(args.rank, args.world)
+            mine |= gemm(args.rank, args.world, args.rounds)
         else:
             mine |= memory(args.rank, args.world, args.mib)
     every = [None] * args.world
