@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from galaxy.edge import cgroups, runs
 from galaxy.edge.cgroups import Layout
+from galaxy.edge.network import bridge_name
 from galaxy.edge.shell import EdgeError, run, undo
 
 
@@ -85,14 +86,16 @@ def kill_in_netns(name: str) -> None:
 
 
 def remove(name: str, left: Leftovers) -> list[str]:
-    """Remove one dead run's leftovers; one line per thing that stayed."""
+    """Remove a run's things: processes, then links (host ends before the bridge: deleting a host
+    end removes both ends at once, while a deleted namespace frees its end only later, in the
+    kernel's own time), namespaces, cgroups, and the state file when nothing stayed. One line per
+    thing that stayed. The launcher's own teardown and `clean` both end here."""
     for path in left.cgroups:
         cgroups.kill_all(path)
     for ns in left.netns:
         kill_in_netns(ns)
     problems = []
-    # Host ends of the pairs before the bridge (a bridge's name ends in -br).
-    for link in sorted(left.links, key=lambda n: n.endswith("-br")):
+    for link in sorted(left.links, key=lambda n: n == bridge_name(name)):
         problems.append(undo("ip", "link", "del", link))
     for ns in left.netns:
         problems.append(undo("ip", "netns", "del", ns))

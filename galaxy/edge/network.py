@@ -14,7 +14,7 @@ import random
 
 from galaxy.edge.cluster import Device
 from galaxy.edge.shaping import shape, shape_commands
-from galaxy.edge.shell import EdgeError, run, undo
+from galaxy.edge.shell import EdgeError, run
 
 DEVICE_IF = "eth0"          # a device's interface, inside its namespace
 # Subnets the testbed picks from: 10.160.0.0 - 10.249.255.0 /24, clear of the ranges container
@@ -73,8 +73,8 @@ def pick_subnet(taken: list[ipaddress.IPv4Network], rng: random.Random | None = 
 
 
 class Network:
-    """Builds and removes one run's bridge, namespaces and links; up() records what it made, so
-    down() after a failure halfway removes exactly that."""
+    """Builds one run's bridge, namespaces and links; up() records what it made in `made`, so that
+    a teardown after a failure halfway removes exactly that (galaxy.edge.clean.remove)."""
 
     def __init__(self, run_name: str, devices: tuple[Device, ...], subnet: ipaddress.IPv4Network):
         self.run_name, self.devices, self.subnet = run_name, devices, subnet
@@ -100,18 +100,6 @@ class Network:
             run("ip", "-n", ns, "link", "set", DEVICE_IF, "up")
             shape(end, None, device.link_mbit, device.latency_ms)
             shape(DEVICE_IF, ns, device.link_mbit, device.latency_ms)
-
-    def down(self) -> list[str]:
-        """Remove what up() made, links first (deleting a namespace frees its end of a pair only
-        later, in the kernel's own time; deleting the host end removes both ends at once)."""
-        order = {"link": 0, "netns": 1, "bridge": 2}
-        problems = []
-        for kind, name in sorted(reversed(self.made), key=lambda m: order[m[0]]):
-            problem = undo("ip", "netns", "del", name) if kind == "netns" else undo("ip", "link", "del", name)
-            if problem:
-                problems.append(problem)
-        self.made = []
-        return problems
 
     def describe(self) -> list[str]:
         """What up() builds, one line per device (for `check`)."""

@@ -9,10 +9,12 @@ for a reason of the host's, and nothing else exists yet when it does.
 """
 from __future__ import annotations
 
+import os
 import time
 
 from galaxy.edge import cgroups, runs
 from galaxy.edge.cgroups import DeviceCgroup, Layout
+from galaxy.edge.clean import Leftovers, remove
 from galaxy.edge.cluster import Cluster
 from galaxy.edge.network import Network, netns_name
 from galaxy.edge.output import Console
@@ -25,7 +27,6 @@ class Testbed:
         self.cluster, self.layout, self.run = cluster, layout, run
         self.network = Network(run.name, cluster.devices, run.subnet)
         self.cgroups = [DeviceCgroup(layout, run.name, i, d) for i, d in enumerate(cluster.devices)]
-        self.made_cgroups = False
         self.ranks = []
         self.up_s = self.down_s = None
         self.problems: list[str] = []            # what down() could not remove
@@ -37,7 +38,6 @@ class Testbed:
     def __enter__(self) -> Testbed:
         t0 = time.perf_counter()
         try:
-            self.made_cgroups = True
             cgroups.make_run_dirs(self.layout, self.run.name)
             for group in self.cgroups:
                 group.create()
@@ -52,18 +52,14 @@ class Testbed:
         self.problems = self.down()
 
     def down(self) -> list[str]:
-        """Remove everything; one line per thing that could not be removed."""
+        """Remove everything, as `clean` removes a dead run's leftovers (one way for both); one line
+        per thing that could not be removed (the state file then stays, for `clean`)."""
         t0 = time.perf_counter()
-        problems = []
-        if self.made_cgroups:       # processes first: a namespace with a process in it lives on
-            for path in self.layout.run_dirs(self.run.name):
-                cgroups.kill_all(path)
-        problems += self.network.down()
-        if self.made_cgroups:
-            for path in self.layout.run_dirs(self.run.name):
-                problems += cgroups.remove_tree(path)
-        if not problems:
-            runs.forget(self.run.name)      # else `clean` needs it to know the run is dead
+        made = Leftovers(netns=[n for kind, n in self.network.made if kind == "netns"],
+                         links=[n for kind, n in self.network.made if kind != "netns"],
+                         cgroups=[p for p in self.layout.run_dirs(self.run.name) if os.path.isdir(p)])
+        problems = remove(self.run.name, made)
+        self.network.made = []
         self.down_s = time.perf_counter() - t0
         return problems
 
