@@ -11,7 +11,8 @@ import json
 import time
 
 from edge_launcher import PYTHON, device, edge, leftovers, requires_testbed, run_name, write_cluster
-from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job: the fixture)
+from test_entry_scripts import hf_losses, write_config
+from test_entry_scripts import job  # noqa: F401  (the fixture: a tiny BERT and its training data)
 
 from galaxy.train.metrics import read_metrics
 

@@ -77,7 +77,8 @@ def test_v2_limit_is_the_least_of_the_ancestors(tmp_path):
 
 def test_v1_without_a_limit_reads_as_none(tmp_path):
     mount_list, proc = fake_host(tmp_path, 1)
-    write(tmp_path / "fs" / "memory" / "job" / "rank" / "memory.stat", "hierarchical_memory_limit 9223372036854771712\n")
+    rank = tmp_path / "fs" / "memory" / "job" / "rank"
+    write(rank / "memory.stat", "hierarchical_memory_limit 9223372036854771712\n")
     assert cgroup.own_memory(mount_list, proc) is None
 
 
@@ -94,7 +95,8 @@ def test_trainer_reports_the_cgroups_peak_where_one_limits_the_rank(monkeypatch)
     assert summary.peak_memory_mib(torch.device("cpu"))[1] == "RSS"
     done = {"steps": 1, "steps_this_run": 1, "wall_s": 1.0, "tokens_per_s": 1.0, "final_loss": 1.0,
             "peak_memory_mib": [300.0, 250.0], "peak_memory_of": ["cgroup", "cgroup"]}
-    assert "peak memory of each rank's cgroup (MiB): rank 0 300, rank 1 250" in summary.format_summary(done, torch.device("cpu"))
+    text = summary.format_summary(done, torch.device("cpu"))
+    assert "peak memory of each rank's cgroup (MiB): rank 0 300, rank 1 250" in text
     done["peak_memory_of"] = ["RSS", "RSS"]
     assert "peak RSS (MiB): rank 0 300" in summary.format_summary(done, torch.device("cpu"))
 

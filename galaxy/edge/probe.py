@@ -79,11 +79,10 @@ def gemm(rank: int, world: int, rounds: int) -> dict:
 
 
 def memory(rank: int, world: int, mib: int) -> dict:
-    if rank == world - 1:
-        held = [torch.ones(2 ** 18) for _ in range(mib)]       # 1 MiB each, written
-        del held
+    """{"allocated <last rank>": MiB} if the last device survives holding mib MiB."""
+    held = [torch.ones(2 ** 18) for _ in range(mib)] if rank == world - 1 else []   # 1 MiB each, written
     dist.all_reduce(torch.zeros(1))
-    return {}
+    return {f"allocated {rank}": len(held)} if held else {}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,7 +117,8 @@ def main(argv=None) -> None:
     figures = {k: v for d in every for k, v in d.items()}
     if args.rank == 0:
         for key, value in figures.items():
-            unit = " Mbit/s" if "->" in key else " GFLOP/s" if key.startswith("gemm") else ""
+            unit = " Mbit/s" if "->" in key else " GFLOP/s" if key.startswith("gemm") else \
+                " MiB" if key.startswith("allocated") else ""
             print(f"{key}: {value:.1f}{unit}" if isinstance(value, float) else f"{key}: {value}", flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:

@@ -31,12 +31,13 @@ def gather_peak_memory(device: torch.device) -> tuple[list[float], list[str]]:
     return [m for m, _ in every], [s for _, s in every]
 
 
-PEAK_LABELS = {"GPU": "peak GPU memory allocated", "RSS": "peak RSS", "cgroup": "peak memory of each rank's cgroup"}
+PEAK_LABELS = {"GPU": "peak GPU memory allocated", "RSS": "peak RSS", "cgroup": "peak memory of each rank's cgroup",
+               "mixed": "peak memory (the rank's cgroup's where one limits it, else RSS)"}
 
 
 def format_summary(summary: dict, device: torch.device) -> str:
     kinds = set(summary.get("peak_memory_of", ())) or {"GPU" if device.type == "cuda" else "RSS"}
-    what = PEAK_LABELS[kinds.pop()] if len(kinds) == 1 else "peak memory (the cgroup's where one limits the rank, else RSS)"
+    what = PEAK_LABELS[kinds.pop() if len(kinds) == 1 else "mixed"]
     lines = [f"done: {summary['steps']} steps ({summary['steps_this_run']} in this run) in "
              f"{summary['wall_s']:.1f} s, {summary['tokens_per_s']:.0f} tokens/s (non-padding), "
              f"final loss {summary['final_loss']:.4f}"]
