@@ -119,7 +119,7 @@ def main(argv=None) -> None:
         for key, value in figures.items():
             unit = " Mbit/s" if "->" in key else " GFLOP/s" if key.startswith("gemm") else \
                 " MiB" if key.startswith("allocated") else ""
-            print(f"{key}: {value:.1f}{unit}" if isinstance(value, float) else f"{key}: {value}", flush=True)
+            print(f"{key}: {value:.1f}{unit}" if isinstance(value, float) else f"{key}: {value}{unit}", flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump(figures, f, indent=1)
