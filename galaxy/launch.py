@@ -18,7 +18,9 @@ and is started either once per rank by hand,
 
 or by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment: env://).
 By hand, --init_method defaults to tcp://127.0.0.1:29500, i.e. all ranks on this machine;
-give the address of rank 0's host to span machines. A single process (--world 1, the
+give the address of rank 0's host to span machines: each rank then binds its collectives to the
+interface that routes there unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name one
+(galaxy.distributed.interface). A single process (--world 1, the
 default) rendezvouses through an in-memory store, so two serial runs never share a port.
 
 Before any process group starts, the config, the data, the model's weights and tokenizer, the
@@ -55,6 +57,7 @@ from galaxy.config import ConfigError, apply_preset, load_config, validate_for_w
 from galaxy.data.errors import DataError
 from galaxy.distributed import waiting
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
+from galaxy.distributed.interface import bind_to_rendezvous
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
 from galaxy.preflight.summary import summary as preflight_summary
@@ -312,6 +315,7 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
         print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
         return
 
+    via = bind_to_rendezvous(args.init_method)      # "" on loopback: nothing changes there
     try:
         env = init_distributed(cfg, args, settings)
     except ConfigError as e:  # raised before init_process_group
@@ -320,11 +324,11 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     except Disagreement as e:  # every rank reaches it, before init_process_group
         _hard_exit(2, f"{script}: rank {args.rank}: error: {e}")
     except RendezvousError as e:
-        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method} failed: {e}")
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method}{via} failed: {e}")
     except KeyboardInterrupt:
         _hard_exit(130)
     except Exception as e:
-        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method or 'local store'} "
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method or 'local store'}{via} "
                       f"failed (waited up to timeout_s={cfg.timeout_s:g}; did all {args.world} ranks "
                       f"start with the same --world and --init_method?): {_first_line(e)}")
 

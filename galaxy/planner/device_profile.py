@@ -8,9 +8,10 @@ time (so that ranks sharing a host contend as they will in training):
               of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
               (the fallback rate); the optimizer's step per parameter (AdamW, SGD); adding a
               gradient into .grad per parameter (every micro-batch after the first does)
-  memory      what a rank may use (CPU: MemAvailable shared by the ranks on the host; CUDA: the
-              free device memory) and the process's RSS before any model exists (the baseline
-              every training process pays)
+  memory      what a rank may use (CPU: its cgroup's memory limit where one applies, as on a device
+              of the edge testbed or in a container, else MemAvailable; shared by the ranks on the
+              host; CUDA: the free device memory) and the process's RSS before any model exists
+              (the baseline every training process pays)
 
 then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
 with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from galaxy.planner.harness import SubBlockBench
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
-from galaxy.runtime import cpu_allocator
+from galaxy.runtime import cgroup, cpu_allocator
 from galaxy.train.optim import build_optimizer, step_kind
 
 
@@ -296,7 +297,8 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
         free, _ = torch.cuda.mem_get_info(env.device)
         memory = free / 2 ** 20 / sharing
     else:
-        memory = available_mib() / sharing
+        limited = cgroup.own_memory()       # the kernel holds the rank to it, whatever the host has free
+        memory = (limited.limit / 2 ** 20 if limited else available_mib()) / sharing
     bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
                           device=env.device, seed=cfg.seed)
     dist.barrier()                      # every rank measures at the same time, as it will train
