@@ -120,6 +120,12 @@ def parse_args(argv, script: str, add_arguments=None, default_config: str | None
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
+    _world_and_rank(p, args)
+    return args
+
+
+def _world_and_rank(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """world, rank, init_method (and local_rank) from torchrun's environment or the command line."""
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     args.local_rank = None
     if env_rank is not None and env_world is not None:  # started by torchrun
@@ -150,7 +156,6 @@ def parse_args(argv, script: str, add_arguments=None, default_config: str | None
         if problem:
             p.error(f"--init_method {args.init_method} {problem}; give tcp://HOST:PORT with rank 0's address "
                     f"(e.g. {DEFAULT_INIT_METHOD})")
-    return args
 
 
 def _tcp_problem(url: str) -> str | None:
@@ -294,6 +299,21 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
     args = parse_args(argv, script, add_arguments, default_config)
+    cfg, job, report, settings = _checked_job(args, preset, script, model_type, config_fn, prepare_fn,
+                                              add_arguments)
+    if args.rank == 0:
+        for line in report.warnings:
+            sys.stderr.write(f"{script}: {line}\n")
+    if args.check:
+        print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
+        return
+    env = _rendezvous(cfg, args, settings, script)
+    _run(train_fn, job, env, script)
+
+
+def _checked_job(args, preset, script, model_type, config_fn, prepare_fn, add_arguments):
+    """(config, job, preflight report, settings fingerprint): every check before any process group;
+    a user's mistake exits 2 with one line per problem."""
     try:
         cfg = load_run_config(args, preset, script, model_type, config_fn)
         if prepare_fn is None:
@@ -302,22 +322,19 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
             job = prepare_fn(cfg, args) if add_arguments is not None else prepare_fn(cfg)
         # A script with a prepare function builds a model: check it against its weights.
         report = preflight.check_job(cfg, job) if prepare_fn is not None else preflight.Report()
-        settings = fingerprint(cfg, job, args, script)
+        return cfg, job, report, fingerprint(cfg, job, args, script)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         _report(script, e)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-    if args.rank == 0:
-        for line in report.warnings:
-            sys.stderr.write(f"{script}: {line}\n")
-    if args.check:
-        print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
-        return
 
+
+def _rendezvous(cfg, args, settings, script: str) -> DistEnv:
+    """The process group, or an exit naming what failed (status 2: ranks disagree; 1: the rendezvous)."""
     via = bind_to_rendezvous(args.init_method)      # "" on loopback: nothing changes there
     try:
-        env = init_distributed(cfg, args, settings)
+        return init_distributed(cfg, args, settings)
     except ConfigError as e:  # raised before init_process_group
         _report(script, e)
         sys.exit(2)
@@ -332,6 +349,9 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
                       f"failed (waited up to timeout_s={cfg.timeout_s:g}; did all {args.world} ranks "
                       f"start with the same --world and --init_method?): {_first_line(e)}")
 
+
+def _run(train_fn, job, env: DistEnv, script: str) -> None:
+    """train_fn(job, env), every failure one line and its exit status (module docstring)."""
     try:
         train_fn(job, env)
     except KeyboardInterrupt:
