@@ -11,16 +11,18 @@ import torch.distributed as dist
 from galaxy.inference.requests import Completion, Request
 
 
-def generate_all(engine, requests: list[Request], rows_per_batch: int) -> list[Completion]:
+def generate_all(engine, requests: list[Request], rows_per_batch: int, on_token=None) -> list[Completion]:
     """Every request's completion (collective over the mesh: every rank calls it with the same
-    requests). rows_per_batch: the prompts one replica generates together."""
+    requests). rows_per_batch: the prompts one replica generates together. on_token(index, token,
+    status): each token of this replica's requests as soon as this rank has it."""
     mesh = engine.mesh
     mine = list(range(mesh.dp_rank, len(requests), mesh.dp_size))
     done: dict[int, Completion] = {}
     peak = 0
     for start in range(0, len(mine), rows_per_batch):
         rows = mine[start:start + rows_per_batch]
-        done.update(zip(rows, engine.generate([requests[i] for i in rows])))
+        hear = None if on_token is None else (lambda row, token, status: on_token(rows[row], token, status))
+        done.update(zip(rows, engine.generate([requests[i] for i in rows], hear)))
         peak = max(peak, engine.cache_bytes)
     engine.cache_bytes = peak
     if mesh.dp_pg is not None:
