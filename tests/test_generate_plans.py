@@ -9,9 +9,6 @@ import pytest
 
 from support.generation_runners import galaxy_generate, hf_generate, requests_for
 
-from galaxy.assets.tiny_gpt2 import write_tiny_gpt2
-from galaxy.assets.tiny_llama import write_tiny_llama
-from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
 from galaxy.inference.sampling import Sampling
 from galaxy.plan import Plan
 
@@ -22,24 +19,16 @@ SHARES = {   # family -> world -> (query heads, MLP columns, tokens)
     "gpt2": {1: ((4,), (512,), (PAD,)), 2: ((3, 1), (300, 212), (14, 10)), 3: ((2, 1, 1), (200, 200, 112), (9, 8, 7))},
 }
 SHARES["qwen2"] = SHARES["llama"]
-WRITERS = {"llama": write_tiny_llama, "qwen2": write_tiny_qwen2, "gpt2": write_tiny_gpt2}
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    """lm(family) -> (model folder, HF's tokens for PROMPTS as one batch): a tiny model whose LM head
-    is sharpened, so greedy picks are far from ties."""
-    from safetensors.torch import load_file, save_file
+def lm(sharp_lm):
+    """lm(family) -> (model folder, HF's tokens for PROMPTS as one batch)."""
     made = {}
 
     def get(family):
         if family not in made:
-            path = WRITERS[family](str(tmp_path_factory.mktemp(f"gen_{family}")), vocab_size=512, seed=3)
-            state = load_file(f"{path}/model.safetensors")
-            head = next(k for k in ("lm_head.weight", "model.embed_tokens.weight", "transformer.wte.weight") if k in state)
-            state[head] *= 8
-            save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
-            made[family] = path, hf_generate(family, path, PROMPTS, NEW)
+            made[family] = sharp_lm(family), hf_generate(family, sharp_lm(family), PROMPTS, NEW)
         return made[family]
     return get
 

@@ -17,7 +17,6 @@ from support.script_runner import run_script, run_scripts
 from support.tiny_models import make_tiny_bert
 
 from galaxy.assets.packaged_minilm import packaged_minilm_dir
-from galaxy.assets.tiny_llama import write_tiny_llama
 
 PAD, NEW = 24, 8
 PROMPTS = ["The for statement is used to", "Lists", "A class definition defines"]
@@ -27,13 +26,9 @@ CLASSES = ["a", "b", "c"]
 
 
 @pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    from safetensors.torch import load_file, save_file
+def lm(tmp_path_factory, sharp_lm):
     tmp = tmp_path_factory.mktemp("gen_script")
-    path = write_tiny_llama(str(tmp / "model"), vocab_size=512, seed=3)
-    state = load_file(f"{path}/model.safetensors")
-    state["lm_head.weight"] *= 8
-    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    path = sharp_lm("llama")
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     return dict(tmp=tmp, model_dir=path, prompts=str(prompts))

@@ -23,7 +23,6 @@ import torch
 
 from support.serve_process import Served, call, events
 
-from galaxy.assets.tiny_llama import write_tiny_llama
 from galaxy.inference.prompts import Prompt, prompt_ids
 from galaxy.inference.sampling import Sampling, choose, generator_for
 
@@ -34,14 +33,9 @@ GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_m
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, sharp_lm):
     """(Served, model folder): the server starts while the test computes its references."""
-    from safetensors.torch import load_file, save_file
-    tmp = tmp_path_factory.mktemp("serve")
-    path = write_tiny_llama(str(tmp / "model"), vocab_size=512, seed=3)
-    state = load_file(f"{path}/model.safetensors")
-    state["lm_head.weight"] *= 8                  # greedy picks far from ties
-    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    tmp, path = tmp_path_factory.mktemp("serve"), sharp_lm("llama")
     config = tmp / "galaxy.json"
     config.write_text(json.dumps(dict(model_path=path, pad_size=PAD, batch_size=4, timeout_s=TIMEOUT_S, **GALAXY)))
     served = Served(str(config), 2, "--model_name", "tiny")
