@@ -73,21 +73,22 @@ def test_chat_template_and_stop_string(lm):
 
 
 BAD = [
-    (("--prompts", "missing.jsonl"), "missing.jsonl: no such file"),
-    (("--prompt", "x", "--prompts", "y"), "give exactly one of --prompt TEXT and --prompts FILE"),
-    (("--prompt", "word " * 30), "more than the 24 of pad_size"),
-    (("--prompt", "x", "--max_new_tokens", "600"), "exceed the model's 512 positions"),
-    (("--prompt", "x", "--top_p", "0"), "--top_p must be in (0, 1]"),
+    ("generate.py", ("--prompts", "missing.jsonl"), "missing.jsonl: no such file"),
+    ("generate.py", ("--prompt", "x", "--prompts", "y"), "give exactly one of --prompt TEXT and --prompts FILE"),
+    ("generate.py", ("--prompt", "word " * 30), "more than the 24 of pad_size"),
+    ("generate.py", ("--prompt", "x", "--max_new_tokens", "600"), "exceed the model's 512 positions"),
+    ("generate.py", ("--prompt", "x", "--top_p", "0"), "--top_p must be in (0, 1]"),
+    ("serve.py", ("--port", "0"), "--port must be 1..65535, got 0"),
 ]
 
 
 def test_bad_input_is_one_line_exit_2(lm):
     """Each mistake stops every rank before the rendezvous (no peer is waited for)."""
     cfg = config(lm, "bad", **GALAXY)
-    outcomes = run_scripts([("generate.py", cfg, 2, *extra) for extra, _ in BAD], timeout=120)
-    for (extra, line), ranks in zip(BAD, outcomes):
+    outcomes = run_scripts([(script, cfg, 2, *extra) for script, extra, _ in BAD], timeout=120)
+    for (script, extra, line), ranks in zip(BAD, outcomes):
         for code, out, err in ranks:
-            assert code == 2 and line in err and len(err.strip().splitlines()) == 1, (extra, code, out, err)
+            assert code == 2 and line in err and len(err.strip().splitlines()) == 1, (script, extra, code, out, err)
 
 
 @pytest.fixture(scope="module")
