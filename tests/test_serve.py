@@ -6,7 +6,7 @@ One server serves the whole module (starting one costs two fresh processes impor
   - greedy completions, asked at the same time (they queue and batch) and as one list of
     prompts, are Hugging Face generate's greedy tokens (text, finish_reason, usage);
   - streaming (completions over urllib, chat with the openai client) adds up to the same text,
-    ends with a finish_reason and [DONE];
+    ends with a finish_reason (and the usage, when asked) and [DONE];
   - a stop string cuts the text; a seeded sampled request draws what galaxy's sampler draws from
     Hugging Face's logits with that seed, and again the same the second time;
   - malformed requests (not JSON, an unknown field, n=2, a prompt longer than the plan's
@@ -138,11 +138,12 @@ def check_with_openai_client(served, ref):
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0)
     assert (whole.choices[0].message.content, whole.choices[0].finish_reason) == (want["text"], want["finish_reason"])
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=NEW, temperature=0,
-                                            stream=True)
-    pieces = list(stream)
+                                            stream=True, stream_options={"include_usage": True})
+    *pieces, last = list(stream)
     assert pieces[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in pieces) == want["text"]
     assert pieces[-1].choices[0].finish_reason == want["finish_reason"]
+    assert last.choices == [] and last.usage.completion_tokens == want["tokens"] == whole.usage.completion_tokens
 
     text = ref.greedy(ref.ids(PROMPTS[0]))["text"]
     stop = text[len(text) // 2:len(text) // 2 + 2]

@@ -11,7 +11,8 @@ JSON and server-sent-event chunks out. No server and no torch here (galaxy.infer
 
 Fields OpenAI defines that change the output and are not computed here (logprobs, echo, best_of,
 suffix, tools, response_format, ...) are refused with a 400 naming them rather than ignored;
-"model" may be any name (one model is served) and "user" and "stream_options" are accepted.
+"model" may be any name (one model is served) and "user" is accepted; "stream_options":
+{"include_usage": true} adds OpenAI's last chunk with the usage and no choices.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Asked:
     stream: bool
     model: str
     prompt_tokens: int
+    usage_chunk: bool = False       # stream_options.include_usage
 
 
 def parse(kind: str, raw: bytes, tokenizer, limits: Limits, model: str) -> Asked:
@@ -78,7 +80,7 @@ def parse(kind: str, raw: bytes, tokenizer, limits: Limits, model: str) -> Asked
             raise BadRequest(problem, param="messages" if kind == "chat" else "prompt")
         requests.append(Request(prompt.text, tuple(ids), max_tokens, sampling, stop))
     return Asked(kind, requests, _flag(body, "stream"), str(body.get("model") or model),
-                 sum(len(r.ids) for r in requests))
+                 sum(len(r.ids) for r in requests), _include_usage(body.get("stream_options")))
 
 
 def _prompts(kind: str, body: dict) -> list[Prompt]:
@@ -106,6 +108,15 @@ def _sampling(body: dict) -> Sampling:
     if problems:
         raise BadRequest(problems[0], param=problems[0].split()[0])
     return s
+
+
+def _include_usage(options) -> bool:
+    if options is None:
+        return False
+    if not isinstance(options, dict) or set(options) - {"include_usage"} \
+            or not isinstance(options.get("include_usage", False), bool):
+        raise BadRequest('stream_options must be {"include_usage": true or false}', param="stream_options")
+    return options.get("include_usage", False)
 
 
 def _stop(stop) -> tuple[str, ...]:
@@ -156,11 +167,20 @@ def completion_body(asked: Asked, rid: str, done: list[Completion]) -> dict:
     else:
         choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
                    for i, c in enumerate(done)]
-    used = sum(len(c.tokens) for c in done)
     return {"id": rid, "object": "chat.completion" if asked.kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": asked.model, "choices": choices,
-            "usage": {"prompt_tokens": asked.prompt_tokens, "completion_tokens": used,
-                      "total_tokens": asked.prompt_tokens + used}}
+            "created": int(time.time()), "model": asked.model, "choices": choices, "usage": usage(asked, done)}
+
+
+def usage(asked: Asked, done: list[Completion]) -> dict:
+    used = sum(len(c.tokens) for c in done)
+    return {"prompt_tokens": asked.prompt_tokens, "completion_tokens": used, "total_tokens": asked.prompt_tokens + used}
+
+
+def usage_chunk(asked: Asked, rid: str, done: list[Completion]) -> bytes:
+    """A stream's last chunk under stream_options.include_usage: no choices, the usage."""
+    body = {"id": rid, "object": "chat.completion.chunk" if asked.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": asked.model, "choices": [], "usage": usage(asked, done)}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
 def chunk(asked: Asked, rid: str, index: int, text: str | None, finish: str | None, first: bool = False) -> bytes:

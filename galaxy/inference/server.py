@@ -153,7 +153,7 @@ class Handler(BaseHTTPRequestHandler):
         tokens = [[] for _ in asked.requests]
         if asked.kind == "chat":
             self._send(api.chunk(asked, rid, 0, "", None, first=True))
-        left = len(asked.requests)
+        left, done = len(asked.requests), [None] * len(asked.requests)
         while left:
             event = work.events.get()
             if event[0] == "error":
@@ -166,10 +166,12 @@ class Handler(BaseHTTPRequestHandler):
                 if piece:
                     self._send(api.chunk(asked, rid, i, piece, None))
                 continue
-            done = event[2]
-            piece = streams[i].piece(done.tokens, True)
-            self._send(api.chunk(asked, rid, i, piece or None, done.finish_reason))
+            done[i] = event[2]
+            piece = streams[i].piece(done[i].tokens, True)
+            self._send(api.chunk(asked, rid, i, piece or None, done[i].finish_reason))
             left -= 1
+        if asked.usage_chunk:
+            self._send(api.usage_chunk(asked, rid, done))
         self._send(api.DONE)
 
     def _send(self, data: bytes):
