@@ -113,9 +113,10 @@ def test_serves_hf_greedy_tokens_streams_and_refuses_bad_requests(server):
     assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == want[0]["finish_reason"]
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want[0]["text"]
 
-    bad = [(b"{not json", "not JSON", None), (dict(prompt="x", logprobs=1), "'logprobs' is not supported", "logprobs"),
-           (dict(prompt="x", n=2), "n must be 1", "n"), (dict(prompt="word " * 30), f"more than the {PAD} of pad_size",
-                                                          "prompt"),
+    bad = [(b"{not json", "not JSON", None),
+           (dict(prompt="x", logprobs=1), "'logprobs' is not supported", "logprobs"),
+           (dict(prompt="x", n=2), "n must be 1", "n"),
+           (dict(prompt="word " * 30), f"more than the {PAD} of pad_size", "prompt"),
            (dict(prompt="x", max_tokens=600), "exceed the model's 512 positions", "prompt"),
            (dict(prompt="x", temperature="hot"), "temperature must be a number", "temperature")]
     for body, words, param in bad:
