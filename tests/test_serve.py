@@ -3,8 +3,8 @@ MLP TP, uneven shares), asked over plain HTTP (urllib) and with the openai clien
 
 One server serves the whole module (starting one costs two fresh processes importing torch):
   - GET /v1/models names --model_name;
-  - greedy completions, asked at the same time (they queue and batch) and as one list of
-    prompts, are Hugging Face generate's greedy tokens (text, finish_reason, usage);
+  - greedy completions, asked at the same time, whole and streamed (they queue and batch), and
+    as one list of prompts, are Hugging Face generate's greedy tokens (text, finish_reason, usage);
   - streaming (completions over urllib, chat with the openai client) adds up to the same text,
     ends with a finish_reason (and the usage, when asked) and [DONE];
   - a stop string cuts the text; a seeded sampled request draws what galaxy's sampler draws from
@@ -90,15 +90,21 @@ def test_serves_hf_greedy_tokens_streams_and_refuses_bad_requests(server):
     status, models = call(served.url("/v1/models"))
     assert status == 200 and models["object"] == "list" and [m["id"] for m in models["data"]] == ["tiny"]
 
-    answers = [None] * len(PROMPTS)                       # asked together: they queue and batch
+    answers, streamed = [None] * len(PROMPTS), [None] * len(PROMPTS)   # asked together: they queue and batch
 
     def ask(i):
         answers[i] = call(served.url("/v1/completions"), greedy_body(PROMPTS[i]))
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+
+    def ask_streamed(i):
+        streamed[i] = events(served.url("/v1/completions"), greedy_body(PROMPTS[i], stream=True))
+    threads = [threading.Thread(target=f, args=(i,)) for i in range(len(PROMPTS)) for f in (ask, ask_streamed)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    for chunks, w in zip(streamed, want):
+        assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == w["finish_reason"]
+        assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == w["text"]
     for (status, body), w, p in zip(answers, want, PROMPTS):
         assert status == 200, body
         choice = body["choices"][0]
@@ -108,10 +114,6 @@ def test_serves_hf_greedy_tokens_streams_and_refuses_bad_requests(server):
     status, body = call(served.url("/v1/completions"), greedy_body(PROMPTS))
     assert status == 200 and [c["text"] for c in body["choices"]] == [w["text"] for w in want]
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
-
-    chunks = events(served.url("/v1/completions"), greedy_body(PROMPTS[0], stream=True))
-    assert chunks[-1] == "[DONE]" and chunks[-2]["choices"][0]["finish_reason"] == want[0]["finish_reason"]
-    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == want[0]["text"]
 
     bad = [(b"{not json", "not JSON", None),
            (dict(prompt="x", logprobs=1), "'logprobs' is not supported", "logprobs"),

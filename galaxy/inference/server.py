@@ -13,6 +13,7 @@ main thread stays the one that runs torch and the collectives.
 """
 from __future__ import annotations
 
+import copy
 import json
 import queue
 import threading
@@ -36,7 +37,11 @@ class Work:
 
 class Front:
     def __init__(self, host: str, port: int, *, tokenizer, limits, model: str, rows: int):
-        self.tokenizer, self.limits, self.model, self.rows = tokenizer, limits, model, rows
+        # A fast tokenizer's Python object refuses use from two threads at once ("Already
+        # borrowed"): the HTTP threads share a copy of their own, one at a time; the engine's
+        # thread keeps the original.
+        self.tokenizer, self.tokenizing = copy.deepcopy(tokenizer), threading.Lock()
+        self.limits, self.model, self.rows = limits, model, rows
         self.created = int(time.time())
         self.waiting: deque[Work] = deque()
         self.ready = threading.Condition()
@@ -121,7 +126,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.front.broken:
             return self._json(503, api.error_body(self.front.broken, 503))
         try:
-            asked = api.parse(kind, raw, self.front.tokenizer, self.front.limits, self.front.model)
+            with self.front.tokenizing:
+                asked = api.parse(kind, raw, self.front.tokenizer, self.front.limits, self.front.model)
         except api.BadRequest as e:
             return self._json(e.status, api.error_body(str(e), e.status, e.param))
         work = Work(asked)
@@ -162,12 +168,14 @@ class Handler(BaseHTTPRequestHandler):
             i = event[1]
             if event[0] == "token":
                 tokens[i].append(event[2])
-                piece = streams[i].piece(tokens[i], event[3] != RUNNING)
+                with self.front.tokenizing:
+                    piece = streams[i].piece(tokens[i], event[3] != RUNNING)
                 if piece:
                     self._send(api.chunk(asked, rid, i, piece, None))
                 continue
             done[i] = event[2]
-            piece = streams[i].piece(done[i].tokens, True)
+            with self.front.tokenizing:
+                piece = streams[i].piece(done[i].tokens, True)
             self._send(api.chunk(asked, rid, i, piece or None, done[i].finish_reason))
             left -= 1
         if asked.usage_chunk:
