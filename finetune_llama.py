@@ -4,7 +4,7 @@ See README.md; run with --help for the arguments.
 """
 from galaxy.launch import main
 from galaxy.preflight import check_tokenizer_files
-from galaxy.train.generation import add_generation_arguments, prepare_llama, run_llama
+from galaxy.inference.finetune_generate import add_generation_arguments, prepare_llama, run_llama
 
 
 def prepare(cfg, args):

@@ -1,7 +1,8 @@
-"""BERT sequence classification, serial (one process). See README.md; run with --help for the arguments."""
+"""BERT sequence classification, serial (one process). --predict FILE classifies instead of training. See README.md; run with --help for the arguments."""
 from galaxy.launch import main
-from galaxy.train.trainer import prepare_classifier, train_classifier
+from galaxy.inference.predict import add_predict_arguments, prepare_classify, run_classify
 
 if __name__ == "__main__":
-    main(preset="serial", prepare_fn=prepare_classifier, train_fn=train_classifier, script="pretrain_bert.py",
+    main(preset="serial", prepare_fn=prepare_classify, train_fn=run_classify,
+         add_arguments=add_predict_arguments, script="pretrain_bert.py",
          default_config="train_config/bert/full.json", model_type="bert")

@@ -1,7 +1,8 @@
-"""BERT sequence classification, pipeline parallelism (pp_deg = world unless the config says; torch.distributed.pipelining). See README.md; run with --help for the arguments."""
+"""BERT sequence classification, pipeline parallelism (pp_deg = world unless the config says; torch.distributed.pipelining). --predict FILE classifies instead of training. See README.md; run with --help for the arguments."""
 from galaxy.launch import main
-from galaxy.train.trainer import prepare_classifier, train
+from galaxy.inference.predict import add_predict_arguments, prepare_classify, run_classify
 
 if __name__ == "__main__":
-    main(preset="pp", prepare_fn=prepare_classifier, train_fn=train, script="pretrain_pp_bert.py",
+    main(preset="pp", prepare_fn=prepare_classify, train_fn=run_classify,
+         add_arguments=add_predict_arguments, script="pretrain_pp_bert.py",
          default_config="train_config/bert/pp/full.json", model_type="bert")

@@ -57,6 +57,7 @@ from galaxy.config import ConfigError, apply_preset, load_config, validate_for_w
 from galaxy.data.errors import DataError
 from galaxy.distributed import waiting
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
+from galaxy.distributed.failures import first_line as _first_line
 from galaxy.distributed.interface import bind_to_rendezvous
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
@@ -220,12 +221,6 @@ def ranks_and_cores_on_this_host() -> tuple[int, int]:
     dist.all_gather_object(every, (socket.gethostname(), cores))
     here = [c for host, c in every if host == socket.gethostname()]
     return len(here), len(set().union(*here))
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines() or [type(error).__name__]
-    # gloo prefixes its messages with "[/path/to/pair.cc:537] ", which says nothing to users.
-    return re.sub(r"^\[[^\]]*:\d+\]\s*", "", lines[0])
 
 
 def _hard_exit(status: int, message: str | None = None) -> None:

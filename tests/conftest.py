@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support.dist_pool import DistPool  # noqa: E402
-from support.tiny_models import MAKE_TINY_LM, make_tiny_bert  # noqa: E402
+from support.tiny_models import MAKE_TINY_LM, make_tiny_bert, write_sharp_lm  # noqa: E402
 
 _pools: dict[int, DistPool] = {}
 
@@ -40,4 +40,17 @@ def tiny_lm_dir(tmp_path_factory):
         if key not in made:
             made[key] = MAKE_TINY_LM[family](str(tmp_path_factory.mktemp(f"tiny_{family}")), **overrides)
         return made[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def sharp_lm(tmp_path_factory):
+    """sharp_lm(family) -> tiny_models.write_sharp_lm's model with its tokenizer, written once per
+    session for the generation, script and server tests (writing one trains its tokenizer: ~4 s)."""
+    made: dict = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = write_sharp_lm(family, str(tmp_path_factory.mktemp(f"sharp_{family}")))
+        return made[family]
     return get

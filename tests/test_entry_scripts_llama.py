@@ -200,13 +200,13 @@ def test_gpt2_galaxy_run_reports_hf_losses_resumes_and_exports(gpt2_job, dist_po
 
 
 def generate_on_rank(model_dir, prompt, max_new_tokens, plan, shares):
-    from transformers import AutoTokenizer
+    from dataclasses import replace
 
-    from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.generate import greedy_generate
-    from support.parity import world_group
-    model = build_model(model_dir, plan, world_group(*shares))
-    return greedy_generate(model, AutoTokenizer.from_pretrained(model_dir), prompt, max_new_tokens, PAD)
+    from support.generation_runners import galaxy_generate, requests_for
+    heads, columns, tokens = shares
+    plan = replace(plan, heads=heads, columns=columns, tokens=tokens)
+    (got, _), = galaxy_generate(model_dir, plan, requests_for(model_dir, [prompt], max_new_tokens))[0]
+    return got
 
 
 def test_gpt2_generation_under_a_plan_is_hf_greedy(gpt2_job, dist_pool):

@@ -22,7 +22,7 @@ def write(tmp_path, name, keys) -> str:
 def test_bert_full(tmp_path):
     cfg = load_config(write(tmp_path, "full", BERT_FULL))
     assert cfg.model_path is None and (cfg.hidden_size, cfg.num_hidden_layers, cfg.batch_size) == (64, 2, 4)
-    assert cfg._notes == ("Galaxy-LM keys: train true (every script here trains)",) and cfg._ignored == ()
+    assert cfg._notes == ("Galaxy-LM keys: train true (training)",) and cfg._ignored == () and cfg.train
 
 
 def test_bert_lora_maps_and_ignores(tmp_path):

@@ -72,13 +72,13 @@ def translate(raw: dict) -> Translation:
 
 
 def _train(value, out: Translation) -> None:
-    """Galaxy-LM's train flag chose training over inference; these scripts always train."""
-    if value is True:
-        out.mapped.append("train true (every script here trains)")
-    else:
-        out.problems.append(f"train is {_json(value)}, but these scripts train (Galaxy-LM's inference "
-                            "switch has no equivalent); remove the key, or use finetune_llama.py "
-                            "--generate for greedy generation")
+    """Galaxy-LM's train flag chose training over inference; here it is a key of the same name."""
+    if not isinstance(value, bool):
+        out.problems.append(f"train must be true or false, got {_json(value)}")
+        return
+    out.values["train"] = value
+    out.mapped.append("train true (training)" if value else
+                      "train false -> predictions of the test set only (docs/inference.md)")
 
 
 def _device(value, raw: dict, out: Translation) -> None:

@@ -27,6 +27,8 @@ class ModelKeys:
     model_type: str | None = key(None, "the family of a random model (bert, llama, qwen2, gpt2); must match "
                                  "model_path's")
     task: Literal["classification", "causal_lm"] | None = key(None, "what to train; null: the entry script's task")
+    train: bool = key(True, "false: no training; a classifier predicts the test set (test_path, or the embedded "
+                      "one) under the plan, as --predict FILE does")
     hidden_size: int | None = key(None, "shape key: without model_path a random model of this shape; with it "
                                   "it must agree with config.json", at_least=1)
     intermediate_size: int | None = key(None, "shape key (MLP width)", at_least=1)

@@ -81,6 +81,19 @@ def render_chat(tokenizer, chat: Chat) -> RenderedChat:
     return RenderedChat(text, tuple(spans), True)
 
 
+def render_chat_prompt(tokenizer, messages: list[tuple[str, str]]) -> tuple[str, bool]:
+    """A conversation so far, rendered as the prompt of the assistant's next turn (generation):
+    (text, whether tokenising adds the tokenizer's special tokens). The same template as
+    training's: the tokenizer's chat template with its generation prompt, else CHAT_TEMPLATE's
+    turns followed by the assistant's header."""
+    if uses_chat_template(tokenizer):
+        dicts = [{"role": r, "content": c} for r, c in messages]
+        return tokenizer.apply_chat_template(dicts, tokenize=False, add_generation_prompt=True), False
+    eos = tokenizer.eos_token or ""
+    text = "".join(CHAT_TEMPLATE[r][0] + c + CHAT_TEMPLATE[r][1].format(eos=eos) for r, c in messages)
+    return text + CHAT_TEMPLATE["assistant"][0], True
+
+
 def _render_with_template(tokenizer, chat: Chat) -> RenderedChat:
     messages = [{"role": r, "content": c} for r, c in chat.messages]
 

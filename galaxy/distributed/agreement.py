@@ -34,7 +34,8 @@ import torch.distributed as dist
 LOCAL_PATHS = ("model_path", "train_path", "dev_path", "test_path", "metrics_file", "save_dir", "export_dir",
                "resume", "lora_path")
 # Command-line arguments that may differ between ranks (--json: only rank 0 writes it).
-RANK_LOCAL_ARGS = ("config_file", "world", "rank", "init_method", "local_rank", "check", "json")
+RANK_LOCAL_ARGS = ("config_file", "world", "rank", "init_method", "local_rank", "check", "json",
+                   "prompts", "out", "predict")     # inference's files: their contents are compared instead
 MODEL_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size", "max_position_embeddings", "tie_word_embeddings")
 _MISSING = "<absent>"
@@ -75,6 +76,9 @@ def fingerprint(cfg, job, args, script: str) -> dict:
         out["training examples"] = len(task.train_set)
         out["training data (digest)"] = _digest(task.train_set)
         out["class names"] = task.class_names
+    requests = getattr(job, "requests", None)        # an inference job's tokenised prompts
+    if requests is not None:
+        out["prompts (digest)"] = _digest(requests)
     tokenizer = getattr(job, "tokenizer", None)
     if tokenizer is not None:
         out["tokenizer size"] = len(tokenizer)

@@ -15,7 +15,8 @@ Megatron core's split: the model names its parts, the parallel machinery is writ
                                 (`kv_gather`), cuts the query-indexed context to this rank's rows
                                 (`local_rows`) and, with `kv_blocks` (set_overlap), attends to the
                                 own keys while the gather travels (attention_while_gathering);
-                                dropout's stream (`rng_scope`, ShardedDropout)
+                                dropout's stream (`rng_scope`, ShardedDropout); the KV cache of
+                                generation (`kv_cache`, galaxy.layers.cached_attention)
 
 The forward, outside SP, is finish(attend(*project(x))): `project` and `finish` work token by
 token, `attend` over the whole sequence in order, so a TP ATT whose transitions travel in chunks
@@ -28,6 +29,7 @@ from typing import Callable
 from torch import nn
 
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.layers import cached_attention
 from galaxy.distributed.transitions import KVGather
 from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.linear import OutputProjection
@@ -68,6 +70,7 @@ class SelfAttention(ShardedDropout, nn.Module):
         self.kv_gather = None          # SP: gathers K/V of every rank's tokens (KVGather)
         self.local_rows = None         # SP: this rank's query positions in full-sequence context
         self.kv_blocks = False         # SP: attend to the own keys while the gather travels
+        self.kv_cache = None           # generation: this rank's keys and values so far (KVCache)
 
     @property
     def deferred_bias(self) -> str:
@@ -98,6 +101,11 @@ class SelfAttention(ShardedDropout, nn.Module):
         shard_column_parallel(proj, start, length, parts)
         return {f"{name}.weight": spec, **({f"{name}.bias": spec} if proj.bias is not None else {})}
 
+    def start_cache(self, rows: int, prompt: int, new: int, dtype, device):
+        """A KV cache for `rows` rows of a `prompt`-token prefill and `new` decoded tokens, holding
+        what this rank keeps (galaxy.layers.kv_cache: its heads, or under SP its tokens)."""
+        return cached_attention.start_cache(self, rows, prompt, new, dtype, device)
+
     def sequence_parallel(self, group: GalaxyGroup) -> None:
         """SP: this rank holds tokens [o_r, o_r + s_r) of the sequence; its queries attend to
         every rank's keys, gathered over `group`."""
@@ -115,7 +123,7 @@ class SelfAttention(ShardedDropout, nn.Module):
     def attend(self, q, k, v, **context):
         """Whole sequences in order: q [b, s, heads*d] against k, v [b, S, kv_heads*d] ->
         context [b, s, heads*d]. context: the model's layer_context (mask, position tables)."""
-        q, k = (self._at_positions(split_heads(t, self.head_dim), context) for t in (q, k))
+        q, k = (self.at_positions(split_heads(t, self.head_dim), context) for t in (q, k))
         return self._attention(attention, q, k, split_heads(v, self.head_dim), context=context)
 
     def finish(self, ctx):
@@ -125,23 +133,32 @@ class SelfAttention(ShardedDropout, nn.Module):
 
     def forward(self, x, **context):
         # x: [b, s, h] (s = this rank's tokens under SP); context: the model's layer_context
+        if self.kv_cache is not None:
+            return self.finish(cached_attention.attend(self, x, context))
         if self.kv_gather is None:
             return self.finish(self.attend(*self.project(x), **context))
-        return self.finish(self._attend_across_ranks(x, self._own_rows(context)))
+        context = self.own_rows(context)
+        return self.finish(self.attend_across_ranks(*self.own_keys(x, context), context))
 
-    # -- inside -----------------------------------------------------------------------------
+    # -- SP: the two halves of attention across ranks ------------------------------------------
 
-    def _attend_across_ranks(self, x, context: dict):
-        """SP: this rank's queries over every rank's keys -> context [b, s, heads*d]. K and V
-        are projected first and their gather started; Q is projected while it travels."""
+    def own_keys(self, x, context: dict):
+        """SP: (a function projecting this rank's queries [b, s, heads, d], its tokens' keys and
+        values [b, s, kv_heads, d]), keys at their positions. context: cut to this rank's rows."""
         q_of, k, v = self._projections_for_gather(x)
-        k = self._at_positions(split_heads(k, self.head_dim), context)                # [b, s, kv_heads, d]
-        v = split_heads(v, self.head_dim)
+        k = self.at_positions(split_heads(k, self.head_dim), context)                # [b, s, kv_heads, d]
 
         def queries():
-            return self._at_positions(split_heads(q_of(), self.head_dim), context)   # [b, s, heads, d]
+            return self.at_positions(split_heads(q_of(), self.head_dim), context)   # [b, s, heads, d]
+        return queries, k, split_heads(v, self.head_dim)
+
+    def attend_across_ranks(self, queries, k, v, context: dict):
+        """SP: this rank's queries over every rank's keys -> context [b, s, heads*d]. The K/V
+        gather is started first; the queries are projected while it travels."""
         return self._attention(attention_while_gathering, queries, k, v, self.kv_gather, context=context,
                                blocks=self.kv_blocks)
+
+    # -- inside -----------------------------------------------------------------------------
 
     def _projections_for_gather(self, x):
         """(a function projecting Q, K, V): K and V first; a fused projection makes all three at once."""
@@ -151,14 +168,14 @@ class SelfAttention(ShardedDropout, nn.Module):
         q, k, v = (getattr(self, name) for name in self.qkv_names)
         return (lambda: q(x)), k(x), v(x)
 
-    def _own_rows(self, context: dict) -> dict:
+    def own_rows(self, context: dict) -> dict:
         """The context at this rank's queries: each query-indexed tensor cut to local_rows."""
         def own(name, t):
             dim = self.query_dims.get(name)
             return t if dim is None else t[(slice(None),) * dim + (self.local_rows,)]
         return {name: own(name, t) for name, t in context.items()}
 
-    def _at_positions(self, t, context: dict):
+    def at_positions(self, t, context: dict):
         return t if self.positions is None else self.positions(t, context)
 
     def _attention(self, core, *args, context: dict, **kwargs):

@@ -79,12 +79,15 @@ class GalaxyModel(nn.Module):
         """Side-tuning never back-propagates through the frozen backbone: run it without autograd."""
         return torch.no_grad() if self.side_mode else nullcontext()
 
-    def embed(self, input_ids, token_type_ids=None) -> tuple:
-        """[b, S] ids (the full sequence on every rank) -> the carry entering the first layer."""
+    def embed(self, input_ids, token_type_ids=None, positions=None) -> tuple:
+        """[b, S] ids (the full sequence on every rank) -> the carry entering the first layer.
+        positions: [b, S], each token's position (generation's left-padded rows; a causal LM's
+        families take it here or in layer_context); None: 0..S-1."""
         raise NotImplementedError
 
-    def layer_context(self, attention_mask) -> dict:
-        """Keyword arguments every layer's ATT takes, from the [b, S] padding mask (or None)."""
+    def layer_context(self, attention_mask, positions=None) -> dict:
+        """Keyword arguments every layer's ATT takes, from the [b, S] padding mask (or None) and
+        the positions (as embed takes them)."""
         raise NotImplementedError
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:

@@ -99,11 +99,13 @@ class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
     # `carry` is (residual stream, normalised input of the next block), both [b, s_con, h],
     # plus the side state under side-tuning (galaxy.models.family).
 
-    def embed(self, input_ids, token_type_ids=None) -> tuple:
-        # input_ids: [b, S] on every rank. Positions 0..S-1 whatever the padding, as Hugging Face
-        # numbers them when no position_ids are given (right padding: real tokens come first).
+    def embed(self, input_ids, token_type_ids=None, positions=None) -> tuple:
+        # input_ids: [b, S] on every rank; positions [b, S] (generation's left-padded rows), else
+        # 0..S-1 whatever the padding, as Hugging Face numbers them when no position_ids are given
+        # (right padding: real tokens come first).
         with self.backbone_grad():
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             h = self.wte(input_ids) + self.wpe(positions)
             if token_type_ids is not None:     # Hugging Face embeds token types with wte too
                 h = h + self.wte(token_type_ids)
@@ -112,8 +114,9 @@ class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
             x = self.first_norm(h)
         return (h, x) if self.side_in is None else (h, x, self.side_in(h))
 
-    def layer_context(self, attention_mask) -> dict:
-        """The causal + padding mask for the full sequence, from the [b, S] mask."""
+    def layer_context(self, attention_mask, positions=None) -> dict:
+        """The causal + padding mask for the full sequence, from the [b, S] mask (positions enter
+        in embed)."""
         if attention_mask is None:
             raise ValueError("a causal LM needs the attention mask (ones where there is no padding)")
         return {"mask": causal_padding_mask(attention_mask.bool())}

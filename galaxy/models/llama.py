@@ -103,19 +103,21 @@ class LlamaBackbone(GalaxyModel):
     # `carry` is (residual stream, normalised input of the next block), both [b, s_con, h],
     # plus the side state under side-tuning (galaxy.models.family).
 
-    def embed(self, input_ids, token_type_ids=None) -> tuple:
+    def embed(self, input_ids, token_type_ids=None, positions=None) -> tuple:
+        # positions: unused here (rotary positions enter in layer_context)
         with self.backbone_grad():
             h = self.enter(self.embed_tokens(input_ids))
             x = self.first_norm(h)
         return (h, x) if self.side_in is None else (h, x, self.side_in(h))
 
-    def layer_context(self, attention_mask) -> dict:
+    def layer_context(self, attention_mask, positions=None) -> dict:
         """Causal + padding mask and rotary tables for the full sequence, from the [b, S] mask
-        (None: no padding)."""
+        (None: no padding); positions [b, S]: each token's (None: 0..S-1, right padding's)."""
         if attention_mask is None:
             raise ValueError("a causal LM needs the attention mask (ones where there is no padding)")
         b, S = attention_mask.shape
-        positions = torch.arange(S, device=attention_mask.device).expand(b, S)
+        if positions is None:
+            positions = torch.arange(S, device=attention_mask.device).expand(b, S)
         # Any parameter gives the rotary tables' dtype and device (a pipeline stage may lack
         # the embeddings).
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
@@ -169,10 +171,10 @@ class LlamaForSequenceClassification(LlamaBackbone):
         self.pool_group = group if con_layout == Layout.S and group.size > 1 else None
         return {}
 
-    def layer_context(self, attention_mask) -> dict:
-        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        self.pooled_at = (positions * attention_mask.bool()).argmax(-1)
-        return super().layer_context(attention_mask)
+    def layer_context(self, attention_mask, positions=None) -> dict:
+        slots = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        self.pooled_at = (slots * attention_mask.bool()).argmax(-1)
+        return super().layer_context(attention_mask, positions)
 
     def head(self, carry: tuple, labels=None):
         _, x, *side = carry

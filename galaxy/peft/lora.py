@@ -53,6 +53,7 @@ class LoraLinear(nn.Linear):
             self.lora_B.weight.zero_()
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rng_scope = nullcontext   # sharded input: the rank's own dropout stream
+        self.folded = False            # the update is in the weight already (fold_into_weights)
 
     def shard_like(self, rule: ParamRule, rank: int) -> tuple[ParamRule, ParamRule]:
         """Slice A or B like the base weight's rule; returns the rules of (lora_A, lora_B)."""
@@ -67,6 +68,8 @@ class LoraLinear(nn.Linear):
 
     def forward(self, x):
         y = F.linear(x, self.weight, None if self.defers_bias else self.bias)
+        if self.folded:
+            return y
         with self.rng_scope() if self.training and isinstance(self.lora_dropout, nn.Dropout) else nullcontext():
             x = self.lora_dropout(x)
         return y + self.lora_B(self.lora_A(x)) * self.scaling
@@ -142,3 +145,15 @@ def merge_into(full: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tor
         w = out[f"{name}.weight"]
         out[f"{name}.weight"] = (w.double() + m.scaling * (b.double() @ a.double())).to(w.dtype)
     return out
+
+
+@torch.no_grad()
+def fold_into_weights(model: nn.Module) -> None:
+    """Add every LoRA update into its base weight in place, on each rank's own shard, and stop
+    computing it (inference: one matrix product per projection again). The shards multiply
+    exactly: a column-parallel weight's rows are B's rows times the whole A, a row-parallel one's
+    columns the whole B times A's columns (the table above). The model no longer trains LoRA."""
+    for m in lora_modules(model).values():
+        if not m.folded:
+            m.weight += m.scaling * (m.lora_B.weight @ m.lora_A.weight)
+            m.folded = True

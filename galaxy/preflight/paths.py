@@ -18,14 +18,14 @@ def check_output_paths(cfg) -> None:
     for key, kind in OUTPUTS:
         path = getattr(cfg, key, None)
         if path is not None:
-            _check_writable(key, path, kind)
+            check_writable(key, path, kind)
     export = getattr(cfg, "export_dir", None)
     if export is not None and os.path.realpath(export) == os.path.realpath(cfg.model_path):
         raise ConfigError(f"export_dir {export!r} is model_path: the export would overwrite the model it "
                           "starts from; give another folder")
 
 
-def _check_writable(key: str, path: str, kind: str) -> None:
+def check_writable(key: str, path: str, kind: str) -> None:
     if os.path.exists(path):
         if kind == "folder" and not os.path.isdir(path):
             raise ConfigError(f"{key} {path!r} is an existing file, not a folder; give a folder path "

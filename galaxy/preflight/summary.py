@@ -29,9 +29,8 @@ def summary(cfg, job, report, script: str, rank: int, world: int) -> str:
     parts = []
     if report.model is None:                       # a script that builds no model (tests' launch target)
         parts.append(f"{who} would start {_plan(cfg, world)} with model_path {cfg.model_path}")
-    elif getattr(job, "prompt", None) is not None:
-        parts.append(f"{who} would generate {job.max_new_tokens} tokens after the prompt {job.prompt!r} with "
-                     f"{_model(report)}, {_plan(cfg, world)}")
+    elif getattr(job, "what", None) is not None:     # an inference job says what it would do
+        parts.append(f"{who} would {job.what} with {_model(report)}, {_plan(cfg, world)}")
     elif getattr(job, "task", None) is None:
         parts.append(f"{who} would profile one training step of {_model(report)} on a batch of "
                      f"{cfg.batch_size} x {cfg.pad_size} tokens, {_plan(cfg, world)}")

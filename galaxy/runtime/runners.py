@@ -20,6 +20,13 @@ def plan_and_mesh(cfg, world: int, shape: dict):
     return plan, make_mesh(plan, timeout=timedelta(seconds=cfg.timeout_s))
 
 
+def stage_of(plan: Plan, mesh) -> tuple[range, bool, bool] | None:
+    """This rank's pipeline stage as build_model takes it: (layers, first, last); None without one."""
+    if plan.pp == 1:
+        return None
+    return plan.stage_layers()[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage
+
+
 def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                  device="cpu", dropout: float | None = None, autocast=nullcontext, adapt=None,
                  task: str | None = None):
@@ -31,11 +38,8 @@ def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = 
     and before DDP / FSDP / gradient sync wrap it (e.g. apply_peft). task: the model's task
     (build_model's; None: the family's primary one).
     """
-    stage = None
-    if plan.pp > 1:
-        stage = (plan.stage_layers()[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
-                        dropout=dropout, stage=stage, task=task)
+                        dropout=dropout, stage=stage_of(plan, mesh), task=task)
     if adapt is not None:
         adapt(model)
     if plan.pp > 1:

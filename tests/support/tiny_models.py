@@ -122,3 +122,21 @@ def make_tiny_gpt2(path: str, seed: int = 0, **overrides) -> str:
 # The tiny causal LMs by family (conftest's tiny_lm_dir). Llama and Qwen2 share TINY_LLAMA's shape
 # (and key names, so overrides such as num_hidden_layers serve both); GPT-2's is TINY_GPT2.
 MAKE_TINY_LM = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gpt2": make_tiny_gpt2}
+
+
+def write_sharp_lm(family: str, path: str) -> str:
+    """A tiny Llama, Qwen2 or GPT-2 with galaxy.assets' BPE tokenizer (512 tokens, seed 3) whose LM
+    head is scaled by 8, so greedy picks are far from ties (a random model's logits are nearly
+    flat). Qwen2's and GPT-2's heads are tied to the embeddings: one tensor on disk."""
+    from safetensors.torch import load_file, save_file
+
+    from galaxy.assets.tiny_gpt2 import write_tiny_gpt2
+    from galaxy.assets.tiny_llama import write_tiny_llama
+    from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
+    write = {"llama": write_tiny_llama, "qwen2": write_tiny_qwen2, "gpt2": write_tiny_gpt2}[family]
+    path = write(path, vocab_size=512, seed=3)
+    state = load_file(f"{path}/model.safetensors")
+    head = next(k for k in ("lm_head.weight", "model.embed_tokens.weight", "transformer.wte.weight") if k in state)
+    state[head] *= 8
+    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    return path

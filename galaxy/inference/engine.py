@@ -1,0 +1,141 @@
+"""KV-cached generation on this rank's part of a model, under any plan and pipeline stage.
+
+One batch of rows (Requests) at a time, every rank of the replica in lockstep:
+
+  prefill   the prompts, left-padded to one length P, run once under the plan: first stage embeds,
+            every stage runs its layers (the carry, [b, s_con, h] per tensor, sent to the same
+            Galaxy rank of the next stage), each ATT writing its share of K/V to its cache
+            (galaxy.layers.cached_attention). P is the longest prompt, or pad_size where the plan
+            splits tokens (its shares are made for pad_size).
+  sample    the sampler (the last Galaxy rank of the last stage: it holds the last prompt token
+            under CON SP) runs the LM head on the last position only, [b, vocab], chooses every
+            row's token (galaxy.inference.sampling) and broadcasts [b, 2] (token, status) over its
+            group, then the last stage broadcasts it over the pipeline: every rank goes on with
+            the same tokens and knows which rows have stopped.
+  decode    one token per row under the decode layouts (galaxy.parallel.decode_layout), positions
+            continuing each row's own, until every row has stopped.
+
+Left padding and per-row positions follow Hugging Face's generate: position = real tokens
+before it, so a padded row computes what it would alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from galaxy.inference.requests import Completion, Progress, Request
+from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
+from galaxy.parallel.decode_layout import decode_layouts
+from galaxy.pipeline.stage import carry_dtype, carry_shapes, carry_slots, pack_carry, unpack_carry
+from galaxy.plan import Layout
+
+
+class Engine:
+    def __init__(self, model, plan, mesh, tokenizer, *, eos_ids, device="cpu"):
+        """model: this rank's part, built under `plan` on `mesh` (galaxy.runtime.assemble)."""
+        self.model, self.plan, self.mesh, self.tokenizer = model, plan, mesh, tokenizer
+        self.group, self.device = mesh.galaxy, torch.device(device)
+        self.eos = frozenset(eos_ids)
+        pad = tokenizer.pad_token_id
+        self.pad = pad if pad is not None else min(self.eos, default=0)
+        self.split_tokens = self.group.size > 1 and plan.uses("tokens")
+        self.is_sampler = mesh.is_last_stage and self.group.rank == self.group.size - 1
+        self.cache_bytes = 0                 # this rank's KV cache of the last batch
+        model.eval()
+        for layer in model.layers:           # chunked transitions call ATT's pieces, not its cache path
+            layer.comm_chunks = 1
+
+    def prefill_length(self, longest: int) -> int:
+        """The padded prompt length for a batch whose longest prompt has `longest` tokens."""
+        return sum(self.plan.tokens) if self.split_tokens else longest
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], on_token=None) -> list[Completion]:
+        """Every row's completion. on_token(row, token, status), when given, hears each token as
+        soon as this rank has it."""
+        progress = Progress(list(requests), self.tokenizer, self.eos, self.pad)
+        ids, mask, positions = self._left_padded(requests)
+        rows, length = ids.shape
+        new = max(r.max_new_tokens for r in requests)
+        caches = open_caches(self.model, rows, length, new, carry_dtype(self.model), self.device)
+        self.cache_bytes = caches.nbytes
+        try:
+            logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
+            self._advance(progress, logits, on_token)
+            ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
+            with decode_layouts(self.model):
+                step = 0
+                while not progress.done:
+                    tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]
+                    positions = positions[:, -1:] + 1                               # [b, 1]
+                    owner = step % self.group.size
+                    logits = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner))
+                    self._advance(progress, logits, on_token)
+                    step += 1
+        finally:
+            caches.close()
+        return progress.completions()
+
+    def _left_padded(self, requests):
+        """ids, mask, positions [b, P]: prompts right-aligned, positions counting real tokens."""
+        length = self.prefill_length(max(len(r.ids) for r in requests))
+        ids = torch.full((len(requests), length), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(requests), length, dtype=torch.long)
+        for i, r in enumerate(requests):
+            if r.ids:
+                ids[i, length - len(r.ids):] = torch.tensor(r.ids)
+                mask[i, length - len(r.ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)        # Hugging Face's, pad slots aside
+        return ids.to(self.device), mask.to(self.device), positions.to(self.device)
+
+    def _forward(self, ids, mask, positions, step: CacheStep):
+        """One pass of this stage; on the sampler, the last position's logits [b, vocab] (fp32)."""
+        m, at = self.model, self.model.attached
+        context = {**m.layer_context(mask, positions), STEP_KEY: step}
+        if at.is_first_stage:
+            carry = m.embed(ids, positions=positions)
+        else:
+            carry = unpack_carry(self._receive(ids.shape, step.decoding), carry_slots(m))
+        carry = m.run_layers(tuple(carry), context, m.layers)
+        if not at.is_last_stage:
+            self._send(pack_carry(carry, carry_slots(m)))
+            return None
+        if not self.is_sampler:
+            return None
+        logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]
+        return logits[:, -1].float()
+
+    def _advance(self, progress: Progress, logits, on_token) -> None:
+        """The sampler chooses; every rank takes its choice."""
+        packed = progress.choose(logits) if self.is_sampler else \
+            torch.empty(len(progress.requests), 2, dtype=torch.long)
+        packed = self._from_sampler(packed.to(self.device))
+        for row, token, status in progress.record(packed.cpu()):
+            if on_token is not None:
+                on_token(row, token, status)
+
+    def _from_sampler(self, packed):
+        mesh, g = self.mesh, self.group
+        if mesh.is_last_stage and g.pg is not None:
+            dist.broadcast(packed, src=dist.get_global_rank(g.pg, g.size - 1), group=g.pg)
+        if mesh.pp_pg is not None:
+            dist.broadcast(packed, src=dist.get_global_rank(mesh.pp_pg, mesh.pp_size - 1), group=mesh.pp_pg)
+        return packed
+
+    # -- the pipeline: the carry from stage to stage --------------------------------------------
+
+    def _receive(self, shape, decoding: bool):
+        rows, length = shape
+        layout = Layout.R if decoding else self.plan.con_layout
+        pg = self.mesh.pp_pg
+        tensors = [torch.empty(s, dtype=carry_dtype(self.model), device=self.device)
+                   for s, _ in carry_shapes(self.model, layout, rows, length)]
+        for t in tensors:
+            dist.recv(t, src=dist.get_global_rank(pg, self.mesh.pp_rank - 1), group=pg)
+        return tensors
+
+    def _send(self, tensors) -> None:
+        pg = self.mesh.pp_pg
+        for t in tensors:
+            dist.send(t.to(carry_dtype(self.model)).contiguous(),
+                      dst=dist.get_global_rank(pg, self.mesh.pp_rank + 1), group=pg)

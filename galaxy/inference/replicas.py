@@ -1,0 +1,42 @@
+"""Many prompts over the data-parallel replicas: replica d generates prompts d, d + dp, d + 2 dp, ...
+in batches of its own, and every rank ends with every completion, in input order.
+
+The replicas do not step together: each runs its own batches (their prompts may need different
+numbers of steps), and they meet once, at the end, in one all-gather over the dp group.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from galaxy.inference.requests import Completion, Request
+
+
+def generate_all(engine, requests: list[Request], rows_per_batch: int, on_token=None) -> list[Completion]:
+    """Every request's completion (collective over the mesh: every rank calls it with the same
+    requests). rows_per_batch: the prompts one replica generates together. on_token(index, token,
+    status): each token of this replica's requests as soon as this rank has it."""
+    mesh = engine.mesh
+    mine = list(range(mesh.dp_rank, len(requests), mesh.dp_size))
+    done: dict[int, Completion] = {}
+    peak = 0
+    for start in range(0, len(mine), rows_per_batch):
+        rows = mine[start:start + rows_per_batch]
+        hear = None if on_token is None else (lambda row, token, status: on_token(rows[row], token, status))
+        done.update(zip(rows, engine.generate([requests[i] for i in rows], hear)))
+        peak = max(peak, engine.cache_bytes)
+    engine.cache_bytes = peak
+    if mesh.dp_pg is not None:
+        every = [None] * mesh.dp_size
+        dist.all_gather_object(every, done, group=mesh.dp_pg)
+        done = {i: c for part in every for i, c in part.items()}
+    return [done[i] for i in range(len(requests))]
+
+
+def cache_mib_per_rank(engine) -> list[float]:
+    """Every rank's KV cache (MiB, the largest batch's), in global rank order (collective)."""
+    mine = engine.cache_bytes / 2 ** 20
+    if dist.get_world_size() == 1:
+        return [mine]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every

@@ -1,0 +1,67 @@
+"""What every generating job reads and checks before any process group starts (generate.py,
+finetune_llama.py --generate, serve.py), so that a mistake is one line and exit status 2: the
+model is a causal LM, its tokenizer, the checkpoint `resume` names, the PEFT method (side-tuning
+has no cache: refused), and the limits a prompt must respect under the plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from galaxy.config import ConfigError, resolved_plan
+from galaxy.inference.prompts import Limits
+from galaxy.inference.sampling import Sampling
+from galaxy.models.shape import read_model_shape
+from galaxy.peft import PeftOptions
+from galaxy.preflight.tokenizer import load_tokenizer
+from galaxy.train.checkpoint import Checkpoint, resolve_resume
+from galaxy.train.trainer import check_task
+
+
+@dataclass
+class InferenceSetup:
+    cfg: object
+    tokenizer: object
+    shape: dict
+    resume: Checkpoint | None
+    peft: PeftOptions
+    limits: Limits
+
+
+def prepare_inference(cfg, world: int) -> InferenceSetup:
+    shape = read_model_shape(cfg.model_path)
+    check_task(shape["model_type"], "causal_lm")
+    try:
+        peft = PeftOptions.from_config(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if peft.method in ("side", "side_only"):
+        raise ConfigError(f"{peft.method.replace('_', '-')}-tuning runs its side network over whole sequences "
+                          "and has no KV cache; generate with use_lora, use_adapter or full weights")
+    plan = resolved_plan(cfg, world, shape)
+    splits = plan.group > 1 and plan.uses("tokens")
+    limits = Limits(shape["max_position_embeddings"], cfg.pad_size if splits else None)
+    return InferenceSetup(cfg, load_tokenizer(cfg.model_path), shape, resolve_resume(cfg.resume, cfg.save_dir),
+                          peft, limits)
+
+
+def sampling_of(args, default_seed: int) -> Sampling:
+    """The sampling flags (--temperature, --top_k, --top_p, --seed); ConfigError naming a bad one."""
+    seed = default_seed if args.seed is None else args.seed
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, seed)
+    problems = sampling.problems()
+    if problems:
+        raise ConfigError("--" + problems[0])
+    return sampling
+
+
+def add_sampling_arguments(p) -> None:
+    p.add_argument("--max_new_tokens", type=int, default=32, metavar="K", help="tokens to generate (default 32)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, the most likely token; above 0: sample at this temperature")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                                                            "probability reaches p (1: all)")
+    p.add_argument("--seed", type=int, help="sampling seed (prompt i draws with seed + i; default: the config's seed)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop a completion where TEXT appears (repeatable); the text is cut before it")
+    p.add_argument("--ignore_eos", action="store_true",
+                   help="generate exactly --max_new_tokens tokens, past any end-of-sequence token (benchmarks)")

@@ -1,0 +1,108 @@
+"""The shared SelfAttention with a KV cache: its prefill and decode forward under every plan.
+
+The engine (galaxy.inference) puts a CacheStep under STEP_KEY in the layer context. The prompt
+(prefill) runs as in training, and each rank writes the keys and values it computed to its cache;
+a decode step projects one token per row and attends to the cache:
+
+  serial, ATT TP    prefill: the whole prompt's K/V of the rank's heads go to the cache, the prompt
+                    attends to itself under its causal mask. decode: q, k, v of the new token for
+                    the rank's heads; k, v appended; q over every cached key (SDPA, the cache's keep
+                    mask). The output is partial over the heads, as in training (P -> R after it).
+  ATT SP            prefill: as in training (own queries over every rank's gathered keys); the
+                    rank caches only its own tokens' K/V. decode: the new token is replicated on
+                    every rank (the decode phase's layout, galaxy.parallel.decode_layout); every
+                    rank projects q, k, v for all heads, the step's owner rank (round-robin) stores
+                    k, v, and every rank attends q to its own cached keys only, giving a partial
+                    output o_r and its log-sum-exp lse_r; one all-gather of [o_r, lse_r]
+                    ([b, 1, heads, d + 1], a few KB) and the exact merge
+                        lse = logaddexp_r lse_r,   o = sum_r exp(lse_r - lse) o_r
+                    give every rank the attention over all keys (flash-decoding's merge across
+                    ranks), so no cached key ever travels.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from galaxy.distributed.collectives import all_gather_sequence
+from galaxy.layers.attention import attention, split_heads
+from galaxy.layers.kv_cache import STEP_KEY, KVCache
+
+
+def start_cache(att, rows: int, prompt: int, new: int, dtype, device) -> KVCache:
+    """att's cache: every slot of the prompt and the new tokens (serial, TP), or under SP its own
+    prompt tokens plus its round-robin share of the decoded ones."""
+    if att.kv_gather is None:
+        slots = prompt + new
+    else:
+        g = att.kv_gather.group
+        if prompt != sum(g.tokens):
+            raise ValueError(f"an SP attention's prefill must be the {sum(g.tokens)} tokens its shares split, "
+                             f"got {prompt}")
+        slots = g.tokens[g.rank] + math.ceil(new / g.size)
+    return KVCache(rows, att.num_kv_heads, slots, att.head_dim, dtype, device)
+
+
+def attend(att, x, context: dict):
+    """x [b, s, h] (the prompt, or one token per row) -> context [b, s, heads*d], through the cache."""
+    step = context[STEP_KEY]
+    if att.kv_gather is None:
+        return _every_token(att, x, context, step)
+    if not step.decoding:
+        context = att.own_rows(context)
+        queries, k, v = att.own_keys(x, context)                        # k, v [b, s_r, kv_heads, d]
+        att.kv_cache.write(k.transpose(1, 2), v.transpose(1, 2), step.keep[:, att.local_rows])
+        return att.attend_across_ranks(queries, k, v, context)
+    return _decode_across_ranks(att, x, context, step)
+
+
+def _heads(att, x, context: dict):
+    """q [b, s, heads, d], k, v [b, s, kv_heads, d] of x, q and k at their positions."""
+    q, k, v = (split_heads(t, att.head_dim) for t in att.project(x))
+    return att.at_positions(q, context), att.at_positions(k, context), v
+
+
+def _every_token(att, x, context: dict, step):
+    """Serial or ATT TP: the rank's heads of every token are cached."""
+    q, k, v = _heads(att, x, context)
+    att.kv_cache.write(k.transpose(1, 2), v.transpose(1, 2), step.keep)
+    if not step.decoding:      # the prompt attends to itself, as in training
+        return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1)
+    k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
+    ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=keep[:, None, None, :],
+                                         scale=att.scale, enable_gqa=att.group > 1)    # [b, heads, 1, d]
+    return ctx.transpose(1, 2).flatten(2)
+
+
+def _decode_across_ranks(att, x, context: dict, step):
+    """ATT SP, one replicated token per row: attention to the keys every rank holds, merged exactly."""
+    g = att.kv_gather.group
+    q, k, v = _heads(att, x, context)                                    # [b, 1, heads | kv_heads, d]
+    if g.rank == step.owner:
+        att.kv_cache.write(k.transpose(1, 2), v.transpose(1, 2), step.keep)
+    k, v, keep = att.kv_cache.filled()
+    o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale)   # [b, heads, 1, d], [b, heads, 1]
+    parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2)       # [b, 1, heads, d + 1]
+    every = all_gather_sequence(parts.contiguous(), (1,) * g.size, g.pg)    # [b, N, heads, d + 1]
+    o_all, lse_all = every[..., :-1], every[..., -1]
+    total = torch.logsumexp(lse_all, dim=1, keepdim=True)                  # [b, 1, heads]
+    merged = (torch.exp(lse_all - total).unsqueeze(-1) * o_all).sum(dim=1)  # [b, heads, d]
+    return merged.to(q.dtype).flatten(1).unsqueeze(1)                    # [b, 1, heads*d]
+
+
+def partial_attention(q, k, v, keep, scale=None):
+    """Attention of q [b, heads, s, d] over some keys k, v [b, kv_heads, T, d] (keep [b, T]: real
+    keys) -> (o [b, heads, s, d], lse [b, heads, s]), in fp32. A row with no real key among them
+    gets o = 0 and lse = -inf, i.e. no weight in a log-sum-exp merge."""
+    b, heads, s, d = q.shape
+    g = heads // k.shape[1]                                              # query heads per K/V head
+    qg = q.float().unflatten(1, (k.shape[1], g))                         # [b, kv_heads, g, s, d]
+    scores = qg @ k.float().unsqueeze(2).transpose(-1, -2)               # [b, kv_heads, g, s, T]
+    scores = scores * (scale if scale is not None else d ** -0.5)
+    scores = scores.masked_fill(~keep[:, None, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                                # [b, kv_heads, g, s]
+    weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    o = weights @ v.float().unsqueeze(2)                                 # [b, kv_heads, g, s, d]
+    return o.flatten(1, 2), lse.flatten(1, 2)

@@ -1,0 +1,62 @@
+"""Rank-side pieces of the generation tests: galaxy's KV-cached engine under a plan, and Hugging
+Face's generate with its cache, on the same left-padded prompts."""
+from __future__ import annotations
+
+import torch
+
+from galaxy.distributed.mesh import make_mesh
+from galaxy.inference.engine import Engine
+from galaxy.inference.model import eos_ids
+from galaxy.inference.replicas import cache_mib_per_rank, generate_all
+from galaxy.inference.requests import Request
+from galaxy.inference.sampling import Sampling
+from galaxy.plan import Plan
+from galaxy.runtime.assemble import build_model
+from galaxy.runtime.runners import stage_of
+
+
+def tokenizer_of(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def requests_for(model_dir, prompts, max_new: int, sampling=Sampling(), **kw) -> list[Request]:
+    tok = tokenizer_of(model_dir)
+    return [Request(p, tuple(tok(p)["input_ids"]), max_new, sampling, **kw) for p in prompts]
+
+
+def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lora=None, fold=False):
+    """[(tokens, finish_reason)] of every request on this rank, and this rank's cache MiB, under
+    `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build."""
+    mesh = make_mesh(plan)
+    model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh))
+    if lora is not None:
+        from galaxy.peft import apply_peft
+        from galaxy.peft.lora import fold_into_weights
+        apply_peft(model, lora[0], seed=lora[1])
+        if fold:
+            fold_into_weights(model)
+    tok = tokenizer_of(model_dir)
+    engine = Engine(model, plan, mesh, tok, eos_ids=eos_ids(model.config, tok))
+    out = generate_all(engine, requests, rows_per_batch)
+    return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+
+
+def hf_generate(family, model_dir, prompts, max_new: int) -> list[list[int]]:
+    """Hugging Face generate(do_sample=False) with its cache on the left-padded batch: each row's
+    new tokens up to and including its first EOS."""
+    from support.parity import HF_LOADERS
+    tok = tokenizer_of(model_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok(list(prompts), return_tensors="pt", padding=True)
+    model = HF_LOADERS[family](model_dir).eval()
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
+    eos = set(eos_ids(model.config, tok))
+    rows = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
+    return rows

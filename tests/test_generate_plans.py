@@ -1,0 +1,132 @@
+"""KV-cached generation (galaxy.inference.engine) gives Hugging Face generate's greedy tokens
+(do_sample=False, with its own cache) under every plan: Llama under all 8 ATT x MLP x CON
+combinations at world 2 with uneven shares, world 3, a 2-stage pipeline (alone and of Galaxy
+groups), 2 data-parallel replicas splitting the prompts; Qwen2 and GPT-2 under several. Prompts of
+different lengths go in one left-padded batch, and alone. Seeded sampling under a plan draws the
+serial run's tokens; LoRA from a peft folder (and folded into the weights) gives peft's tokens;
+each rank's cache holds its share (heads under TP, tokens under SP)."""
+import pytest
+
+from support.generation_runners import galaxy_generate, hf_generate, requests_for
+
+from galaxy.inference.sampling import Sampling
+from galaxy.plan import Plan
+
+PAD, NEW = 24, 10
+PROMPTS = ("The for statement is used to", "Lists", "A class definition defines a class object and then the")
+SHARES = {   # family -> world -> (query heads, MLP columns, tokens)
+    "llama": {1: ((4,), (344,), (PAD,)), 2: ((2, 2), (200, 144), (14, 10)), 3: ((4, 4, 4), (120, 120, 104), (9, 8, 7))},
+    "gpt2": {1: ((4,), (512,), (PAD,)), 2: ((3, 1), (300, 212), (14, 10)), 3: ((2, 1, 1), (200, 200, 112), (9, 8, 7))},
+}
+SHARES["qwen2"] = SHARES["llama"]
+
+
+@pytest.fixture(scope="module")
+def lm(sharp_lm):
+    """lm(family) -> (model folder, HF's tokens for PROMPTS as one batch)."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = sharp_lm(family), hf_generate(family, sharp_lm(family), PROMPTS, NEW)
+        return made[family]
+    return get
+
+
+def plan_of(family, world, att="TP", mlp="TP", con="SP", **mesh):
+    group = world // (mesh.get("pp", 1) * mesh.get("dp", 1))
+    heads, columns, tokens = SHARES[family][group]
+    return Plan(att, mlp, con, heads=heads, columns=columns, tokens=tokens, stages=mesh.pop("stages", (4,)), **mesh)
+
+
+def check(pool, family, lm, plan, prompts=PROMPTS):
+    model_dir, want = lm(family)
+    if prompts != PROMPTS:
+        want = hf_generate(family, model_dir, prompts, NEW)
+    results = pool.run(galaxy_generate, model_dir, plan, requests_for(model_dir, prompts, NEW))
+    for rank, (got, _) in enumerate(results):
+        assert [tokens for tokens, _ in got] == want, f"rank {rank}: {got} != HF {want}"
+    return results
+
+
+COMBOS = [(a, m, c) for a in ("TP", "SP") for m in ("TP", "SP") for c in ("SP", "None")]
+
+
+@pytest.mark.parametrize("att,mlp,con", COMBOS, ids=[f"att{a}-mlp{m}-con{c}" for a, m, c in COMBOS])
+def test_llama_every_plan_at_world_2(dist_pool, lm, att, mlp, con):
+    check(dist_pool(2), "llama", lm, plan_of("llama", 2, att, mlp, con))
+
+
+@pytest.mark.parametrize("family,world,att,mlp,con", [
+    ("llama", 1, "TP", "TP", "SP"), ("llama", 3, "SP", "TP", "SP"), ("llama", 3, "SP", "SP", "None"),
+    ("qwen2", 2, "TP", "TP", "SP"), ("qwen2", 2, "SP", "TP", "None"),
+    ("gpt2", 1, "TP", "TP", "SP"), ("gpt2", 2, "TP", "SP", "SP"), ("gpt2", 2, "SP", "TP", "None"),
+    ("gpt2", 3, "TP", "TP", "SP"),
+], ids=lambda v: str(v))
+def test_families_and_worlds(dist_pool, lm, family, world, att, mlp, con):
+    check(dist_pool(world), family, lm, plan_of(family, world, att, mlp, con))
+
+
+@pytest.mark.parametrize("family,world,mesh", [
+    ("llama", 2, dict(pp=2, stages=(3, 1))), ("gpt2", 2, dict(pp=2, stages=(2, 2))),
+    ("llama", 2, dict(dp=2)), ("llama", 4, dict(pp=2, stages=(2, 2))),
+], ids=["llama-pp2", "gpt2-pp2", "llama-dp2", "llama-pp2-x-galaxy2"])
+def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh):
+    check(dist_pool(world), family, lm, plan_of(family, world, **mesh))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_single_prompt(dist_pool, lm, world):
+    check(dist_pool(world), "llama", lm, plan_of("llama", world), prompts=PROMPTS[2:])
+
+
+def test_each_rank_caches_its_share(dist_pool, lm):
+    """TP: the rank's K/V heads of every slot; SP: all K/V heads of its prompt tokens and of every
+    other decoded token (round-robin)."""
+    model_dir, _ = lm("llama")
+    requests = requests_for(model_dir, PROMPTS, NEW)
+
+    def mib(kv_heads, slots):      # 4 layers of K and V [3 rows, kv_heads, slots, 32] fp32 + keep [3, slots]
+        return 4 * (2 * 3 * kv_heads * slots * 32 * 4 + 3 * slots) / 2 ** 20
+    serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of("llama", 1), requests)[0][1]
+    tp = dist_pool(2).run(galaxy_generate, model_dir, plan_of("llama", 2, "TP", "TP", "SP"), requests)[0][1]
+    sp = dist_pool(2).run(galaxy_generate, model_dir, plan_of("llama", 2, "SP", "TP", "SP"), requests)[0][1]
+    longest = max(len(r.ids) for r in requests)      # serial: no token shares, prompts padded to the longest
+    assert serial == [mib(2, longest + NEW)]
+    assert tp == [mib(1, PAD + NEW)] * 2
+    assert sp == [mib(2, 14 + NEW // 2), mib(2, 10 + NEW // 2)]
+
+
+def test_seeded_sampling_under_plans_equals_serial(dist_pool, lm):
+    model_dir, _ = lm("llama")
+    requests = [requests_for(model_dir, [p], NEW, Sampling(temperature=1.3, top_k=40, top_p=0.9, seed=7 + i))[0]
+                for i, p in enumerate(PROMPTS)]
+    serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of("llama", 1), requests)[0][0]
+    assert len({tuple(t) for t, _ in serial}) == 3
+    for plan in (plan_of("llama", 2, "SP", "TP", "SP"), plan_of("llama", 2, dp=2)):
+        for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan, requests)):
+            assert got == serial, f"{plan.att}/{plan.mlp}/{plan.con} dp {plan.dp} rank {rank}"
+
+
+def test_lora_from_peft_folder_and_folded(dist_pool, lm, tmp_path):
+    from peft import PeftModel
+
+    from support.generation_runners import tokenizer_of
+    from support.peft_runners import write_peft_adapter
+    from support.parity import HF_LOADERS
+    from galaxy.peft import PeftOptions
+    model_dir, _ = lm("llama")
+    adapter = write_peft_adapter("llama", model_dir, str(tmp_path / "adapter"), ["q_proj", "v_proj", "down_proj"])
+    tok = tokenizer_of(model_dir)
+    tok.padding_side = "left"
+    enc = tok(list(PROMPTS), return_tensors="pt", padding=True)
+    ref = PeftModel.from_pretrained(HF_LOADERS["llama"](model_dir), adapter).eval()
+    out = ref.generate(**enc, max_new_tokens=NEW, do_sample=False, pad_token_id=tok.pad_token_id)
+    want = [[t for t in row] for row in out[:, enc["input_ids"].shape[1]:].tolist()]
+    want = [row[:row.index(2) + 1] if 2 in row else row for row in want]
+    lora = (PeftOptions("lora", lora_path=adapter), 0)
+    requests = requests_for(model_dir, PROMPTS, NEW)
+    for fold in (False, True):
+        for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan_of("llama", 2), requests,
+                                                          8, lora, fold)):
+            assert [t for t, _ in got] == want, f"fold {fold} rank {rank}"
