@@ -101,7 +101,7 @@ def _reset_peak_rss() -> None:
 
 
 def stored_bytes(runner, optimizer) -> dict[str, int]:
-    from galaxy.parallel.sharded_dp import local
+    from galaxy.parallel.dtensors import local
     params = list(runner.parameters())
     nbytes = lambda t: t.numel() * t.element_size()                      # noqa: E731
     return {"weights": sum(nbytes(local(p)) for p in params),

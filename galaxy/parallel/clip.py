@@ -17,7 +17,7 @@ import torch
 
 from galaxy.distributed import waiting
 from galaxy.models.attached import written_names
-from galaxy.parallel.sharded_dp import dp_group_of, is_dtensor, local
+from galaxy.parallel.dtensors import dp_group_of, is_dtensor, local
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:

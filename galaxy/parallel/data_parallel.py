@@ -29,7 +29,6 @@ from galaxy.distributed import collectives
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
-from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 
 
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -89,6 +88,8 @@ class DataParallelRunner(Runner):
         if self.sharding == "none":
             self.module = wrap_data_parallel(model, mesh.dp_pg, device)
         else:       # model itself becomes the FSDP root: self.module is self.model
+            # Imported here: FSDP's import costs as much as torch's, and unsharded runs never need it.
+            from galaxy.parallel.sharded_dp import WholeGradients, shard_replicas
             self.module = shard_replicas(model, model, mesh, self.sharding)
             self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
         self.sync = GradientSync(model, mesh.galaxy.pg)     # after sharding: it keeps the parameters
@@ -126,5 +127,6 @@ class DataParallelRunner(Runner):
         gathered for a backward that evaluation never runs)."""
         out = self.model(*args, **kwargs)
         if self.sharding != "none":
+            from galaxy.parallel.sharded_dp import reshard_all     # imported when sharding began
             reshard_all(self.model)
         return out

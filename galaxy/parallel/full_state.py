@@ -10,7 +10,7 @@ import torch
 
 from galaxy.distributed.collectives import all_gather_dim, all_gather_sequence
 from galaxy.layers.sharding import rank_major_to_blocks
-from galaxy.parallel.sharded_dp import full
+from galaxy.parallel.dtensors import full
 
 
 @torch.no_grad()

@@ -40,7 +40,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from galaxy.distributed import collectives
 from galaxy.distributed.buckets import BUCKET_CAP_BYTES, group_into_buckets
-from galaxy.parallel.sharded_dp import local
+from galaxy.parallel.dtensors import local
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _ACTIVE: "weakref.WeakKeyDictionary[torch.nn.Module, GradientSync]" = weakref.WeakKeyDictionary()

@@ -17,8 +17,9 @@ replica, outside FSDP, and `WholeGradients` averages their gradients over the re
 would.
 
 Parameters, gradients and optimizer state become DTensors (torch.distributed.tensor) sharded
-Shard(0) on the dp sub-mesh; `local` and `full` below turn them back into plain tensors for the
-code that reads them (gradient rules, clipping, gathers, checkpoints).
+Shard(0) on the dp sub-mesh; `local` and `full` (dtensors.py) turn them back into plain tensors for the
+code that reads them (gradient rules, clipping, gathers, checkpoints) without
+importing FSDP.
 
 Galaxy groups inside each replica are unaffected: every rank of a Galaxy group shards its own
 local TP shard, or its copy of a replicated parameter, over the ranks holding the same part in
@@ -34,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from galaxy.distributed import waiting
 from galaxy.plan import DP_SHARDING
@@ -104,43 +104,6 @@ class WholeGradients:
         flat /= dist.get_world_size(self.dp_pg)
         for g, mean in zip(grads, flat):
             g.copy_(mean)
-
-
-def is_dp_sharded(model: nn.Module) -> bool:
-    """Whether `model`'s parameters are sharded over data-parallel replicas (all but the
-    `unshardable` are, or none)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def is_dtensor(t) -> bool:
-    return isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """This rank's part of a (possibly dp-sharded) tensor: the same storage, no communication."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def full(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A dp-sharded tensor gathered to its Galaxy-local shape (collective over the dp group when
-    sharded: every replica must call it, in the same order); other tensors as they are."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`value` (the Galaxy-local shape of `param`) sharded as `param` is: this rank's slice,
-    taken locally (every replica holds the whole value; no communication)."""
-    if not isinstance(param, DTensor):
-        return value
-    return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-
-
-def dp_group_of(tensors) -> object | None:
-    """The process group the first dp-sharded tensor among `tensors` is sharded over (None: none is)."""
-    for t in tensors:
-        if isinstance(t, DTensor):
-            return t.device_mesh.get_group()
-    return None
 
 
 def reshard_all(module: nn.Module) -> None:

@@ -1,4 +1,6 @@
-"""Pipeline parallelism on torch.distributed.pipelining: stage split, stage module, runner."""
-from galaxy.pipeline.runner import PipelineRunner
+"""Pipeline parallelism on torch.distributed.pipelining: stage split, stage module, runner.
 
-__all__ = ["PipelineRunner"]
+The runner (galaxy.pipeline.runner) is imported where a pipeline is built, not here: its
+torch.distributed.pipelining import costs about as much as torch's own, and the stage helpers
+in this package are read by every run (checkpoints, exports).
+"""

@@ -36,7 +36,6 @@ from galaxy.parallel.data_parallel import wrap_data_parallel
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
-from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
 from galaxy.pipeline.stage import StageModule, carry_dtype, carry_shapes, carry_slots, example_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
@@ -53,6 +52,7 @@ class PipelineRunner(Runner):
         if self.sharding == "none":
             self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg, self.device)
         else:       # the stage module itself becomes the FSDP root
+            from galaxy.parallel.sharded_dp import WholeGradients, shard_replicas   # see DataParallelRunner
             self.module = shard_replicas(model, self.stage_module, mesh, self.sharding)
             self.whole = WholeGradients(model, mesh.dp_pg)      # what FSDP cannot shard
         # DDP writes its average back into .grad after backward and FSDP replaces .grad with its
@@ -156,6 +156,7 @@ class PipelineRunner(Runner):
             else:
                 out = [m.head(unpack_carry(packed, slots), labels)]
         if self.sharding != "none":
+            from galaxy.parallel.sharded_dp import reshard_all     # imported when sharding began
             reshard_all(self.module)     # the root keeps its parameters gathered after forward
         dist.broadcast_object_list(out, src=dist.get_global_rank(pg, mesh.pp_size - 1), group=pg,
                                    device=self.device if self.device.type == "cuda" else None)

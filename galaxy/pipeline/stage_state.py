@@ -28,7 +28,7 @@ import re
 import torch.distributed as dist
 from torch import nn
 
-from galaxy.parallel.sharded_dp import is_dp_sharded
+from galaxy.parallel.dtensors import is_dp_sharded
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from galaxy.distributed import waiting
 from galaxy.distributed.mesh import pipeline_ends_group
-from galaxy.parallel.sharded_dp import local
+from galaxy.parallel.dtensors import local
 
 
 class TiedWeightSync:

@@ -8,7 +8,6 @@ from datetime import timedelta
 from galaxy.config import resolved_plan
 from galaxy.distributed.mesh import make_mesh
 from galaxy.parallel.data_parallel import DataParallelRunner
-from galaxy.pipeline.runner import PipelineRunner
 from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
 
@@ -43,6 +42,8 @@ def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = 
     if adapt is not None:
         adapt(model)
     if plan.pp > 1:
+        # Imported here: torch.distributed.pipelining's import costs about as much as torch's.
+        from galaxy.pipeline.runner import PipelineRunner
         return PipelineRunner(model, plan, mesh, device=device, autocast=autocast)
     runner = DataParallelRunner(model, plan, mesh, device=device, autocast=autocast)
     if mesh.dp_pg is not None:

@@ -19,9 +19,8 @@ optimizer is built.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from galaxy.parallel.sharded_dp import local
+from galaxy.parallel.dtensors import dtensor_class, is_dtensor, local
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 # Fastest first; each is the keyword torch's optimizers take for it. The loop (one tensor at a
@@ -35,7 +34,7 @@ def _signature(p: torch.Tensor) -> tuple:
     placements), device, dtype, number of dimensions and whether it holds one element (DTensor
     takes a plain one-element tensor in its lists as a replicated scalar, any other plain tensor
     as an error)."""
-    sharding = (p.device_mesh, tuple(p.placements)) if isinstance(p, DTensor) else None
+    sharding = (p.device_mesh, tuple(p.placements)) if is_dtensor(p) else None
     return sharding, p.device, p.dtype, p.dim(), p.numel() == 1
 
 
@@ -45,7 +44,7 @@ def _stand_in(signature: tuple, value: float) -> torch.Tensor:
     sharding, device, dtype, ndim, single = signature
     shape = (1 if single or i else 2 for i in range(max(ndim, sharding is not None)))
     part = torch.full(tuple(shape), value, device=device, dtype=dtype)
-    return part if sharding is None else DTensor.from_local(part, *sharding, run_check=False)
+    return part if sharding is None else dtensor_class().from_local(part, *sharding, run_check=False)
 
 
 def _trial(name: str, signatures: list[tuple], kind: str, hyper: dict) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 
 from galaxy.models.attached import written_names
 from galaxy.parallel.full_state import gather_param
-from galaxy.parallel.sharded_dp import full as dp_full, like
+from galaxy.parallel.dtensors import full as dp_full, like
 from galaxy.pipeline.stage_state import in_writer_replica, stage_owns, stages_to_writer, tied_sources
 from galaxy.train.optim import STEP_FLAGS
 

@@ -17,7 +17,7 @@ from support.parity import HF_LOADERS, rel_err, worst_param_error
 from galaxy.distributed.mesh import make_mesh
 from galaxy.models.shape import read_model_shape
 from galaxy.parallel.full_state import full_sequence_logits
-from galaxy.parallel.sharded_dp import local
+from galaxy.parallel.dtensors import local
 from galaxy.plan import Plan, even_split
 from galaxy.runtime.runners import build_runner
 from galaxy.train.optim import OPTIMIZERS, build_optimizer
