@@ -78,8 +78,12 @@ class MemoryModel(ModelTerms):
         # rebuilds them: recomputation saves the saved activations once, not 1 + slack times
         # (bench/plan_accuracy.py: Galaxy with every layer recomputed measured 751-760 MiB against
         # 684 predicted at 1 + slack; serial 834, 794 predicted, 880 now).
-        whole = acts if not c else \
-            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last)[1]
+        # A frozen backbone's backward still makes every activation's gradient, as full fine-tuning's
+        # does, though it saved less (bench/plan_accuracy.py --peft lora: 16 plans' ranks within
+        # 2.6% (median) with full fine-tuning's activations here, 4.9% under with LoRA's own).
+        frozen = self.backbone == "frozen"
+        whole = acts if not (c or frozen) else \
+            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last, frozen)[1]
         kept = 0.0
         if dev.get("freed_memory_kept") and first:
             # Each accumulated micro-batch after the first makes a fresh dense embedding gradient and
@@ -91,9 +95,11 @@ class MemoryModel(ModelTerms):
         return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
 
     @functools.lru_cache(maxsize=65536)
-    def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last) -> tuple[float, float, float]:
+    def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last,
+                      backbone_acts: bool = False) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state and the buckets' gradient copies; activations at the
-        backward's peak; an unfused optimizer step's temporaries) in bytes."""
+        backward's peak; an unfused optimizer step's temporaries) in bytes. backbone_acts: the
+        layers' activations as full fine-tuning saves them."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
         weights = n / dp if sharded else n
@@ -114,7 +120,7 @@ class MemoryModel(ModelTerms):
         # copy, in buffers GradientSync keeps from step to step.
         summed = L * self.summed_layer_params_of(plan, j) + self.summed_outside_of(plan, p)
         buckets += summed / (dp if sharded else 1)
-        layer, biggest = self.layer_act_per_row(plan, j)
+        layer, biggest = self.layer_act_per_row(plan, j, backbone_acts)
         biggest = max(biggest, self.forward_working_per_row(plan, j))
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry

@@ -151,18 +151,21 @@ class ModelTerms:
         s = self.summed_outside
         return s.get("other", 0) + (s.get("embed", 0) if p == 0 else 0) + (s.get("head", 0) if p == plan.pp - 1 else 0)
 
-    def _act(self, kind: str, units: float) -> float:
-        c0, c1 = self.acts.get(kind, (0.0, 0.0))
+    def _act(self, kind: str, units: float, acts: dict | None = None) -> float:
+        c0, c1 = (acts or self.acts).get(kind, (0.0, 0.0))
         return c0 + c1 * units
 
-    def layer_act_per_row(self, plan: Plan, j: int) -> tuple[float, float]:
+    def layer_act_per_row(self, plan: Plan, j: int, full: bool = False) -> tuple[float, float]:
         """(bytes a layer saves per row, the largest sub-block's) at rank j's shares: its four
-        sub-blocks', and the side block's under side-tuning (whose backbone saves nothing)."""
+        sub-blocks', and the side block's under side-tuning (whose backbone saves nothing).
+        full: the four sub-blocks' as full fine-tuning saves them."""
         (ak, au), (mk, mu), con = self._kinds(plan, j)
         if not self.backward_through_backbone:
             side = self._act("side", con)
             return side, side
-        parts = (self._act(ak, au), self._act(mk, mu), self._act("con", con), self._act("con", con))
+        acts = self.full_acts if full else self.acts
+        parts = (self._act(ak, au, acts), self._act(mk, mu, acts), self._act("con", con, acts),
+                 self._act("con", con, acts))
         return sum(parts), max(parts)
 
     def forward_working_per_row(self, plan: Plan, j: int) -> float:
