@@ -11,7 +11,8 @@ import torch
 
 from support.peft_runners import write_peft_adapter
 from support.script_runner import run_script
-from test_peft_scripts import CLASSES, job, write_config  # noqa: F401  (job: the module fixture)
+from test_entry_scripts import sgd_losses
+from test_peft_scripts import job, write_config  # noqa: F401  (job: the module fixture)
 from test_planner import ATT_F, FREE_LINK, MLP_F, PER_COLUMN, PER_HEAD, P, _base, _devices, device, synthetic_model
 
 from galaxy.models.closed_form import ring_bytes
@@ -255,25 +256,13 @@ def test_search_refuses_a_model_profile_of_another_method(tmp_path, tiny_bert_di
 
 # --- a searched LoRA config trains with peft's losses ------------------------------------------------------
 
-def peft_losses(job, adapter: str, steps: int, batch: int, pad: int, lr: float) -> list[float]:
+def peft_losses(job, adapter: str, **run) -> list[float]:
     """peft's LoRA on Hugging Face's model, from the same adapter, on the same rows, SGD."""
     from peft import PeftModel
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
     model = PeftModel.from_pretrained(BertForSequenceClassification.from_pretrained(job["model_dir"]), adapter,
                                       is_trainable=True).train()
-    tok = AutoTokenizer.from_pretrained(job["model_dir"])
-    rows = [line.rsplit("\t", 1) for line in open(job["train"]).read().splitlines()]
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for step in range(steps):
-        chunk = rows[step * batch:(step + 1) * batch]
-        enc = tok([t for t, _ in chunk], padding="max_length", truncation=True, max_length=pad, return_tensors="pt")
-        loss = model(**enc, labels=torch.tensor([CLASSES.index(y) for _, y in chunk])).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return sgd_losses(model, job, **run)
 
 
 def test_searched_lora_config_trains_with_peft_losses(job, tmp_path):      # noqa: F811
@@ -292,7 +281,8 @@ def test_searched_lora_config_trains_with_peft_losses(job, tmp_path):      # noq
     run_script("pretrain_galaxy.py", out, 2)
     got = [r["loss"] for r in read_metrics(metrics_file) if "step" in r and "event" not in r]
     cfg = json.loads(open(base).read())
-    want = peft_losses(job, adapter, cfg["max_steps"], cfg["batch_size"], cfg["pad_size"], cfg["learning_rate"])
+    want = peft_losses(job, adapter, steps=cfg["max_steps"], batch=cfg["batch_size"], pad=cfg["pad_size"],
+                       lr=cfg["learning_rate"])
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
