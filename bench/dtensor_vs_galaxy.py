@@ -50,9 +50,9 @@ SENT = {"bytes": 0, "calls": 0, "on": False}
 
 
 def count_functional_collectives() -> None:
-    """Count what DTensor sends, in the ring convention (galaxy.models.closed_form.ring_bytes)."""
+    """Count what DTensor sends, in the ring convention (galaxy.distributed.comm_bytes.ring_bytes)."""
     import torch.distributed._functional_collectives as funcol
-    from galaxy.models.closed_form import ring_bytes
+    from galaxy.distributed.comm_bytes import ring_bytes
 
     def wrap(name, kind, fn):
         def counted(t, *args, **kwargs):

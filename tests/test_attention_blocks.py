@@ -133,3 +133,23 @@ def test_bf16_blocks_keep_the_dtype_and_match_whole_attention():
     got.float().sum().backward()
     assert got.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in bf)
     assert (got.float() - exact).abs().max() <= 1.5 * (once.float() - exact).abs().max() + 1e-3
+
+
+def test_blocks_under_bf16_autocast_compute_as_sdpa_does():
+    """Under autocast the projections and rotary can leave Q, K and V in different dtypes; the
+    blocks' kernel (not on autocast's list) refused them. They now run in autocast's dtype, as
+    scaled_dot_product_attention does: equal to it within bf16 rounding, gradients included."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(B, S, HEADS, D, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(B, S, HEADS, D, generator=gen).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = attention_blocks.attend_in_blocks(q, [(k[:, :4], v[:, :4], None), (k[:, 4:], v[:, 4:], None)])
+        ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2)).transpose(1, 2).flatten(2)
+    assert ours.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(ours.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == r.dtype
+        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2, atol=5e-2)

@@ -97,6 +97,17 @@ def test_sharded_dp2_checkpoints_resume_serial_and_back_and_export(dist_pool, ws
     assert {k for k in exported if "position_ids" not in k} <= final.keys()
 
 
+def test_serial_sgd_checkpoint_resumes_into_sharded_replicas(dist_pool, ws):
+    """A serial run's SGD steps are fused; FSDP's DTensors have no fused SGD step (issue 33). The
+    resumed optimizer keeps the step chosen for its own parameters, not the checkpoint's."""
+    serial = uninterrupted(dist_pool(1), ws, "sgd-serial", optimizer="sgd", learning_rate=0.1)
+    config = write_config(ws, "sgd-serial-to-fsdp", resume=checkpoint(ws, "sgd-serial"), optimizer="sgd",
+                          learning_rate=0.1, **{**EXACT, "save_interval": None}, **SHARDED_DP2)
+    dist_pool(2).run(train_on_rank, config)
+    resumed = step_losses(os.path.join(ws["root"], "sgd-serial-to-fsdp", "metrics.jsonl"))
+    assert max_diff(serial, resumed) <= 1e-5, (serial, resumed)
+
+
 def test_latest_names_the_newest_checkpoint_and_old_ones_are_pruned(dist_pool, ws):
     save_dir = os.path.join(ws["root"], "keep", "ck")
     run(dist_pool(1), ws, "keep", num_epochs=2, max_steps=6, save_dir=save_dir, save_interval=2, keep_checkpoints=2)

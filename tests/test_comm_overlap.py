@@ -24,7 +24,6 @@ from galaxy.plan import Plan
 from galaxy.profiler import bert_plan_comm_bytes
 from galaxy.profiler.comm import CommRecorder
 from galaxy.runtime.assemble import build_model
-from galaxy.runtime.runners import set_overlap
 
 SHARES = ((4, 2), (64, 32), (7, 5))
 B = 4
@@ -33,8 +32,8 @@ B = 4
 def chunked_vs_whole(model_dir, plan, checkpointing):
     group = world_group(*SHARES)
     plan = replace(plan, checkpoint=checkpointing)
-    whole, chunked = (build_model(model_dir, plan, group, num_labels=3, dropout=0.0) for _ in range(2))
-    set_overlap(chunked, comm_chunks=3)
+    whole, chunked = (build_model(model_dir, p, group, num_labels=3, dropout=0.0)
+                      for p in (plan, replace(plan, comm_chunks=3)))
     ref = hf_bert(model_dir)
     with torch.no_grad():
         ref.classifier.weight.copy_(whole.classifier.weight)

@@ -11,7 +11,9 @@ batch's tokens is). DDP's bucket bytes reach the recorder.
 Sharded replicas (dp_sharding "full" and "no_reshard", FSDP2): the same parity at dp 2, dp 2 x
 Galaxy 2 and pp 2 x dp 2, BERT and Llama, with and without activation checkpointing and gradient
 accumulation (full sharding reduce-scatters every micro-batch, no_reshard only the last), the
-gradient norm exact; each rank stores about half its part's parameters.
+gradient norm exact; each rank stores about half its part's parameters. These train with SGD and
+AdamW as training builds them (galaxy.train.optim, whose fused SGD step crashed on FSDP's DTensors:
+issue 33) against torch's one-tensor-at-a-time step on HF's model.
 """
 from dataclasses import replace
 
@@ -60,29 +62,41 @@ def test_causal_lm_dp2_with_accumulation_matches_hf(dist_pool, tiny_lm_dir, fami
              grad_accum_steps=2)
 
 
-# (family, dp_sharding, activation_checkpointing, grad_accum_steps)
-SHARDED_DP2 = [("bert", "full", "none", 1), ("bert", "no_reshard", "full", 2),
-               ("llama", "full", "full", 2), ("llama", "no_reshard", "none", 1)]
+# (family, optimizer, dp_sharding, activation_checkpointing, grad_accum_steps): galaxy's optimizer as
+# training builds it (under FSDP every parameter is a DTensor: torch 2.13 has a fused AdamW step for
+# them but no fused SGD step, issue 33) against torch's loop on HF's model. Per optimizer, every pair
+# of the other three settings' values.
+SHARDED_DP2 = [("bert", "sgd", "full", "none", 1), ("bert", "sgd", "no_reshard", "full", 2),
+               ("llama", "sgd", "full", "full", 2), ("llama", "sgd", "no_reshard", "none", 1),
+               ("bert", "adamw", "full", "full", 2), ("llama", "adamw", "no_reshard", "none", 2),
+               ("bert", "adamw", "no_reshard", "full", 1), ("llama", "adamw", "full", "none", 1)]
+# AdamW's first step moves each element by about lr * g / (|g| + eps): an element whose gradient
+# is near eps (or 0 in exact arithmetic) turns its rounding noise into a step of up to lr. At 1e-3
+# one such element of BERT's layers.1.mlp.down.weight ended 1.03e-5 (of the tensor's largest value)
+# off HF's after 1, 2 and 5 steps alike; at 1e-4, 1.02e-6. A lost or doubled update is ~1e-3.
+ADAMW_LR = 1e-4
 
 
-@pytest.mark.parametrize("family,sharding,recompute,accum", SHARDED_DP2,
+@pytest.mark.parametrize("family,optimizer,sharding,recompute,accum", SHARDED_DP2,
                          ids=["-".join(map(str, case)) for case in SHARDED_DP2])
-def test_sharded_dp2_matches_hf(dist_pool, tiny_bert_dir, tiny_lm_dir, family, sharding, recompute, accum):
+def test_sharded_dp2_matches_hf(dist_pool, tiny_bert_dir, tiny_lm_dir, family, optimizer, sharding, recompute,
+                                accum):
     model_dir, batch_fn, heads = ((tiny_bert_dir, tiny_batch, 6) if family == "bert"
                                   else (tiny_lm_dir(family), tiny_lm_batch, 8))
     run_case(dist_pool(2), family, model_dir, GALAXY, 2, ((heads,), (96,), (TINY_SEQ,)), batch_fn,
-             dp_sharding=sharding, activation_checkpointing=recompute, grad_accum_steps=accum)
+             dp_sharding=sharding, activation_checkpointing=recompute, grad_accum_steps=accum,
+             optimizer=optimizer, lr=ADAMW_LR if optimizer == "adamw" else None)
 
 
-# (family, pp, dp_sharding, activation_checkpointing): dp 2 x Galaxy 2 (uneven), pp 2 x dp 2
-SHARDED_WORLD4 = [("bert", 1, "full", "full"), ("llama", 1, "no_reshard", "none"),
-                  ("llama", 2, "full", "full"), ("bert", 2, "no_reshard", "none")]
+# (family, pp, dp_sharding, activation_checkpointing, optimizer): dp 2 x Galaxy 2 (uneven), pp 2 x dp 2
+SHARDED_WORLD4 = [("bert", 1, "full", "full", "sgd"), ("llama", 1, "no_reshard", "none", "adamw"),
+                  ("llama", 2, "full", "full", "sgd"), ("bert", 2, "no_reshard", "none", "adamw")]
 
 
-@pytest.mark.parametrize("family,pp,sharding,recompute", SHARDED_WORLD4,
+@pytest.mark.parametrize("family,pp,sharding,recompute,optimizer", SHARDED_WORLD4,
                          ids=["-".join(map(str, case)) for case in SHARDED_WORLD4])
 def test_sharded_replicas_of_groups_and_stages_match_hf(dist_pool, tiny_bert_dir, tiny_lm_dir, family, pp,
-                                                       sharding, recompute):
+                                                       sharding, recompute, optimizer):
     """pp 1: replicas of an uneven Galaxy group, FSDP over ranks {0, 2} and {1, 3}, each sharding its
     own TP shards; pp 2: pipeline stages (Galaxy group of 1) whose stage modules FSDP shards."""
     model_dir, batch_fn = (tiny_bert_dir, tiny_batch) if family == "bert" else (tiny_lm_dir(family), tiny_lm_batch)
@@ -92,7 +106,8 @@ def test_sharded_replicas_of_groups_and_stages_match_hf(dist_pool, tiny_bert_dir
     # with DDP exactly as with FSDP: rounding the tiny model's trajectory amplified; parity_runners.STABLE_LR)
     run_case(dist_pool(4), family, model_dir, Plan("TP", "SP", "SP"), 2, shares, batch_fn, pp=pp,
              dp_sharding=sharding, activation_checkpointing=recompute, num_microbatches=2,
-             global_batch=8 if family == "bert" else 4)
+             global_batch=8 if family == "bert" else 4, optimizer=optimizer,
+             lr=ADAMW_LR if optimizer == "adamw" else None)
 
 
 def _ddp_bytes(model_dir):

@@ -17,7 +17,7 @@ from support.script_runner import run_script
 from support.tiny_models import make_tiny_bert
 
 from galaxy.data import pydoc_topics_dataset
-from galaxy.models.packaged_minilm import packaged_minilm_dir
+from galaxy.assets.packaged_minilm import packaged_minilm_dir
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, LR = 3, 8, 16, 0.2

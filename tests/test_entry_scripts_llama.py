@@ -1,15 +1,15 @@
 """finetune_llama.py and finetune_pp_llama.py, run as users run them, report HF's losses and
 generate HF's tokens, for Llama, Qwen2 and GPT-2.
 
-A tiny Llama (grouped-query attention, a BPE tokenizer trained by galaxy.models.tiny_llama)
+A tiny Llama (grouped-query attention, a BPE tokenizer trained by galaxy.assets.tiny_llama)
 trains 3 SGD steps on a .txt file: serial, the Galaxy plan at world 2 (uneven shares, whole K/V
 groups), and a 2-stage pipeline with 4 micro-batches. The losses in metrics_file must equal HF
 LlamaForCausalLM trained on the same batches (mean over the global batch's label tokens).
 --generate under the Galaxy plan must print HF generate's greedy tokens. A tiny Qwen2
-(galaxy.models.tiny_qwen2: q/k/v biases, tied embeddings) trains with finetune_llama.py under the
+(galaxy.assets.tiny_qwen2: q/k/v biases, tied embeddings) trains with finetune_llama.py under the
 Galaxy plan at world 2 and reports HF Qwen2ForCausalLM's losses.
 
-A tiny GPT-2 (galaxy.models.tiny_gpt2: same tokenizer recipe, GPT-2's <|endoftext|>, no pad token)
+A tiny GPT-2 (galaxy.assets.tiny_gpt2: same tokenizer recipe, GPT-2's <|endoftext|>, no pad token)
 trains 3 AdamW steps under the Galaxy plan at world 2 (heads 3 / 1) with checkpoints and an export:
 HF's losses, a resume under other shares (heads 1 / 3) continuing within rounding with the
 optimizer state intact, an export GPT2LMHeadModel loads (Conv1D weights transposed back) with
@@ -25,9 +25,9 @@ from support.script_runner import run_script
 from support.trainer_support import probe_optimizer_state, step_losses, train_on_rank
 
 from galaxy.data.causal_lm import encode_lm_sample
-from galaxy.models.tiny_gpt2 import write_tiny_gpt2
-from galaxy.models.tiny_llama import write_tiny_llama
-from galaxy.models.tiny_qwen2 import write_tiny_qwen2
+from galaxy.assets.tiny_gpt2 import write_tiny_gpt2
+from galaxy.assets.tiny_llama import write_tiny_llama
+from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, LR = 3, 8, 24, 0.5
@@ -37,7 +37,7 @@ GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_m
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
-    """jobs(family) -> its tiny model (galaxy.models.tiny_*) and a .txt training file, written once."""
+    """jobs(family) -> its tiny model (galaxy.assets.tiny_*) and a .txt training file, written once."""
     import pydoc_data.topics
     made = {}
 

@@ -12,8 +12,8 @@ from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, encode_lm_samp
 from galaxy.data.errors import DataError
 from galaxy.runtime.assemble import build_model
 from galaxy.runtime.generate import greedy_generate
-from galaxy.models.tiny_llama import write_tiny_llama
-from galaxy.models.tiny_qwen2 import write_tiny_qwen2
+from galaxy.assets.tiny_llama import write_tiny_llama
+from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
 from galaxy.plan import Plan
 
 PAD = 24
@@ -22,7 +22,7 @@ PROMPT = "The for statement is used to"
 
 @pytest.fixture(scope="module")
 def lm_dir(tmp_path_factory):
-    """lm_dir(family) -> its tiny model (galaxy.models.tiny_*, BPE tokenizer), written once."""
+    """lm_dir(family) -> its tiny model (galaxy.assets.tiny_*, BPE tokenizer), written once."""
     from safetensors.torch import load_file, save_file
     made = {}
 

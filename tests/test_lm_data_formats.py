@@ -8,7 +8,7 @@ import pytest
 from galaxy.data import DataError
 from galaxy.data.causal_lm import (IGNORE_INDEX, describe_samples, encode_lm_sample, encode_sample,
                                    read_lm_samples, render_samples)
-from galaxy.models.tiny_llama import default_tokenizer
+from galaxy.assets.tiny_llama import default_tokenizer
 
 GUANACO = ("### Human: Can you write a short introduction about the relevance of the term \"monopsony\"?"
            "### Assistant: \"Monopsony\" refers to a market structure where there is only one buyer.")

@@ -69,7 +69,7 @@ def export_and_reload(model_dir, out_dir):
     from transformers import LlamaForSequenceClassification
 
     from support.parity import rel_err, world_group
-    from galaxy.models.packaged_minilm import tokenizer
+    from galaxy.assets.packaged_minilm import tokenizer
     from galaxy.runtime.assemble import build_model
     from galaxy.runtime.export import export_hf
     model = build_model(model_dir, Plan("TP", "TP", "SP"), world_group(*UNEVEN_2), num_labels=3,

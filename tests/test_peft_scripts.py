@@ -10,7 +10,7 @@ from support.script_runner import launch, run_script
 from support.tiny_models import make_tiny_bert
 
 from galaxy.data import pydoc_topics_dataset
-from galaxy.models.packaged_minilm import packaged_minilm_dir
+from galaxy.assets.packaged_minilm import packaged_minilm_dir
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD = 3, 8, 16

@@ -234,7 +234,7 @@ def test_pp2_exports_load_in_transformers_and_peft_with_the_pipelines_logits(dis
 def llama_ws(tmp_path_factory):
     import pydoc_data.topics
 
-    from galaxy.models.tiny_llama import write_tiny_llama
+    from galaxy.assets.tiny_llama import write_tiny_llama
     root = tmp_path_factory.mktemp("pp_llama")
     model_dir = write_tiny_llama(str(root / "model"), vocab_size=512, seed=1)   # untied embeddings
     lines = [" ".join(t.split()[:max(4, 28 - i)]) for i, t in enumerate(list(pydoc_data.topics.topics.values())[:24])]
@@ -278,7 +278,7 @@ def llama_logits(trainer):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_llama_pipeline_resumes_exactly_and_exports_an_hf_folder(dist_pool, llama_ws, family):
-    from galaxy.models.tiny_qwen2 import write_tiny_qwen2
+    from galaxy.assets.tiny_qwen2 import write_tiny_qwen2
     ws, pool = llama_ws, dist_pool(2)
     model = ws["model_dir"] if family == "llama" else \
         write_tiny_qwen2(os.path.join(ws["root"], "qwen2-model"), vocab_size=512, seed=1)   # tied embeddings

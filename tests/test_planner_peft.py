@@ -15,7 +15,7 @@ from test_entry_scripts import sgd_losses
 from test_peft_scripts import job, write_config  # noqa: F401  (job: the module fixture)
 from test_planner import ATT_F, FREE_LINK, MLP_F, PER_COLUMN, PER_HEAD, P, _base, _devices, device, synthetic_model
 
-from galaxy.models.closed_form import ring_bytes
+from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.planner import cli
 from galaxy.planner.cost import CostModel
 from galaxy.planner.device_compute import DeviceCompute

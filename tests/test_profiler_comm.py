@@ -2,7 +2,7 @@
 
 * the collectives each rank issues in one training step (forward, backward, gradient sync), by
   kind, in bytes sent and received, equal the closed form of the plan's transitions
-  (galaxy.models.closed_form.plan_comm_bytes, ring convention of galaxy.profiler.comm);
+  (galaxy.distributed.comm_bytes.plan_comm_bytes, ring convention of galaxy.profiler.comm);
 * each rank's local matrix FLOPs of every sub-block sum over the ranks to the serial count, and the
   replicated head (pooler, classifier) costs every rank the serial amount.
 """

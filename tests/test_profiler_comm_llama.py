@@ -2,7 +2,7 @@
 closed forms.
 
 The CommRecorder counts the collectives each rank really issues in one training step (forward,
-backward, gradient sync); galaxy.models.closed_form.llama_plan_comm_bytes derives them from the
+backward, gradient sync); galaxy.models.llama.llama_plan_comm_bytes derives them from the
 shapes and the plan alone. They must agree byte for byte, per collective kind, on every rank:
 all 8 ATT x MLP x CON plans at world 2 with uneven shares, the galaxy / tp / sp presets at world 3,
 tied embeddings, attention and MLP biases. Two plans are also written out by hand, per phase.
@@ -15,7 +15,7 @@ The tiny Llama has hidden size 48, grouped-query attention, 12 query heads shari
 and the ungrouped 2 x 12 x 10 = 240, so a closed form that used any of those would fail.
 
 The tiny GPT-2 (4 heads of 12, hidden 48, LayerNorms with biases, fused c_attn, tied LM head) under
-four plans at world 2, heads 3 / 1: galaxy.models.closed_form.gpt2_plan_comm_bytes.
+four plans at world 2, heads 3 / 1: galaxy.models.gpt2.gpt2_plan_comm_bytes.
 """
 import itertools
 import json
@@ -27,7 +27,7 @@ from support.tiny_models import GPT2_INTERMEDIATE, TINY_GPT2, TINY_LLAMA, TINY_S
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config
-from galaxy.models.closed_form import gpt2_plan_comm_bytes
+from galaxy.models.gpt2 import gpt2_plan_comm_bytes
 from galaxy.models.registry import family_of
 from galaxy.runtime.assemble import build_model
 from galaxy.parallel.grad_sync import GradientSync
@@ -162,6 +162,7 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
     """profile_flops.py's closed form for --model llama, built from the checkpoint's config.json as
     the script does, matches the measurement and says so in the report."""
     from argparse import Namespace
+    from dataclasses import replace
 
     from galaxy.config import load_config
     from galaxy.profiler.cli import closed_form_comm, prepare, render
@@ -171,7 +172,7 @@ def test_profile_flops_check_line(dist_pool, llama_dir, tmp_path):
                                       att_parallel_method="TP", mlp_parallel_method="TP", con_parallel_method="SP")))
     job = prepare(load_config(str(config)), Namespace(model="llama", compare_deepspeed=False, repeats=1, warmup=0,
                                                       depth=1))
-    expected = closed_form_comm(job, plan, SHARES[2][2])
+    expected = closed_form_comm(job, replace(plan, tokens=tuple(SHARES[2][2])))
     assert expected == closed_form(plan, SHARES[2])
     reports = dist_pool(2).run(profile_rank, llama_dir, plan, SHARES[2])
     text = render(reports, job, 1, expected)

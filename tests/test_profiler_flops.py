@@ -16,7 +16,7 @@ from support.tiny_models import GPT2_INTERMEDIATE, TINY_BERT, TINY_GPT2, TINY_SE
 
 from galaxy.distributed import collectives
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.models.closed_form import gpt2_matmul_flops
+from galaxy.models.gpt2 import gpt2_matmul_flops
 from galaxy.models.registry import FAMILIES
 from galaxy.plan import Plan
 from galaxy.profiler import CommRecorder, bert_matmul_flops, llama_matmul_flops, profile_model

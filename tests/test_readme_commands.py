@@ -3,6 +3,10 @@ written and finish, shortened with the documented overrides --max_steps 1 --max_
 (the profiler: --repeats 1 --warmup 0), so that none can rot; and so do Galaxy-LM-style configs
 (tests/support/galaxy_lm_style.py: no model_path, so a random model of their shape).
 
+The docs are held to that list: every line of docs/galaxy_lm.md's command block is a command run
+here, as written, and every training command in README.md and docs/*.md (an entry script on a
+shipped config, not --generate or --check) is run here with the same script, config and world.
+
 Commands run from a scratch directory holding train_config/ and models/ (links into the
 repository), as from a clean clone after the README's set-up, so outputs land in its runs/.
 Command drivers (tests/support/command_driver.py) run many commands per process: one for the
@@ -10,6 +14,7 @@ single-process commands, and one per rank for the world-2 ones (each command get
 --init_method port). Every command must exit 0, and every training command's metrics file must
 end with a finished run of 1 step.
 """
+import glob
 import json
 import os
 import subprocess
@@ -30,6 +35,7 @@ SERIAL = [
     "python finetune_llama.py --config train_config/llama/lora.json",
     # the rest of the shipped training configs
     *[f"python finetune_llama.py --config train_config/llama/{m}.json" for m in ("adapter", "side", "classification")],
+    "python finetune_llama.py --config train_config/gpt2/full.json",
 ]
 PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
 WORLD2 = [   # {r}: the rank
@@ -48,6 +54,8 @@ WORLD2 = [   # {r}: the rank
     "python finetune_pp_llama.py --rank {r} --world 2",
     "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/llama/pp/full.json",
     "python finetune_llama.py --config train_config/llama/galaxy/full.json --world 2 --rank {r}",
+    "python finetune_llama.py --config train_config/gpt2/galaxy/full.json --world 2 --rank {r}",
+    "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/gpt2/pp/full.json",
 ]
 # Galaxy-LM's own style: its keys, no model_path (written to the scratch directory's galaxy_lm/).
 GALAXY_LM_CONFIGS = {"bert_full": BERT_FULL, "bert_galaxy_lora": BERT_GALAXY_LORA, "bert_pp_side": BERT_PP_SIDE,
@@ -63,9 +71,13 @@ GUANACO = [{"text": f"### Human: What does statement {i} do?### Assistant: It ru
 GUANACO_CONFIG = {"model_path": "models/tiny-llama", "train_path": "galaxy_lm/guanaco.jsonl", "batch_size": 4,
                   "pad_size": 32}
 DATA_SERIAL = ["python finetune_llama.py --config galaxy_lm/guanaco.json"]
+# Every training entry script and its default config (README.md's table).
 DEFAULT_CONFIGS = {"pretrain_bert.py": "bert/full.json", "pretrain_tp_bert.py": "bert/tp/full.json",
+                   "pretrain_sp_bert.py": "bert/sp/full.json", "pretrain_dp_bert.py": "bert/dp/full.json",
                    "pretrain_pp_bert.py": "bert/pp/full.json", "pretrain_galaxy.py": "bert/galaxy/full.json",
-                   "finetune_pp_llama.py": "llama/pp/full.json"}
+                   "finetune_llama.py": "llama/full.json", "finetune_pp_llama.py": "llama/pp/full.json"}
+DOCUMENTED = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+GALAXY_LM_PAGE = os.path.join(ROOT, "docs", "galaxy_lm.md")
 
 
 def config_of(command: str) -> str:
@@ -74,6 +86,56 @@ def config_of(command: str) -> str:
         if flag in words:
             return words[words.index(flag) + 1]
     return "train_config/" + DEFAULT_CONFIGS[words[1]]
+
+
+def documented_commands(path: str) -> list[str]:
+    """The `python ...` lines of a Markdown file's bash blocks: continuations joined, comments cut."""
+    commands, in_bash, line = [], False, ""
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            text = raw.strip()
+            if text.startswith("```"):
+                in_bash = text == "```bash"
+                continue
+            if not in_bash:
+                continue
+            line += text.split(" #")[0].strip()
+            if line.endswith("\\"):
+                line = line[:-1].strip() + " "
+                continue
+            if line.startswith("python "):
+                commands.append(" ".join(line.split()))
+            line = ""
+    return commands
+
+
+def run_key(command: str) -> tuple[str, str, int]:
+    """(script, config, world) of a command line."""
+    words = command.split()
+    world = int(words[words.index("--world") + 1]) if "--world" in words else 1
+    return words[1], config_of(command), world
+
+
+def test_galaxy_lm_command_lines_are_run_as_written():
+    run = {" ".join(c.format(r=0).split()) for c in SERIAL + WORLD2 + [PROFILE]}
+    lines = documented_commands(GALAXY_LM_PAGE)
+    assert len(lines) >= 9
+    assert [line for line in lines if line not in run] == [], "add these to SERIAL / WORLD2"
+
+
+def test_every_documented_training_command_is_run():
+    run = {run_key(c.format(r=0)) for c in SERIAL + WORLD2}
+    missing = []
+    for path in DOCUMENTED:
+        for line in documented_commands(path):
+            words = line.split()
+            if words[1] not in DEFAULT_CONFIGS or "--generate" in words or "--check" in words:
+                continue
+            if not os.path.isfile(os.path.join(ROOT, config_of(line))):   # written by a command before it
+                continue
+            if run_key(line) not in run:
+                missing.append(f"{os.path.relpath(path, ROOT)}: {line}")
+    assert missing == [], "documented but not run here: add them to SERIAL / WORLD2"
 
 
 def start_driver(tmp_path, name: str, commands: list[str]) -> subprocess.Popen:

@@ -5,7 +5,7 @@ import torch
 from support.parity import rel_err, worst_param_error, world_group
 
 from galaxy.runtime.assemble import build_model
-from galaxy.models.packaged_minilm import packaged_minilm_dir
+from galaxy.assets.packaged_minilm import packaged_minilm_dir
 from galaxy.parallel.full_state import gather_full
 from galaxy.parallel.grad_sync import GradientSync
 from galaxy.plan import Plan

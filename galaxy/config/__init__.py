@@ -15,10 +15,10 @@ Importing this package needs no torch.
 """
 from galaxy.config.checks import peft_method
 from galaxy.config.errors import ConfigError
-from galaxy.config.keys import PEFT_FLAGS, SHAPE_KEYS, GalaxyConfig, with_plan
+from galaxy.config.keys import PEFT_FLAGS, SHAPE_KEYS, GalaxyConfig, choices, with_plan
 from galaxy.config.load import load_config
 from galaxy.config.presets import apply_preset
-from galaxy.config.schema import choices, is_int, show
+from galaxy.config.schema import is_int, show
 from galaxy.config.world import resolved_plan, validate_for_world
 
 __all__ = ["ConfigError", "GalaxyConfig", "PEFT_FLAGS", "SHAPE_KEYS", "apply_preset", "choices", "is_int",

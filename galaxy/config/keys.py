@@ -10,9 +10,9 @@ The plan's keys (PlanKeys) are read together into one galaxy.plan.Plan: `cfg.pla
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
+from typing import Literal, get_args, get_origin
 
-from galaxy.config.schema import default_of, key
+from galaxy.config.schema import declared, default_of, key, members
 from galaxy.plan import Plan
 
 Method = Literal["TP", "SP"]
@@ -186,3 +186,11 @@ SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
 # PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
 PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
               "use_side_only": "side_only"}
+
+
+def choices(name: str) -> tuple:
+    """The strings a Literal-typed key takes (e.g. choices("comm_wait")), from its declaration."""
+    for f, typ in declared(GalaxyConfig):
+        if f.name == name:
+            return tuple(v for m in members(typ) if get_origin(m) is Literal for v in get_args(m))
+    raise KeyError(name)

@@ -53,24 +53,24 @@ def default_of(f: Field):
 
 def parse(name: str, value, typ, meta: dict):
     """The value converted to its declared type, or ConfigError naming the key and what it takes."""
-    members = _members(typ)
+    options = members(typ)
     if value is None:
-        if type(None) in members:
+        if type(None) in options:
             return meta.get("null_as")
         raise ConfigError(f"{name} must be {describe(typ, meta)}, got {show(value)}")
-    for member in members:
+    for member in options:
         ok, out = _parse_one(name, value, member)
         if ok:
             return out
-    literal = [m for m in members if get_origin(m) is Literal]
-    if literal and len(members) - (type(None) in members) == 1:
+    literal = [m for m in options if get_origin(m) is Literal]
+    if literal and len(options) - (type(None) in options) == 1:
         valid = ", ".join(f"'{v}'" for v in get_args(literal[0]))
-        raise ConfigError(f"{name} must be one of {valid}{' or null' if type(None) in members else ''}, "
+        raise ConfigError(f"{name} must be one of {valid}{' or null' if type(None) in options else ''}, "
                           f"got {show(value)}")
     raise ConfigError(f"{name} must be {describe(typ, meta)}, got {show(value)}")
 
 
-def _members(typ) -> tuple:
+def members(typ) -> tuple:
     if get_origin(typ) in (typing.Union, types.UnionType):
         return get_args(typ)
     return (typ,)
@@ -110,9 +110,9 @@ _PHRASES = {int: "an integer", float: "a number", str: "a string", bool: "true o
 def describe(typ, meta: dict | None = None) -> str:
     """What a key takes, in words: 'an integer or null', "one of 'TP', 'SP'"."""
     if meta and meta.get("kind"):
-        return meta["kind"] + (" or null" if type(None) in _members(typ) else "")
+        return meta["kind"] + (" or null" if type(None) in members(typ) else "")
     parts = []
-    for member in _members(typ):
+    for member in members(typ):
         if get_origin(member) is Literal:
             parts.append("one of " + ", ".join(f"'{v}'" for v in get_args(member)))
         elif get_origin(member) is list:
@@ -151,12 +151,3 @@ def show(value) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
             dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
     return f"{text} ({kind})"
-
-
-def choices(name: str) -> tuple:
-    """The strings a Literal-typed key takes (e.g. choices("comm_wait")), from its declaration."""
-    from galaxy.config.keys import GalaxyConfig
-    for f, typ in declared(GalaxyConfig):
-        if f.name == name:
-            return tuple(v for m in _members(typ) if get_origin(m) is Literal for v in get_args(m))
-    raise KeyError(name)

@@ -1,7 +1,7 @@
 """Gradient buckets: which parameters' gradients travel together in one all-reduce.
 
-Both the gradient sync (galaxy.parallel.grad_sync) and its closed form (galaxy.models.
-closed_form) group the same way, so that the profiler's measured calls and bytes can equal the
+Both the gradient sync (galaxy.parallel.grad_sync) and its closed form (galaxy.distributed.
+comm_bytes) group the same way, so that the profiler's measured calls and bytes can equal the
 closed form exactly. The units are whole layers (and the parameters before and after the layers),
 in the order backward finishes them: after-layers, last layer ... first layer, before-layers.
 Consecutive units fill a bucket until it holds at least `cap` elements, as DDP fills its own.

@@ -95,13 +95,23 @@ class _Merge(torch.autograd.Function):
         return (None,) + (grad, None) * ctx.blocks
 
 
+def _as_sdpa_would(t: torch.Tensor) -> torch.Tensor:
+    """t in the dtype scaled_dot_product_attention computes in: autocast's where autocast is on
+    for t's device (it casts SDPA's inputs to it). The blocks' kernel is not on autocast's list,
+    so it saw Q, K and V as the projections and rotary left them, of mixed dtypes under bf16,
+    and refused them (kv_blocks with bf16 died on the first step)."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
+
+
 def attend_in_blocks(q: torch.Tensor, blocks, scale=None) -> torch.Tensor:
     """q [b, s, heads, d]; blocks: [(k_i, v_i, bool mask_i or None)], k_i and v_i
     [b, S_i, kv_heads, d] -> context [b, s, heads*d]. Blocks may be appended to lazily (a
     generator): each one is computed as it is drawn."""
     merged, pieces = Merged(), []
-    qt = q.transpose(1, 2)                                               # [b, heads, s, d]
+    qt = _as_sdpa_would(q).transpose(1, 2)                                # [b, heads, s, d]
     for k, v, mask in blocks:
+        k, v = _as_sdpa_would(k), _as_sdpa_would(v)
         pieces.extend(_Block.apply(qt, k.transpose(1, 2), v.transpose(1, 2), mask, scale, merged))
     out = _Merge.apply(merged, *pieces)                                 # [b, heads, s, d]
     return out.transpose(1, 2).flatten(2)

@@ -38,6 +38,14 @@ class TransformerBlock(nn.Module):
         recompute); rng: the sharded dropout stream its sub-blocks draw from, if any."""
         self.recompute, self.recompute_rng = on, rng
 
+    def set_overlap(self, plan) -> None:
+        """How this layer overlaps communication with compute, by the plan's options (galaxy.plan):
+        a TP ATT's and MLP's transitions travel in `plan.comm_chunks` chunks of the sequence; with
+        `plan.kv_blocks` an SP ATT attends to its own keys while the K/V all-gather travels
+        (galaxy.layers.self_attention). apply_plan calls it."""
+        self.comm_chunks = plan.comm_chunks
+        self.att.kv_blocks = plan.kv_blocks
+
     def forward(self, stream, x, **att_kwargs):
         # stream, x: [b, s_con, h] in the CON layout (s_con = full or local sequence)
         if self.recompute and torch.is_grad_enabled():

@@ -8,7 +8,7 @@ stream seeded with `seed + 1 + rank`, swapped in around the draw.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -38,3 +38,16 @@ class ShardedRNG:
         finally:
             self.state = self._get()
             self._set(default)
+
+
+class ShardedDropout:
+    """Mixin of a sub-block that draws dropout masks (attention dropout, CON's dropout).
+
+    Its draws happen inside `with self.rng_scope():`. Until a plan says otherwise that is the
+    default generator (the replicated stream); where the sub-block's activations are sharded
+    (TP heads, S tokens) the plan routes them to the rank's own stream with draw_dropout_from.
+    """
+    rng_scope = nullcontext
+
+    def draw_dropout_from(self, rng: ShardedRNG) -> None:
+        self.rng_scope = rng.fork

@@ -1,13 +1,12 @@
 """BERT for sequence classification: the one definition every plan is applied to.
 
-A layer is ATT -> CON1 -> MLP -> CON2 (post-norm), CON = LayerNorm(dropout(x + bias) + residual).
-Plain PyTorch: the model knows where the sub-block boundaries are (Transitions, identities in
-serial training) and how each sub-block splits itself (`shard_tp`, `gather_kv`); a plan
-(galaxy.parallel.plan) decides which splits happen.
+A layer is ATT -> CON1 -> MLP -> CON2 (post-norm), CON = LayerNorm(dropout(x + bias) + residual),
+built of the shared sub-blocks (galaxy.layers) under BERT's names. Plain PyTorch: the model says
+where the sub-block boundaries are (Transitions, identities in serial training); a plan
+(galaxy.parallel.plan) decides how each sub-block splits.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -15,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from galaxy.distributed.comm_bytes import plan_comm_bytes, sum_param_units
 from galaxy.distributed.transitions import Layout, Transition
-from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
-from galaxy.layers.linear import OutputProjection
+from galaxy.layers.connector import Connector
+from galaxy.layers.mlp import FeedForward
+from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.family import GalaxyModel
-from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 
 
 class BertEmbeddings(nn.Module):
@@ -40,103 +40,16 @@ class BertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(x))
 
 
-class BertAttention(nn.Module):
-    """ATT: Q/K/V projections, scaled dot-product attention, output projection (bias deferred)."""
-
-    deferred_bias = "out.bias"     # added by CON, after the output's layout transition
-
-    def __init__(self, cfg):
-        super().__init__()
-        h = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = h // cfg.num_attention_heads
-        self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
-        self.out = OutputProjection(h, h)
-        self.dropout_p = cfg.attention_probs_dropout_prob
-        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
-        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
-        self.local_rows = None         # SP: own query rows (unused: BERT's mask broadcasts over rows)
-        self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        """Keep this rank's heads. Returns {param: (dim, per-rank sizes)} for gathering."""
-        d, start, count = self.head_dim, sum(shares[:rank]), shares[rank]
-        for proj in (self.query, self.key, self.value):
-            shard_column_parallel(proj, start * d, count * d)
-        shard_row_parallel(self.out, start * d, count * d)
-        self.num_heads = count
-        sizes = tuple(n * d for n in shares)
-        column = {f"{p}.{w}": (0, sizes) for p in ("query", "key", "value") for w in ("weight", "bias")}
-        return {**column, "out.weight": (1, sizes)}
-
-    # The block protocol's three token-wise / whole-sequence pieces (galaxy.layers.block): a TP
-    # ATT whose transitions travel in chunks runs project per chunk, attend once, finish per chunk.
-
-    def project(self, x):
-        """Token-wise: x [b, s, h] -> (q, k, v), each [b, s, heads*d]."""
-        return self.query(x), self.key(x), self.value(x)
-
-    def attend(self, q, k, v, mask):
-        """q [b, s, heads*d] against k, v [b, S, heads*d] -> context [b, s, heads*d]."""
-        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
-        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope)
-
-    def finish(self, ctx):
-        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
-        return self.out(ctx), self.out.bias
-
-    def forward(self, x, mask):
-        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, 1, S] bool, True = attend
-        if self.kv_gather is None:
-            return self.finish(self.attend(*self.project(x), mask))
-        k, v = (split_heads(proj(x), self.head_dim) for proj in (self.key, self.value))   # [b, s, heads, d]
-        ctx = attention_while_gathering(lambda: split_heads(self.query(x), self.head_dim), k, v, self.kv_gather,
-                                        mask, dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, blocks=self.kv_blocks)
-        return self.finish(ctx)
-
-
-class BertMLP(nn.Module):
-    """MLP: up projection, activation, down projection (bias deferred)."""
-
-    deferred_bias = "down.bias"
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.down = OutputProjection(cfg.intermediate_size, cfg.hidden_size)
-        self.act = ACT2FN[cfg.hidden_act]
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.up, start, count)
-        shard_row_parallel(self.down, start, count)
-        return {"up.weight": (0, shares), "up.bias": (0, shares), "down.weight": (1, shares)}
-
-    def forward(self, x):
-        return self.down(self.act(self.up(x))), self.down.bias
-
-
-class BertConnector(nn.Module):
-    """CON: LayerNorm(dropout(x + bias) + residual). Post-norm: stream and next input coincide."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout_p = cfg.hidden_dropout_prob
-        self.rng_scope = nullcontext   # SP: each rank draws for its own tokens
-        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
-
-    def forward(self, x, bias, residual):
-        if bias is not None:
-            x = x + bias
-        if self.training and self.dropout_p > 0:
-            with self.rng_scope():
-                x = F.dropout(x, self.dropout_p, True)
-        if self.adapter is not None:
-            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
-        y = self.norm(x + residual)
-        return y, y
+def bert_layer(cfg) -> TransformerBlock:
+    """ATT (biased query / key / value, padding mask, attention dropout; out's bias deferred),
+    CON1, MLP (up, activation, down), CON2: each CON = LayerNorm(dropout(x + bias) + residual)."""
+    h = cfg.hidden_size
+    att = SelfAttention(h, cfg.num_attention_heads, qkv=("query", "key", "value"), out="out",
+                        dropout_p=cfg.attention_probs_dropout_prob)   # the [b, 1, 1, S] mask: no query rows
+    con1 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_eps), cfg.hidden_dropout_prob, post_norm=True)
+    mlp = FeedForward(h, cfg.intermediate_size, ACT2FN[cfg.hidden_act], names=("up", "down"))
+    con2 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_eps), cfg.hidden_dropout_prob, post_norm=True)
+    return TransformerBlock(att, con1, mlp, con2)
 
 
 class BertForClassification(GalaxyModel):
@@ -152,9 +65,7 @@ class BertForClassification(GalaxyModel):
         self.config = cfg
         self.num_labels = num_labels
         self.embeddings = BertEmbeddings(cfg)
-        self.layers = nn.ModuleList(
-            TransformerBlock(BertAttention(cfg), BertConnector(cfg), BertMLP(cfg), BertConnector(cfg))
-            for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(bert_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.enter = Transition()       # embeddings (R) -> CON layout
         self.exit = Transition()        # CON layout -> R, for the [CLS] token only
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
@@ -221,3 +132,61 @@ HF_NAMES = {
 # Checkpoints of a bare BertModel (e.g. all-MiniLM-L6-v2) have no "bert." prefix.
 HF_BASE_PREFIX = "bert."
 HF_HEAD_PARAMS = ("classifier.weight", "classifier.bias")
+
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+# (FLOPs: 2 per multiply-add, forward; the backward is twice that. Bytes: per rank and training
+# step, in the ring convention of galaxy.distributed.comm_bytes.)
+
+def bert_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, intermediate: int,
+                      num_labels: int) -> dict[str, int]:
+    """BERT for sequence classification (encoder, pooler on [CLS], classifier)."""
+    bs = batch * seq
+    per_layer = {
+        "qkv": 3 * 2 * bs * hidden * hidden,
+        "attention": 2 * 2 * batch * seq * seq * hidden,      # Q K^T and P V over all heads
+        "out": 2 * bs * hidden * hidden,
+        "mlp": 2 * 2 * bs * hidden * intermediate,
+    }
+    parts = {k: layers * v for k, v in per_layer.items()}
+    parts["pooler"] = 2 * batch * hidden * hidden
+    parts["classifier"] = 2 * batch * hidden * num_labels
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def bert_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of BERT's gradients summed over the group, per layer (GradientSync's units, in
+    backward order; galaxy.distributed.buckets groups them into all-reduces).
+
+    Per layer: CON SP: two LayerNorms (2 x 2H) and the two deferred output biases (2H);
+    ATT SP: Q, K, V weights and biases, the output weight; MLP SP: up weight and bias, down weight.
+    """
+    h, i = hidden, intermediate
+    return sum_param_units(plan, layers=layers, group_size=group_size, con=6 * h, att=4 * h * h + 3 * h,
+                           mlp=2 * h * i + i)
+
+
+def bert_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int,
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Collectives one rank issues in one training step (plan_comm_bytes): SP attention gathers
+    K and V [b, s, 2H]; the exit gathers one token per rank (the [CLS] candidate)."""
+    n = len(seq_shares)
+    return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                           kv_features=2 * hidden, exit_tokens=1,
+                           sum_param_units=bert_sum_param_units(plan, hidden=hidden, layers=layers,
+                                                                intermediate=intermediate, group_size=n),
+                           comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def flops_of(cfg, batch: int, seq: int, num_labels: int) -> dict[str, int]:
+    return bert_matmul_flops(batch=batch, seq=seq, hidden=cfg.hidden_size, layers=cfg.num_hidden_layers,
+                             intermediate=cfg.intermediate_size, num_labels=num_labels)
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return bert_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=cfg.hidden_size,
+                                layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                                comm_chunks=comm_chunks)

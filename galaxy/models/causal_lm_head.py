@@ -1,4 +1,5 @@
-"""The causal-LM head the decoder families share (Llama, GPT-2): masks, LM head, shifted loss.
+"""The causal-LM head the decoder families share (Llama, GPT-2): masks, LM head, shifted loss,
+and the closed forms of a decoder (its FLOPs, its head's collectives).
 
 A decoder family's model inherits `CausalLMHead` next to GalaxyModel. The head runs on the CON
 layout: under a sequence-sharded CON each rank scores its own tokens with the (replicated) LM
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from galaxy.distributed.comm_bytes import plan_comm_bytes
 from galaxy.distributed.transitions import Layout, copy_for_sharded_consumer, reduce_to_replicated
 
 IGNORE_INDEX = -100
@@ -72,3 +74,38 @@ def causal_padding_mask(keep):
     mask = causal & keep[:, None, None, :]
     blind = ~mask.any(-1, keepdim=True)
     return mask | (blind & torch.eye(S, dtype=torch.bool, device=keep.device))
+
+
+# -- closed forms every decoder family shares (its own file passes its shape) -----------------
+
+def decoder_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                         intermediate: int, vocab: int, head_dim: int | None = None,
+                         mlp_matrices: int = 3) -> dict[str, int]:
+    """Forward matmul FLOPs of a causal LM (2 per multiply-add): grouped-query attention, an MLP
+    of `mlp_matrices` [H, I] products (3 for SwiGLU: gate, up, down; 2: up, down), the LM head on
+    every position. Attention is dense: causal masking does not reduce the count (the report
+    says so)."""
+    d = head_dim or hidden // heads
+    bs = batch * seq
+    per_layer = {
+        "q": 2 * bs * hidden * heads * d,
+        "kv": 2 * 2 * bs * hidden * kv_heads * d,
+        "attention": 2 * 2 * batch * heads * seq * seq * d,   # query heads: K/V are shared, not fewer products
+        "o": 2 * bs * heads * d * hidden,
+        "mlp": mlp_matrices * 2 * bs * hidden * intermediate,
+    }
+    parts = {k: layers * v for k, v in per_layer.items()}
+    parts["lm_head"] = 2 * bs * hidden * vocab
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def causal_lm_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, kv_features: int, vocab: int,
+                         sum_param_units, comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Collectives one rank of a causal LM issues in one training step (plan_comm_bytes). The head
+    runs on the CON layout (CausalLMHead): nothing is gathered at the exit; under CON SP the LM
+    head weight's gradient [vocab, H] (tied or not: the head's contribution is what is summed)
+    is all-reduced in backward and the loss, a scalar, in forward."""
+    return plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                           kv_features=kv_features, exit_tokens=None, head_all_reduces=(vocab * hidden, 1),
+                           sum_param_units=sum_param_units, comm_chunks=comm_chunks, element_size=element_size)

@@ -35,12 +35,10 @@ class GalaxyModel(nn.Module):
       self.layers   nn.ModuleList of galaxy.layers.block.TransformerBlock(att, con1, mlp, con2)
       self.enter    a Transition: embeddings (R) -> the CON layout (set by the plan)
 
-    and the modules named in first_stage_modules / last_stage_modules. Its sub-blocks follow
-    the block protocol (galaxy.layers.block): ATT and MLP return (output, deferred bias) and
-    have `shard_tp(shares, rank)` and `deferred_bias`; ATT has `kv_gather`, `local_rows`,
-    `kv_blocks` and `rng_scope` (set by a plan for SP and dropout) and splits into `project` / `attend` /
-    `finish` (token-wise, whole-sequence, token-wise: chunked TP overlap calls them); each CON has `rng_scope` and `adapter`
-    (a bottleneck adapter, galaxy.peft.adapter) and returns (residual stream, next input).
+    and the modules named in first_stage_modules / last_stage_modules. The sub-blocks are the
+    shared ones (galaxy.layers: SelfAttention, FeedForward, Connector), built with the family's
+    Hugging Face names, its norms and its attention core (scale, rotary positions, mask layout);
+    they own everything a plan sets (TP sharding, the SP K/V gather, dropout streams, overlap).
     """
 
     # -- facts every family states (class attributes) --------------------------------------
@@ -139,9 +137,10 @@ class FamilySpec:
     hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): HF-name suffixes
     lora_targets: tuple[str, ...] = ()           # peft's default target_modules for the family
     padding_side: str = "right"                  # the tokenizer's padding side galaxy trains with
-    # The profiler's closed forms (galaxy.models.closed_form): matmul FLOPs of one forward pass,
-    # (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the bytes per collective kind
-    # a plan moves per rank and step, (plan, cfg, batch, seq_shares) -> {kind: bytes}.
+    # The profiler's closed forms, beside the family's model (e.g. galaxy.models.bert): matmul
+    # FLOPs of one forward pass, (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the
+    # bytes per collective kind a plan moves per rank and step, (plan, cfg, batch, seq_shares) ->
+    # {kind: bytes} (built on galaxy.distributed.comm_bytes).
     matmul_flops: Callable[..., dict] | None = None
     plan_comm_bytes: Callable[..., dict] | None = None
     notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors
@@ -150,6 +149,13 @@ class FamilySpec:
     # num_attention_heads, intermediate_size, num_hidden_layers, max_position_embeddings} (the
     # keys it knows; a missing one is reported by the check). None: config.json uses those names.
     config_shape: Callable[[dict], dict] | None = None
+    # A config with shape keys and no model_path builds a randomly initialised model of the family
+    # (galaxy.models.random_init): transformers' auto class whose model is written (its own seeded
+    # init), and a tokenizer to ship with it () -> tokenizer (galaxy.assets), described for the
+    # note line.
+    random_init_class: str = "AutoModelForCausalLM"
+    default_tokenizer: Callable[[], object] | None = None
+    default_tokenizer_name: str = ""
 
     def hf_layout(self, hf_name: str) -> bool:
         """Whether Hugging Face stores tensor `hf_name` transposed against galaxy ([in, out])."""
@@ -175,12 +181,6 @@ class FamilySpec:
         [in, out] (Conv1D). peft's LoRA tensors are [r, in] and [out, r] either way; the flag only
         tells peft how to merge into the base weight."""
         return bool(self.hf_transposed)
-    # A config with shape keys and no model_path builds a randomly initialised model of the family
-    # (galaxy.models.random_init): transformers' auto class whose model is written (its own seeded
-    # init), and a tokenizer to ship with it () -> tokenizer, described for the note line.
-    random_init_class: str = "AutoModelForCausalLM"
-    default_tokenizer: Callable[[], object] | None = None
-    default_tokenizer_name: str = ""
 
     def model_class(self, task: str) -> type[GalaxyModel]:
         try:

@@ -19,19 +19,19 @@ still splits into its own q, k and v.
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Transition
-from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
-from galaxy.layers.linear import OutputProjection
-from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
-from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
+from galaxy.layers.connector import Connector
+from galaxy.layers.mlp import FeedForward
+from galaxy.layers.self_attention import SelfAttention
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+                                          decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap, pre_norm_names
 
@@ -53,113 +53,21 @@ def inner_size(cfg) -> int:
     return cfg.n_inner if cfg.n_inner is not None else 4 * cfg.n_embd
 
 
-class GPT2Attention(nn.Module):
-    """ATT: c_attn [3h, h] (rows [q; k; v]) -> heads -> causal attention -> c_proj (bias deferred)."""
-
-    deferred_bias = "c_proj.bias"
-
-    def __init__(self, cfg, layer_idx: int):
-        super().__init__()
-        h = cfg.hidden_size
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = h // self.num_heads
-        self.c_attn = nn.Linear(h, 3 * h)
-        self.c_proj = OutputProjection(h, h)
-        # Hugging Face's scaling: 1/sqrt(head_dim) (scale_attn_weights), further divided by the
-        # layer's 1-based index under scale_attn_by_inverse_layer_idx.
-        self.scale = self.head_dim ** -0.5 if cfg.scale_attn_weights else 1.0
-        if cfg.scale_attn_by_inverse_layer_idx:
-            self.scale /= layer_idx + 1
-        self.dropout_p = cfg.attn_pdrop
-        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
-        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
-        self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
-        self.rng_scope = nullcontext   # TP/SP: dropout draws from the rank's own stream
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        """Keep this rank's heads: their rows of each of c_attn's q, k, v blocks, their columns of
-        c_proj. Returns {param: (dim, per-rank sizes[, parts])} for gathering."""
-        d, start, count = self.head_dim, sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.c_attn, start * d, count * d, parts=3)
-        shard_row_parallel(self.c_proj, start * d, count * d)
-        self.num_heads = count
-        sizes = tuple(n * d for n in shares)
-        return {"c_attn.weight": (0, sizes, 3), "c_attn.bias": (0, sizes, 3), "c_proj.weight": (1, sizes)}
-
-    # The block protocol's pieces (galaxy.layers.block): a TP ATT whose transitions travel in
-    # chunks runs project per chunk, attend once over the whole sequence, finish per chunk.
-
-    def project(self, x):
-        """Token-wise: x [b, s, h] -> (q, k, v), each [b, s, heads*d] (c_attn's three row blocks)."""
-        return self.c_attn(x).split(self.num_heads * self.head_dim, dim=-1)
-
-    def attend(self, q, k, v, mask):
-        """q [b, s, heads*d] against k, v [b, S, heads*d] -> context [b, s, heads*d]."""
-        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
-        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope,
-                         scale=self.scale)
-
-    def finish(self, ctx):
-        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
-        return self.c_proj(ctx), self.c_proj.bias
-
-    def forward(self, x, mask):
-        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend)
-        if self.local_rows is not None:      # SP: own queries, all keys
-            mask = mask[:, :, self.local_rows]
-        q, k, v = self.project(x)                                       # [b, s, heads*d] each
-        if self.kv_gather is None:
-            return self.finish(self.attend(q, k, v, mask))
-        # SP: c_attn projects Q with K and V, so only the own keys' attention overlaps the gather.
-        q, k, v = (split_heads(t, self.head_dim) for t in (q, k, v))
-        ctx = attention_while_gathering(lambda: q, k, v, self.kv_gather, mask,
-                                        dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, scale=self.scale, blocks=self.kv_blocks)
-        return self.finish(ctx)
-
-
-class GPT2MLP(nn.Module):
-    """MLP: c_proj(act(c_fc(x))), bias of c_proj deferred."""
-
-    deferred_bias = "c_proj.bias"
-
-    def __init__(self, cfg):
-        super().__init__()
-        h, i = cfg.hidden_size, inner_size(cfg)
-        self.c_fc = nn.Linear(h, i)
-        self.c_proj = OutputProjection(i, h)
-        self.act = ACT2FN[cfg.activation_function]
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.c_fc, start, count)
-        shard_row_parallel(self.c_proj, start, count)
-        return {"c_fc.weight": (0, shares), "c_fc.bias": (0, shares), "c_proj.weight": (1, shares)}
-
-    def forward(self, x):
-        return self.c_proj(self.act(self.c_fc(x))), self.c_proj.bias
-
-
-class GPT2Connector(nn.Module):
-    """CON: x = dropout(x + bias); stream = stream + x; returns (stream, norm(stream))."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
-        self.dropout_p = cfg.resid_pdrop
-        self.rng_scope = nullcontext   # SP: each rank draws for its own tokens
-        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
-
-    def forward(self, x, bias, residual):
-        if bias is not None:
-            x = x + bias
-        if self.training and self.dropout_p > 0:
-            with self.rng_scope():
-                x = F.dropout(x, self.dropout_p, True)
-        if self.adapter is not None:
-            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
-        stream = residual + x
-        return stream, self.norm(stream)
+def gpt2_layer(cfg, layer_idx: int) -> TransformerBlock:
+    """ATT (fused c_attn [3h, h], causal mask; c_proj's bias deferred), CON1 (dropout, residual add,
+    ln_2), MLP (c_fc, activation, c_proj), CON2 (dropout, residual add, the next ln_1)."""
+    h = cfg.hidden_size
+    # Hugging Face's scaling: 1/sqrt(head_dim) (scale_attn_weights), further divided by the
+    # layer's 1-based index under scale_attn_by_inverse_layer_idx.
+    scale = (h // cfg.num_attention_heads) ** -0.5 if cfg.scale_attn_weights else 1.0
+    if cfg.scale_attn_by_inverse_layer_idx:
+        scale /= layer_idx + 1
+    att = SelfAttention(h, cfg.num_attention_heads, qkv=("c_attn",), out="c_proj", dropout_p=cfg.attn_pdrop,
+                        scale=scale, query_dims={"mask": 2})
+    con1 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_epsilon), cfg.resid_pdrop)
+    mlp = FeedForward(h, inner_size(cfg), ACT2FN[cfg.activation_function], names=("c_fc", "c_proj"))
+    con2 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_epsilon), cfg.resid_pdrop)
+    return TransformerBlock(att, con1, mlp, con2)
 
 
 class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
@@ -176,9 +84,7 @@ class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
         self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.embd_pdrop = cfg.embd_pdrop
         self.first_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
-        self.layers = nn.ModuleList(
-            TransformerBlock(GPT2Attention(cfg, i), GPT2Connector(cfg), GPT2MLP(cfg), GPT2Connector(cfg))
-            for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(gpt2_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.enter = Transition()             # embeddings (R) -> CON layout
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_group = None                # set by a plan whose CON layout is S
@@ -251,3 +157,57 @@ def config_shape(raw: dict) -> dict:
         raise ValueError(problem)
     return {"hidden_size": cfg.n_embd, "num_attention_heads": cfg.n_head, "num_hidden_layers": cfg.n_layer,
             "max_position_embeddings": cfg.n_positions, "intermediate_size": inner_size(cfg)}
+
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+
+def gpt2_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, intermediate: int,
+                      vocab: int) -> dict[str, int]:
+    """GPT-2 causal LM: plain multi-head attention (c_attn's Q third is "q", its K and V thirds
+    "kv", c_proj "o"), a two-matrix MLP (c_fc, c_proj), the tied LM head on every position."""
+    return decoder_matmul_flops(batch=batch, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=heads,
+                                intermediate=intermediate, vocab=vocab, mlp_matrices=2)
+
+
+def gpt2_sum_param_units(plan, *, hidden: int, layers: int, intermediate: int, group_size: int) -> list[int]:
+    """Elements of GPT-2's gradients summed over the group, per GradientSync unit in backward order.
+
+    Per layer: CON SP: two LayerNorms (ln_2 in CON1, the next ln_1 or ln_f in CON2, weight and
+    bias: 2 x 2H) and the two deferred c_proj biases (2H); ATT SP: c_attn [3H, H] and its bias 3H,
+    c_proj [H, H]; MLP SP: c_fc [I, H] and its bias I, c_proj [H, I]. Then, under CON SP, the first
+    layer's ln_1 before the first block (`first_norm`, 2H), the last unit backward finishes. The
+    embeddings and the tied LM head are not summed here.
+    """
+    h, i = hidden, intermediate
+    return sum_param_units(plan, layers=layers, group_size=group_size, con=6 * h, att=4 * h * h + 3 * h,
+                           mlp=2 * h * i + i, first=2 * h)
+
+
+def gpt2_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, intermediate: int, vocab: int,
+                         comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """GPT-2 causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    The same transitions as Llama's (galaxy.models.llama.llama_plan_comm_bytes: the residual
+    stream never leaves the CON layout; the causal-LM head runs on it), with plain multi-head
+    attention: SP attention gathers K and V as one tensor [b, s, 2H] (kv_features = 2H).
+    Gradient sync: one all-reduce per bucket of gpt2_sum_param_units.
+    """
+    units = gpt2_sum_param_units(plan, hidden=hidden, layers=layers, intermediate=intermediate,
+                                 group_size=len(seq_shares))
+    return causal_lm_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                                kv_features=2 * hidden, vocab=vocab, sum_param_units=units,
+                                comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def gpt2_shape(cfg) -> dict:
+    return dict(hidden=cfg.n_embd, layers=cfg.n_layer, intermediate=inner_size(cfg), vocab=cfg.vocab_size)
+
+
+def flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return gpt2_matmul_flops(batch=batch, seq=seq, heads=cfg.n_head, **gpt2_shape(cfg))
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return gpt2_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **gpt2_shape(cfg), comm_chunks=comm_chunks)

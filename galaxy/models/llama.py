@@ -11,20 +11,20 @@ Each CON returns (residual stream, normalised input of the next sub-block).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
-from galaxy.layers.attention import attention, attention_while_gathering, split_heads
 from galaxy.layers.block import TransformerBlock
-from galaxy.layers.linear import OutputProjection
-from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
-from galaxy.models.causal_lm_head import CausalLMHead, causal_padding_mask
+from galaxy.layers.connector import Connector
+from galaxy.layers.mlp import FeedForward
+from galaxy.layers.self_attention import SelfAttention
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+                                          decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.weights import NameMap, pre_norm_names
 
@@ -49,134 +49,27 @@ def rotate_half(x):
     return torch.cat((-b, a), dim=-1)
 
 
-class LlamaAttention(nn.Module):
-    """ATT: grouped-query attention with rotary positions. Query heads share K/V heads in groups."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        h = cfg.hidden_size
-        self.head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.group = self.num_heads // self.num_kv_heads           # query heads per K/V head
-        bias = cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = OutputProjection(self.num_heads * self.head_dim, h, bias=bias)
-        self.dropout_p = cfg.attention_dropout
-        self.kv_gather = None          # SP: gathers K/V of every rank's tokens
-        self.kv_blocks = False         # SP: attend to the own keys while the gather travels (kv_blocks)
-        self.local_rows = None         # SP: this rank's query positions in full-sequence inputs
-        self.rng_scope = nullcontext
-
-    deferred_bias = "o_proj.bias"
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        """Keep this rank's query heads and their K/V heads (shares are whole K/V groups)."""
-        d, g = self.head_dim, self.group
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.q_proj, start * d, count * d)
-        shard_column_parallel(self.k_proj, start // g * d, count // g * d)
-        shard_column_parallel(self.v_proj, start // g * d, count // g * d)
-        shard_row_parallel(self.o_proj, start * d, count * d)
-        self.num_heads, self.num_kv_heads = count, count // g
-        q_sizes = tuple(n * d for n in shares)
-        kv_sizes = tuple(n // g * d for n in shares)
-        specs = {"q_proj.weight": (0, q_sizes), "k_proj.weight": (0, kv_sizes),
-                 "v_proj.weight": (0, kv_sizes), "o_proj.weight": (1, q_sizes)}
-        if self.q_proj.bias is not None:
-            specs.update({"q_proj.bias": (0, q_sizes), "k_proj.bias": (0, kv_sizes), "v_proj.bias": (0, kv_sizes)})
-        return specs
-
-    # The block protocol's pieces (galaxy.layers.block): a TP ATT whose transitions travel in
-    # chunks runs project per chunk, attend once over the whole sequence, finish per chunk.
-
-    def project(self, x):
-        """Token-wise: x [b, s, h] -> (q [b, s, heads*d], k, v [b, s, kv_heads*d]), not yet rotated."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def attend(self, q, k, v, mask, cos, sin):
-        """The whole sequence's q, k, v (as project returns them) -> context [b, S, heads*d]."""
-        return self._attend(self._rotate(q, cos, sin), self._rotate(k, cos, sin), self._heads(v), mask)
-
-    def finish(self, ctx):
-        """Token-wise: context -> (output projection without its bias, the deferred bias)."""
-        return self.o_proj(ctx), self.o_proj.bias
-
-    def _heads(self, t):
-        return split_heads(t, self.head_dim)                             # [b, s, heads, d]
-
-    def _rotate(self, t, cos, sin):
-        # t: [b, s, heads*d]; cos, sin: [b, s, d] at t's positions
-        t = self._heads(t)
-        return t * cos[:, :, None] + rotate_half(t) * sin[:, :, None]
-
-    def _attend(self, q, k, v, mask):
-        # q: [b, s, heads, d]; k, v: [b, S, kv_heads, d]; mask: [b, 1, s, S] -> [b, s, heads*d]
-        return attention(q, k, v, mask, dropout_p=self.dropout_p if self.training else 0.0, rng_scope=self.rng_scope,
-                         enable_gqa=self.group > 1)
-
-    def forward(self, x, mask, cos, sin):
-        # x: [b, s, h] (s = local tokens under SP); mask: [b, 1, S, S] bool (True = attend);
-        # cos, sin: [b, S, d] for the full sequence
-        if self.local_rows is not None:      # SP: own queries, all keys
-            mask, cos, sin = mask[:, :, self.local_rows], cos[:, self.local_rows], sin[:, self.local_rows]
-        if self.kv_gather is None:
-            return self.finish(self.attend(*self.project(x), mask, cos, sin))
-        # SP: K rotated at its own (global) positions, then K and V gathered in one collective
-        # while Q is projected and the own keys attended to.
-        k, v = self._rotate(self.k_proj(x), cos, sin), self._heads(self.v_proj(x))   # [b, s, kv_heads, d]
-        ctx = attention_while_gathering(lambda: self._rotate(self.q_proj(x), cos, sin), k, v, self.kv_gather, mask,
-                                        dropout_p=self.dropout_p if self.training else 0.0,
-                                        rng_scope=self.rng_scope, enable_gqa=self.group > 1,
-                                        blocks=self.kv_blocks)
-        return self.finish(ctx)
+def rotary(t, context: dict):
+    """Queries or keys t [b, s, heads, d] rotated by the context's cos, sin [b, s, d] (the
+    layer_context's tables, at t's positions)."""
+    cos, sin = context["cos"][:, :, None], context["sin"][:, :, None]
+    return t * cos + rotate_half(t) * sin
 
 
-class LlamaMLP(nn.Module):
-    """MLP: SwiGLU, down(act(gate(x)) * up(x))."""
-
-    deferred_bias = "down_proj.bias"
-
-    def __init__(self, cfg):
-        super().__init__()
-        h, i, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = OutputProjection(i, h, bias=bias)
-        self.act = ACT2FN[cfg.hidden_act]
-
-    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
-        start, count = sum(shares[:rank]), shares[rank]
-        shard_column_parallel(self.gate_proj, start, count)
-        shard_column_parallel(self.up_proj, start, count)
-        shard_row_parallel(self.down_proj, start, count)
-        specs = {"gate_proj.weight": (0, shares), "up_proj.weight": (0, shares), "down_proj.weight": (1, shares)}
-        if self.up_proj.bias is not None:
-            specs.update({"gate_proj.bias": (0, shares), "up_proj.bias": (0, shares)})
-        return specs
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)), self.down_proj.bias
-
-
-class LlamaConnector(nn.Module):
-    """CON: stream = stream + x (+ bias); returns (stream, norm(stream))."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rng_scope = nullcontext   # no dropout in Llama's residual path
-        self.adapter = None            # a bottleneck adapter (galaxy.peft.adapter), when one is applied
-
-    def forward(self, x, bias, residual):
-        if bias is not None:
-            x = x + bias
-        if self.adapter is not None:
-            x = self.adapter(x)        # x + up(act(down(x))): the adapter's own skip connection
-        stream = residual + x
-        return stream, self.norm(stream)
+def llama_layer(cfg, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> TransformerBlock:
+    """ATT (grouped-query attention with rotary positions, causal mask; o_proj's bias deferred),
+    CON1 (residual add, post_attention_layernorm), MLP (SwiGLU), CON2 (residual add, the next
+    layer's input_layernorm). No dropout in the residual path."""
+    h = cfg.hidden_size
+    att = SelfAttention(h, cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                        head_dim=getattr(cfg, "head_dim", None), qkv=("q_proj", "k_proj", "v_proj"), out="o_proj",
+                        qkv_bias=qkv_bias, out_bias=out_bias, dropout_p=cfg.attention_dropout, positions=rotary,
+                        query_dims={"mask": 2, "cos": 1, "sin": 1})
+    con1 = Connector(RMSNorm(h, cfg.rms_norm_eps))
+    mlp = FeedForward(h, cfg.intermediate_size, ACT2FN[cfg.hidden_act], names=("gate_proj", "up_proj", "down_proj"),
+                      bias=mlp_bias)
+    con2 = Connector(RMSNorm(h, cfg.rms_norm_eps))
+    return TransformerBlock(att, con1, mlp, con2)
 
 
 class LlamaBackbone(GalaxyModel):
@@ -190,10 +83,13 @@ class LlamaBackbone(GalaxyModel):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
         self.first_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(
-            TransformerBlock(LlamaAttention(cfg), LlamaConnector(cfg), LlamaMLP(cfg), LlamaConnector(cfg))
-            for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(llama_layer(cfg, **self.biases(cfg)) for _ in range(cfg.num_hidden_layers))
         self.enter = Transition()             # embeddings (R) -> CON layout
+
+    @staticmethod
+    def biases(cfg) -> dict:
+        """Which projections carry a bias: Llama's two switches (Qwen2 answers otherwise)."""
+        return {"qkv_bias": cfg.attention_bias, "out_bias": cfg.attention_bias, "mlp_bias": cfg.mlp_bias}
 
     def materialize(self) -> None:
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
@@ -323,3 +219,89 @@ def hf_names(cfg):
         "side_out.{rest}": "side.output.{rest}",
     })
     return pre_norm_names(table, cfg.num_hidden_layers, "model.layers.{i}.input_layernorm.{w}", "model.norm.{w}")
+
+
+# -- closed forms: what the profiler should measure, from the shape and the plan alone --------
+
+def llama_matmul_flops(*, batch: int, seq: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                       intermediate: int, vocab: int, head_dim: int | None = None) -> dict[str, int]:
+    """Llama causal LM: grouped-query attention, SwiGLU (gate, up, down), LM head on every position."""
+    return decoder_matmul_flops(batch=batch, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+                                intermediate=intermediate, vocab=vocab, head_dim=head_dim, mlp_matrices=3)
+
+
+def llama_sum_param_units(plan, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+                          intermediate: int, attention_bias: bool = False, mlp_bias: bool = False,
+                          qkv_bias: bool | None = None, group_size: int) -> list[int]:
+    """Elements of Llama's gradients summed over the group, per GradientSync unit in backward
+    order: each layer (last first), then `first_norm` (before the layers).
+
+    attention_bias: q/k/v and o_proj have biases (Llama's key); qkv_bias: q/k/v have biases
+    (None: as attention_bias; Qwen2: True with attention_bias False, no o_proj bias).
+    CON SP: the RMSNorm weights, [H] each: the first layer's input norm before the first block
+    (`first_norm`) plus CON1's and CON2's per layer (CON2 of the last layer holds the final norm),
+    (2L + 1) x H; and the deferred output biases, H per layer for each of o_proj / down_proj
+    that has one (attention_bias / mlp_bias).
+    ATT SP: q_proj [heads*d, H], k_proj and v_proj [kv_heads*d, H], o_proj [H, heads*d];
+    with qkv_bias, q/k/v biases (heads*d + 2 kv_heads*d; o_proj's is deferred, above).
+    MLP SP: gate_proj and up_proj [I, H], down_proj [H, I]; with mlp_bias, gate and up biases (2I).
+    The LM head and the embeddings are not summed here (see llama_plan_comm_bytes).
+    """
+    qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+    h, i, q, kv = hidden, intermediate, heads * head_dim, kv_heads * head_dim
+    return sum_param_units(plan, layers=layers, group_size=group_size, first=h,
+                           con=2 * h + h * (int(attention_bias) + int(mlp_bias)),
+                           att=2 * q * h + 2 * kv * h + (q + 2 * kv if qkv_bias else 0),
+                           mlp=3 * h * i + (2 * i if mlp_bias else 0))
+
+
+def llama_plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, heads: int, kv_heads: int,
+                          intermediate: int, vocab: int, head_dim: int | None = None,
+                          attention_bias: bool = False, mlp_bias: bool = False, qkv_bias: bool | None = None,
+                          comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Llama causal LM: collectives one rank issues in one training step (forward, backward, sync).
+
+    N ranks, shares s_i, s = max s_i, b x S tokens, hidden H, d = head_dim (H / heads by default).
+    Every layer is the same four-transition block as BERT's (galaxy.layers.block): each sub-block
+    reads the CON's normalised input x [b, S|s_i, H] and hands its output back; the residual
+    stream, the carry's other half, never leaves the CON layout, so it adds no collective. Per
+    layer and per TP/SP sub-block (galaxy.distributed.comm_bytes, forward | backward; shards [b, s, H]):
+      CON SP,   TP:  S -> R gather | reduce-scatter in, P -> S reduce-scatter | gather out
+      CON None, TP:  R -> R copy | all-reduce [b, S, H] in, P -> R all-reduce | identity out
+      CON None, SP:  R -> S split | gather in, S -> R gather | split out
+      CON SP,   SP:  nothing
+    SP attention gathers K and V, rotated, as one tensor [b, s, 2 kv_heads d] (grouped-query:
+    kv_heads, not heads), then reduce-scatters its gradient: kv_features = 2 kv_heads d.
+    Entry (CON SP): the embeddings run replicated and are split, R -> S (free), whose backward
+    all-gathers the gradient [b, s, H]; first_norm runs after the split, on the shards.
+    Head (CON SP): the causal-LM head's all-reduces (causal_lm_comm_bytes); under CON None the
+    head runs on R: no collective.
+    Gradient sync: one all-reduce per bucket of the "sum" parameters (llama_sum_param_units; the
+    bias flags are its own).
+    """
+    d = head_dim or hidden // heads
+    units = llama_sum_param_units(plan, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=d,
+                                  intermediate=intermediate, attention_bias=attention_bias, mlp_bias=mlp_bias,
+                                  qkv_bias=qkv_bias, group_size=len(seq_shares))
+    return causal_lm_comm_bytes(plan, seq_shares=seq_shares, batch=batch, hidden=hidden, layers=layers,
+                                kv_features=2 * kv_heads * d, vocab=vocab, sum_param_units=units,
+                                comm_chunks=comm_chunks, element_size=element_size)
+
+
+# The spec's entries (galaxy.models.registry): the Hugging Face config in, the forms above out.
+
+def llama_shape(cfg) -> dict:
+    heads = cfg.num_attention_heads
+    return dict(hidden=cfg.hidden_size, layers=cfg.num_hidden_layers, intermediate=cfg.intermediate_size,
+                heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+                vocab=cfg.vocab_size, head_dim=getattr(cfg, "head_dim", None))
+
+
+def flops_of(cfg, batch: int, seq: int, num_labels=None) -> dict[str, int]:
+    return llama_matmul_flops(batch=batch, seq=seq, **llama_shape(cfg))
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **llama_shape(cfg),
+                                 attention_bias=bool(getattr(cfg, "attention_bias", False)),
+                                 mlp_bias=bool(getattr(cfg, "mlp_bias", False)), comm_chunks=comm_chunks)

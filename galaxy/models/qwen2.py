@@ -4,39 +4,20 @@ What Hugging Face's Qwen2ForCausalLM (transformers/models/qwen2/modeling_qwen2.p
 differently from LlamaForCausalLM, and all this file adds:
   - q_proj, k_proj and v_proj always have biases, o_proj never has one; the MLP has none.
     Qwen2Config has neither `attention_bias` nor `mlp_bias` (and a checkpoint's config.json
-    must not switch them on), so llama.py's classes read Qwen2's fixed answer (_AsLlamaConfig).
+    must not switch them on), so Qwen2ForCausalLM answers llama.py's `biases` itself.
   - Sliding-window attention on the layers `layer_types` names "sliding_attention"
     (use_sliding_window with i >= max_window_layers): not implemented, refused at build time.
 Everything else is Llama's, computed by llama.py: rotary embeddings (the same default and scaled
 rope types), RMSNorm, SwiGLU, grouped-query attention, tied or untied embeddings, the shifted
 loss. Parameter names match Llama's, so llama.hf_names maps both (galaxy.models.registry).
 
-The q/k/v biases follow their weights under every plan (LlamaAttention.shard_tp already shards
-a bias when there is one): under TP each rank keeps the bias entries of its own query heads and
+The q/k/v biases follow their weights under every plan (SelfAttention.shard_tp shards a bias
+when there is one): under TP each rank keeps the bias entries of its own query heads and
 K/V groups (column-parallel); under SP they are whole "sum" parameters, like the weights.
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from galaxy.models.llama import LlamaForCausalLM
-
-
-class _AsLlamaConfig:
-    """A Qwen2Config as llama.py's classes read it: every key passes through, except the two bias
-    switches Qwen2Config lacks. Both are off: o_proj and the MLP have no bias; the q/k/v biases
-    are added by Qwen2ForCausalLM below."""
-    attention_bias = False
-    mlp_bias = False
-
-    def __init__(self, cfg):
-        self._cfg = cfg
-
-    def __getattr__(self, name):
-        if name == "_cfg":       # not set yet (e.g. copy's bare instance): no recursion
-            raise AttributeError(name)
-        return getattr(self._cfg, name)
+from galaxy.models.llama import LlamaForCausalLM, llama_plan_comm_bytes, llama_shape
 
 
 def check_full_attention(cfg) -> None:
@@ -62,12 +43,18 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg, **_):
         check_full_attention(cfg)
-        super().__init__(_AsLlamaConfig(cfg))
-        self.config = cfg      # the real config: model_type "qwen2" finds this family
-        for layer in self.layers:
-            att = layer.att
-            # q_proj.bias [heads * d], k_proj.bias and v_proj.bias [kv_heads * d]; zeros until the
-            # checkpoint is read (on the meta device under build_model: shapes only).
-            for proj in (att.q_proj, att.k_proj, att.v_proj):
-                proj.bias = nn.Parameter(torch.zeros(proj.out_features))
-        self.materialize()     # rotary tables from the real config (super() built them from the view)
+        super().__init__(cfg)
+
+    @staticmethod
+    def biases(cfg) -> dict:
+        """Qwen2's fixed answer, whatever config.json says: q_proj.bias [heads * d], k_proj.bias and
+        v_proj.bias [kv_heads * d]; no bias on o_proj or in the MLP."""
+        return {"qkv_bias": True, "out_bias": False, "mlp_bias": False}
+
+
+def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    """The spec's bytes per collective: Llama's, with q/k/v biases and no o_proj or MLP bias among
+    the summed gradients. Qwen2's matmul FLOPs are Llama's (llama.flops_of: a bias adds no
+    matrix product)."""
+    return llama_plan_comm_bytes(plan, seq_shares=seq_shares, batch=batch, **llama_shape(cfg), qkv_bias=True,
+                                 comm_chunks=comm_chunks)

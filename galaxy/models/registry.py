@@ -6,7 +6,8 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 """
 from __future__ import annotations
 
-from galaxy.models import bert, closed_form, gpt2, llama, packaged_minilm, qwen2, tiny_llama
+from galaxy.assets import packaged_minilm, tiny_llama
+from galaxy.models import bert, gpt2, llama, qwen2
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
@@ -17,7 +18,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         hf_names=lambda cfg: NameMap(bert.HF_NAMES),
         hf_base_prefix=bert.HF_BASE_PREFIX, hf_head_params=bert.HF_HEAD_PARAMS,
         lora_targets=("query", "value"),
-        matmul_flops=closed_form.bert_flops_of, plan_comm_bytes=closed_form.bert_comm_of,
+        matmul_flops=bert.flops_of, plan_comm_bytes=bert.comm_of,
         random_init_class="AutoModel",      # encoder + pooler, like all-MiniLM-L6-v2; the head is galaxy's
         default_tokenizer=packaged_minilm.tokenizer,
         default_tokenizer_name="the all-MiniLM-L6-v2 WordPiece tokenizer"),
@@ -27,15 +28,15 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         hf_names=llama.hf_names,
         hf_head_params=("score.weight",),   # a causal LM's checkpoint has no classifier: drawn from the seed
         lora_targets=("q_proj", "v_proj"),
-        matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.llama_comm_of,
+        matmul_flops=llama.flops_of, plan_comm_bytes=llama.comm_of,
         default_tokenizer=tiny_llama.default_tokenizer,
-        default_tokenizer_name="the tiny-llama byte-level BPE tokenizer (galaxy.models.tiny_llama)"),
+        default_tokenizer_name="the tiny-llama byte-level BPE tokenizer (galaxy.assets.tiny_llama)"),
     FamilySpec(     # Llama with q/k/v biases: Llama's names, FLOPs; its own "sum" parameters
         name="qwen2", model_types=("qwen2",),
         tasks={"causal_lm": qwen2.Qwen2ForCausalLM},
         hf_names=llama.hf_names,
         lora_targets=("q_proj", "v_proj"),
-        matmul_flops=closed_form.llama_flops_of, plan_comm_bytes=closed_form.qwen2_comm_of,
+        matmul_flops=llama.flops_of, plan_comm_bytes=qwen2.comm_of,
         notes=("sliding-window attention (use_sliding_window) is refused",)),
     FamilySpec(
         name="gpt2", model_types=("gpt2",),
@@ -43,7 +44,7 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         hf_names=gpt2.hf_names,
         hf_base_prefix=gpt2.HF_BASE_PREFIX, hf_transposed=gpt2.HF_TRANSPOSED,
         lora_targets=("c_attn",),
-        matmul_flops=closed_form.gpt2_flops_of, plan_comm_bytes=closed_form.gpt2_comm_of,
+        matmul_flops=gpt2.flops_of, plan_comm_bytes=gpt2.comm_of,
         config_shape=gpt2.config_shape),
 )}
 

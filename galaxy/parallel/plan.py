@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.distributed.transitions import KVGather, Layout
+from galaxy.distributed.transitions import Layout
 from galaxy.layers.rng import ShardedRNG
 from galaxy.layers.sharding import block_spans, shard_offset, slice_like
 from galaxy.plan import Plan
@@ -75,6 +75,7 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
             rules[f"{name}.{pname}"] = con_rule
 
     for i, layer in enumerate(model.layers):
+        layer.set_overlap(plan)              # comm_chunks, kv_blocks
         prefix = f"layers.{i}"
         for name, shares, to, frm in (("att", group.heads, layer.to_att, layer.from_att),
                                       ("mlp", group.columns, layer.to_mlp, layer.from_mlp)):
@@ -91,17 +92,15 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
             # The output bias is added after the transition, on the CON layout.
             rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
             if name == "att" and not tp and group.size > 1:
-                block.kv_gather = KVGather(group)
-                block.local_rows = slice(group.token_offset, group.token_offset + group.tokens[group.rank])
-            if group.size > 1 and rng is not None:
-                if name == "att":
-                    block.rng_scope = rng.fork
+                block.sequence_parallel(group)       # K/V gathered, own query rows
+            if name == "att" and group.size > 1 and rng is not None:
+                block.draw_dropout_from(rng)         # own heads or own queries
         for name in ("con1", "con2"):
             sub = getattr(layer, name)
             for pname, _ in sub.named_parameters():
                 rules[f"{prefix}.{name}.{pname}"] = con_rule
             if con == Layout.S and group.size > 1 and rng is not None:
-                sub.rng_scope = rng.fork
+                sub.draw_dropout_from(rng)
 
     for pname, _ in model.named_parameters():
         rules.setdefault(pname, REPLICATED)     # embeddings, pooler, classifier

@@ -38,7 +38,7 @@ from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_repl
 from galaxy.parallel.runner import Runner
 from galaxy.parallel.sharded_dp import WholeGradients, reshard_all, shard_replicas
 from galaxy.pipeline.schedule import make_schedule, schedule_class
-from galaxy.pipeline.stage import StageModule, carry_shapes, carry_slots, example_carry, unpack_carry
+from galaxy.pipeline.stage import StageModule, carry_dtype, carry_shapes, carry_slots, example_carry, unpack_carry
 from galaxy.pipeline.tied import TiedWeightSync
 
 
@@ -111,8 +111,7 @@ class PipelineRunner(Runner):
         key = (rows, seq_len)
         if key not in self._schedules:
             m, mesh = self.model, self.mesh
-            dtype = next(m.parameters()).dtype
-            carry = example_carry(m, self.plan.con_layout, rows, seq_len, dtype)
+            carry = example_carry(m, self.plan.con_layout, rows, seq_len, carry_dtype(m))
             inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.attached.is_first_stage else carry
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
                                   input_args=inputs, output_args=carry, group=mesh.pp_pg)
@@ -143,8 +142,7 @@ class PipelineRunner(Runner):
             if m.attached.is_first_stage:
                 inputs = (input_ids,)
             else:
-                dtype = next(m.parameters()).dtype
-                inputs = [torch.empty(shape, dtype=dtype, device=self.device)
+                inputs = [torch.empty(shape, dtype=carry_dtype(m), device=self.device)
                           for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len)]
                 for t in inputs:
                     dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)

@@ -129,7 +129,21 @@ class StageModule(nn.Module):
         m = self.model
         slots = carry_slots(m)
         carry = m.embed(inputs[0], token_type_ids) if m.attached.is_first_stage else unpack_carry(inputs, slots)
-        return pack_carry(m.run_layers(tuple(carry), m.layer_context(attention_mask), m.layers), slots)
+        dtype = carry_dtype(m)
+        return tuple(t.to(dtype) for t in pack_carry(m.run_layers(tuple(carry), m.layer_context(attention_mask),
+                                                                  m.layers), slots))
+
+
+def carry_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the travelling carry crosses a stage boundary in: the parameters'.
+
+    The receiving stage allocates its buffers before any forward runs, but under bf16 autocast
+    what a stage returns depends on the last op: the residual stream (a bf16 output added to an
+    fp32 stream) is fp32, the side network's state (a linear's output) bf16. A bf16 tensor sent
+    into an fp32 buffer does not arrive as its values: pp 2 with side-tuning under bf16 trained
+    on NaN from step 1. The cast up is exact, and the next stage's autocast casts back down.
+    """
+    return next(model.parameters()).dtype
 
 
 def example_carry(model: nn.Module, con_layout: Layout, rows: int, seq_len: int, dtype: torch.dtype) -> tuple:

@@ -1,4 +1,4 @@
-"""The plan search behind plan.py (README.md, Planning).
+"""The plan search behind plan.py (docs/planning.md).
 
   profiles.py        device / link / cluster JSON: read, check, fit the link, compose
   harness.py         one layer's sub-blocks run alone at any share (time, saved bytes, parameters)

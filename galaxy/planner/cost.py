@@ -4,7 +4,7 @@ Time. Each Galaxy group runs its layers sub-block by sub-block; every sub-block 
 splits is a collective, so the group moves at its slowest rank there: a layer takes, forward and
 backward, the sum over its sub-blocks (ATT, CON, MLP, CON) of the slowest rank's compute at its own
 share (the device profile's measured table, or FLOPs / its GEMM rate), plus the layer's collectives
-(the family's closed-form bytes per kind, galaxy.models.closed_form, timed with the link profile).
+(the family's closed-form bytes per kind, galaxy.models.<family>, timed with the link profile).
 A recomputed (activation-checkpointed) layer runs its forward again in backward, collectives
 included (the forward half of the layer's collectives). Per micro-batch a pipeline stage takes
 F_p = its forward + half its layers' collectives and B_p = its backward + the other half; the
@@ -34,7 +34,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from galaxy.models.closed_form import ring_bytes
+from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.plan import Plan
 from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel

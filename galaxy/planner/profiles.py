@@ -31,7 +31,7 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
             "measured": [{"kind", "group", "bytes", "uneven", "seconds"}]}  # all_reduce, send_recv
 
 A collective of `kind` over a group of n ranks moving `wire` bytes per rank (the ring convention of
-galaxy.models.closed_form.ring_bytes) takes latency_s x steps + wire / bytes_per_s, with steps the
+galaxy.distributed.comm_bytes.ring_bytes) takes latency_s x steps + wire / bytes_per_s, with steps the
 ring's rounds: n - 1 for all-gather and reduce-scatter, 2 (n - 1) for all-reduce, 1 for a send.
 Where `measured` holds calls of that kind and group size, a call's time is read off them instead
 (measured_time); a hand-edited fit applies everywhere once `measured` is removed.

@@ -4,10 +4,11 @@
     report = profile_model(model, batch, grad_sync=sync)      # a ProfileReport
     report.totals.fwd_flops, report.sub_blocks, report.comm, report.to_json()
 
-See README.md (Profiling) for the counting convention and the JSON schema.
+See docs/profiling.md for the counting convention and the JSON schema.
 """
-from galaxy.models.closed_form import (bert_matmul_flops, bert_plan_comm_bytes, llama_matmul_flops,
-                                       llama_plan_comm_bytes, plan_comm_bytes, ring_bytes)
+from galaxy.distributed.comm_bytes import plan_comm_bytes, ring_bytes
+from galaxy.models.bert import bert_matmul_flops, bert_plan_comm_bytes
+from galaxy.models.llama import llama_matmul_flops, llama_plan_comm_bytes
 from galaxy.profiler.comm import CommRecorder
 from galaxy.profiler.profile import loss_of, profile_model
 from galaxy.profiler.report import ModuleStats, ProfileReport, SubBlockStats, Totals

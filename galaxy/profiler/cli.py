@@ -7,7 +7,7 @@ galaxy.launch.main parses the arguments (its own and this script's, see add_argu
 the config, starts the process group and owns the exit codes, as for every entry script. The batch is
 synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend on token values.
 Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
-and communication; --json writes the report (schema: README.md, section Profiling).
+and communication; --json writes the report (schema: docs/profiling.md).
 
 dp_deg > 1: every data-parallel replica profiles its batch_size / dp_deg rows on its Galaxy group's
 model; the figures are those of replica 0's ranks. The gradient reduction over the replicas (DDP's
@@ -27,10 +27,9 @@ import torch.distributed as dist
 from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
 from galaxy.launch import main as launch_main
-from galaxy.models.closed_form import human_check
 from galaxy.models.registry import FAMILIES, family_of
 from galaxy.profiler.profile import profile_model
-from galaxy.profiler.table import comm_table, human, module_table, sub_block_table, summary
+from galaxy.profiler.table import comm_table, human, human_check, module_table, sub_block_table, summary
 
 SCRIPT = "profile_flops.py"
 
@@ -125,7 +124,6 @@ def closed_form_comm(job: ProfileJob, plan) -> dict:
 
 def run(job: ProfileJob, env) -> None:
     from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.runners import set_overlap
     from galaxy.parallel.grad_sync import GradientSync
     from galaxy.runtime.runners import plan_and_mesh
     cfg, opts = job.cfg, job.opts
@@ -133,7 +131,6 @@ def run(job: ProfileJob, env) -> None:
     plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout)
-    set_overlap(model, plan.comm_chunks, plan.kv_blocks)
     rows = cfg.batch_size // plan.dp
     batch = synthetic_batch(job.task_kind, rows, cfg.pad_size, job.hf.vocab_size, job.num_labels, cfg.seed,
                             env.device)

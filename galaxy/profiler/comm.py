@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from galaxy.distributed import collectives
-from galaxy.models.closed_form import ring_bytes
+from galaxy.distributed.comm_bytes import ring_bytes
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 

@@ -15,6 +15,13 @@ def human(n: float, unit: str = "", base: int = 1000) -> str:
     return f"{x:.0f} {p}{unit}".rstrip() if i == 0 else f"{x:.2f} {p}{unit}"
 
 
+def human_check(measured: int, expected: int) -> str:
+    """'exact' or the relative difference from the closed form, for printing."""
+    if measured == expected:
+        return "exact"
+    return f"{(measured - expected) / max(expected, 1):+.2%}" if expected else "n/a"
+
+
 def seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 

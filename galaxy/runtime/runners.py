@@ -20,16 +20,6 @@ def plan_and_mesh(cfg, world: int, shape: dict):
     return plan, make_mesh(plan, timeout=timedelta(seconds=cfg.timeout_s))
 
 
-def set_overlap(model, comm_chunks: int = 1, kv_blocks: bool = False) -> None:
-    """How every layer overlaps its communication with compute (the plan's options of these names):
-    a TP ATT's and MLP's transitions travel in `comm_chunks` chunks of the sequence (1: one
-    collective per transition, galaxy.layers.block); with `kv_blocks` an SP ATT attends to its own
-    keys while the K/V all-gather travels (galaxy.layers.attention.attention_while_gathering)."""
-    for layer in model.layers:
-        layer.comm_chunks = comm_chunks
-        layer.att.kv_blocks = kv_blocks
-
-
 def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = None, seed: int = 0,
                  device="cpu", dropout: float | None = None, autocast=nullcontext, adapt=None,
                  task: str | None = None):
@@ -46,7 +36,6 @@ def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = 
         stage = (plan.stage_layers()[mesh.pp_rank], mesh.is_first_stage, mesh.is_last_stage)
     model = build_model(model_path, plan, mesh.galaxy, num_labels=num_labels, seed=seed, device=device,
                         dropout=dropout, stage=stage, task=task)
-    set_overlap(model, plan.comm_chunks, plan.kv_blocks)
     if adapt is not None:
         adapt(model)
     if plan.pp > 1:

@@ -30,6 +30,7 @@ from galaxy.models.attached import written_names
 from galaxy.parallel.full_state import gather_param
 from galaxy.parallel.sharded_dp import full as dp_full, like
 from galaxy.pipeline.stage_state import in_writer_replica, stage_owns, stages_to_writer, tied_sources
+from galaxy.train.optim import STEP_FLAGS
 
 
 def _named_groups(model, optimizer):
@@ -104,7 +105,11 @@ def load_optimizer_state(model, optimizer, tensors: dict[str, torch.Tensor], gro
                 entry[state_key] = full.clone()
             ids.append(len(state))
             state[len(state)] = entry
-        param_groups.append({**saved, "params": ids})
+        # Which step runs (fused, foreach) was chosen for this run's parameters (galaxy.train.optim):
+        # a checkpoint from another layout carries its own choice, e.g. fused SGD, which FSDP's
+        # DTensors do not support.
+        step = {k: current[k] for k in STEP_FLAGS if k in current}
+        param_groups.append({**saved, **step, "params": ids})
     if by_param:
         raise ValueError(f"checkpoint has optimizer state for parameters the model lacks: "
                          f"{sorted(by_param)[:3]}")

@@ -12,8 +12,9 @@ included for the first command). The ranks of a distributed command run as drive
 given the same list in the same order, so they meet at each command's rendezvous.
 
 --serve: read one JSON request a line from stdin, {"argv": [SCRIPT, ARGS...], "stdout": PATH,
-"stderr": PATH}; run it with file descriptors 1 and 2 sent to those files (so that what C code
-and child threads print is caught too), then answer "@@ end CODE" on the driver's own stdout.
+"stderr": PATH, "without": [MODULE, ...] (optional)}; run it with file descriptors 1 and 2 sent to
+those files (so that what C code and child threads print is caught too) and the modules named in
+"without" unimportable (as if not installed), then answer "@@ end CODE" on the driver's own stdout.
 tests/support/script_runner.py keeps such drivers for the test session.
 """
 import json
@@ -47,6 +48,20 @@ def run_argv(argv: list[str], root: str) -> int:
     return 0
 
 
+def run_without(argv: list[str], root: str, modules: list[str]) -> int:
+    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError."""
+    hidden = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(dict.fromkeys(modules))
+    try:
+        return run_argv(argv, root)
+    finally:
+        for name, module in hidden.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
+
+
 def serve(root: str) -> None:
     reply = os.fdopen(os.dup(1), "w")
     saved = os.dup(1), os.dup(2)
@@ -56,7 +71,7 @@ def serve(root: str) -> None:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
             try:
-                code = run_argv(request["argv"], root)
+                code = run_without(request["argv"], root, request.get("without", []))
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()

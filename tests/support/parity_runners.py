@@ -8,11 +8,11 @@ for them). A plain Galaxy plan is the mesh pp 1 x dp 1.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from support.parity import HF_LOADERS, rel_err, worst_param_error
-
-from dataclasses import replace
 
 from galaxy.distributed.mesh import make_mesh
 from galaxy.models.shape import read_model_shape
@@ -20,10 +20,11 @@ from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.parallel.sharded_dp import local
 from galaxy.plan import Plan, even_split
 from galaxy.runtime.runners import build_runner
+from galaxy.train.optim import OPTIMIZERS, build_optimizer
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": None, "activation_checkpointing": "none", "task": None,
-            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False}
+            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None}
 # SGD's learning rate when a test names none: the largest at which the family's test model trains
 # 5 steps without amplifying rounding. At 0.5 the tiny causal LMs' loss climbs (4.91 -> 5.28 on the
 # tied tiny Llama), and HF's own model, its gradients perturbed by 1e-7 relative, ends 8.7e-6 away
@@ -70,8 +71,19 @@ def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
                    comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
 
 
+def optimizers(o: dict, params, ref_params) -> tuple:
+    """(galaxy's, the reference's) optimizer. o["optimizer"] None: plain SGD on both sides; "sgd" or
+    "adamw": galaxy's as training builds it (galaxy.train.optim: the fastest step torch supports
+    for these parameters) against torch's one-tensor-at-a-time loop on the reference."""
+    params, ref_params = [p for p in params if p.requires_grad], [p for p in ref_params if p.requires_grad]
+    if o["optimizer"] is None:
+        return torch.optim.SGD(params, lr=o["lr"]), torch.optim.SGD(ref_params, lr=o["lr"])
+    return (build_optimizer(o["optimizer"], params, o["lr"]),
+            OPTIMIZERS[o["optimizer"]](ref_params, lr=o["lr"], weight_decay=0.0, foreach=False))
+
+
 def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_step0=None) -> dict:
-    """o["steps"] SGD steps of galaxy's runner and of `reference` (a (forward, parameters) pair,
+    """o["steps"] optimizer steps (optimizers(o)) of galaxy's runner and of `reference` (a (forward, parameters) pair,
     forward: whole batch -> (logits, loss)) on the same batches; only parameters that require a
     gradient train on either side.
 
@@ -90,8 +102,7 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
     mesh = make_mesh(plan)
     runner = build_runner(model_dir, plan, mesh, num_labels=3, task=o["task"], adapt=o["adapt"])
     forward, ref_params = reference
-    opt = torch.optim.SGD([p for p in runner.parameters() if p.requires_grad], lr=o["lr"])
-    ref_opt = torch.optim.SGD([p for p in ref_params if p.requires_grad], lr=o["lr"])
+    opt, ref_opt = optimizers(o, runner.parameters(), ref_params)
     stage = runner.model.attached.stage
     report = {"loss": [], "stage": list(stage.layers if stage else []), "runner": runner, "mesh": mesh}
     for step in range(o["steps"]):

@@ -5,7 +5,8 @@ and dying peers). `run_script`, for runs that must succeed, gives each rank's co
 long-lived command driver instead (tests/support/command_driver.py --serve; one per rank, kept for the
 session): the script runs as `python SCRIPT ARGS` would, without paying for importing torch and
 transformers again (about 5 s of CPU per process on this 2-core machine). A driver whose script
-failed is replaced, so no state of a broken run reaches the next test.
+failed is replaced, so no state of a broken run reaches the next test. `run_scripts` runs many
+jobs and reports how each exited (the combination test, whose jobs may be refused).
 """
 import atexit
 import json
@@ -48,9 +49,9 @@ class _Driver:
                                       "--serve"], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
-    def submit(self, argv: list[str]) -> None:
+    def submit(self, argv: list[str], without: tuple = ()) -> None:
         self.out, self.err = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
-        request = {"argv": argv, "stdout": self.out, "stderr": self.err}
+        request = {"argv": argv, "stdout": self.out, "stderr": self.err, "without": list(without)}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
 
@@ -64,6 +65,9 @@ class _Driver:
             code = int(line.split()[2]) if line.startswith("@@ end ") else self.proc.wait()   # "": it exited
         read = lambda path: open(path).read() if os.path.exists(path) else ""   # noqa: E731
         return code, read(self.out), read(self.err)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -80,19 +84,45 @@ def _close_drivers():
         d.close()
 
 
+def run_scripts(jobs: list[tuple], timeout: float = 240, without: tuple = ()) -> list[list[tuple]]:
+    """Each job (script, config, world, *extra) run on the drivers; for each job, every rank's
+    (exit status, stdout, stderr), the status None for a rank that did not finish in time.
+    without: modules the scripts must find unimportable (command_driver.py's "without").
+
+    Consecutive jobs that fit the drivers together (two serial runs on two drivers) run at the
+    same time; jobs never share a driver. The drivers of a job that failed are replaced, so no
+    state of a broken run reaches the next one; a refusal (exit 2, raised before any process
+    group or model exists) leaves nothing behind, and its drivers, if still alive, are kept."""
+    width = max(job[2] for job in jobs)
+    while len(_drivers) < width:
+        _drivers.append(_Driver())
+    results, start = [], 0
+    while start < len(jobs):
+        end, used = start, 0
+        while end < len(jobs) and used + jobs[end][2] <= width:
+            used, end = used + jobs[end][2], end + 1
+        placed, first = [], 0
+        for script, config, world, *extra in jobs[start:end]:
+            port = free_port()
+            for r in range(world):
+                _drivers[first + r].submit(_argv(script, config, world, r, port, extra), without)
+            placed.append(range(first, first + world))
+            first += world
+        deadline = time.monotonic() + timeout
+        for drivers in placed:
+            outcome = [_drivers[d].result(deadline) for d in drivers]
+            if any(code not in (0, 2) for code, _, _ in outcome) or not all(_drivers[d].alive() for d in drivers):
+                for d in drivers:
+                    _drivers[d].close()
+                    _drivers[d] = _Driver()
+            results.append(outcome)
+        start = end
+    return results
+
+
 def run_script(script, config: str, world: int, *extra: str, timeout: float = 240) -> list[str]:
     """Every rank's stdout; fails the test (showing its stderr) unless every rank exits 0."""
-    while len(_drivers) < world:
-        _drivers.append(_Driver())
-    port = free_port()
-    for r in range(world):
-        _drivers[r].submit(_argv(script, config, world, r, port, extra))
-    deadline = time.monotonic() + timeout
-    results = [_drivers[r].result(deadline) for r in range(world)]
-    if any(code != 0 for code, _, _ in results):    # replace every driver of a failed run
-        for r in range(world):
-            _drivers[r].close()
-            _drivers[r] = _Driver()
+    results = run_scripts([(script, config, world, *extra)], timeout)[0]
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{out}\n{err}"
     return [out for _, out, _ in results]

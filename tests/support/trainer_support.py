@@ -25,7 +25,7 @@ def make_workspace(root, n_train: int = 64, n_held_out: int = 12, **model) -> di
 
     model: BertConfig overrides (e.g. num_hidden_layers=4 for uneven pipeline stages)."""
     from galaxy.data import pydoc_topics_dataset
-    from galaxy.models.packaged_minilm import packaged_minilm_dir
+    from galaxy.assets.packaged_minilm import packaged_minilm_dir
     root = str(root)
     model_dir = os.path.join(root, "model")
     make_tiny_bert(model_dir, **{"vocab_size": 30522, **model, "num_labels": len(CLASSES)})

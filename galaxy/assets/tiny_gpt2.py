@@ -1,8 +1,8 @@
 """Write a tiny GPT-2 checkpoint with a BPE tokenizer trained on Python's own documentation.
 
-    python -m galaxy.models.tiny_gpt2 models/tiny-gpt2 [--vocab_size 2048] [--seed 0]
+    python -m galaxy.assets.tiny_gpt2 models/tiny-gpt2 [--vocab_size 2048] [--seed 0]
 
-Offline stand-in for a real GPT-2 (no hub download): the tokenizer is galaxy.models.tiny_llama's
+Offline stand-in for a real GPT-2 (no hub download): the tokenizer is galaxy.assets.tiny_llama's
 byte-level BPE (train_bpe) with GPT-2's one special token, <|endoftext|> (id 0: BOS, EOS and, as
 for GPT-2, no pad token: galaxy pads with EOS), and no BOS added; the model is a randomly
 initialised GPT2LMHeadModel (4 heads, tied LM head, GPT-2's dropouts) saved as safetensors. Both
@@ -10,7 +10,7 @@ load with transformers' from_pretrained.
 """
 from __future__ import annotations
 
-from galaxy.models.tiny_llama import main, train_bpe, write_tiny_model
+from galaxy.assets.tiny_llama import main, train_bpe, write_tiny_model
 
 EOT = "<|endoftext|>"
 # tiny_llama's TINY_SHAPE under GPT-2's names (n_inner None: 4 x n_embd; no grouped K/V).

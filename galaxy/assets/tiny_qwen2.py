@@ -1,6 +1,6 @@
-"""Write a tiny Qwen2 checkpoint with the BPE tokenizer of galaxy.models.tiny_llama.
+"""Write a tiny Qwen2 checkpoint with the BPE tokenizer of galaxy.assets.tiny_llama.
 
-    python -m galaxy.models.tiny_qwen2 models/tiny-qwen2 [--vocab_size 2048] [--seed 0]
+    python -m galaxy.assets.tiny_qwen2 models/tiny-qwen2 [--vocab_size 2048] [--seed 0]
 
 Offline stand-in for a real Qwen2 (no hub download): tiny_llama's tokenizer and shape (4 query
 heads sharing 2 K/V heads) as a randomly initialised Qwen2ForCausalLM with tied embeddings (as
@@ -9,7 +9,7 @@ std 0.1) so that they change the outputs, as a trained Qwen2's do.
 """
 from __future__ import annotations
 
-from galaxy.models.tiny_llama import main, write_tiny_model
+from galaxy.assets.tiny_llama import main, write_tiny_model
 
 
 def _tiny_qwen2(**keys):

