@@ -7,7 +7,8 @@ serial    one process: a LoRA training step (zero_grad, forward with the loss, b
           peft adapter directory (random non-zero A and B, and the classifier), so the weights are
           the same; same targets, rank, batch, dropout (0: the loss check is exact), threads.
           Steps alternate between the two (galaxy, peft, peft, galaxy, ...). Target: galaxy / peft
-          of the medians <= 1.0.
+          of the medians <= 1.0. Also counted, load-independent: each side's GEMM calls and GFLOPs
+          per forward and backward (torch.profiler).
 galaxy2   world 2 under the Galaxy preset (even shares, pinned with --pin): pretrain_galaxy.py on
           all-MiniLM-L6-v2 with use_lora, and with full fine-tuning, same plan, batch and data;
           --rounds runs each, alternating; each run's median step after the first, the least
@@ -103,6 +104,21 @@ def batch_for(family: str, path: str, rows: int, pad: int) -> dict:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def step_work(model, loss_fn, batch) -> dict:
+    """What one forward and backward asks of the CPU, counted by torch.profiler (the same on a busy
+    machine as on a quiet one): GEMM calls and their GFLOPs. Equal counts mean a time gap is the
+    kernels' or the machine's, not extra work (weight gradients of frozen weights would add GEMMs)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        loss_fn(model, batch).backward()
+    events = [e for e in prof.key_averages() if e.key in GEMMS]
+    model.zero_grad(set_to_none=True)
+    return {"gemm_calls": sum(e.count for e in events), "gemm_gflops": sum(e.flops for e in events) / 1e9}
+
+
 def serial_pair(family: str, path: str, args, out: Path) -> dict:
     """Interleaved LoRA steps of galaxy and peft on one model: medians, mins, ratios, the loss check."""
     from step_time_vs_hf import step
@@ -117,6 +133,9 @@ def serial_pair(family: str, path: str, args, out: Path) -> dict:
     fns = {"galaxy": (ours, lambda m, b: m(**b)[1]), "peft": (theirs, lambda m, b: m(**b).loss)}
     with torch.no_grad():
         losses = {k: fn(m, batch).item() for k, (m, fn) in fns.items()}
+    if abs(losses["galaxy"] - losses["peft"]) > 1e-5 * abs(losses["peft"]):   # not the same computation
+        raise SystemExit(f"{family}: galaxy's loss {losses['galaxy']} differs from peft's {losses['peft']}")
+    work = {k: step_work(m, fn, batch) for k, (m, fn) in fns.items()}
     opts = {k: build_optimizer("adamw", m.parameters(), lr=1e-5) for k, (m, _) in fns.items()}
     trainable = {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, (m, _) in fns.items()}
     for _ in range(args.warmup):
@@ -127,7 +146,7 @@ def serial_pair(family: str, path: str, args, out: Path) -> dict:
         for k in (("galaxy", "peft") if i % 2 == 0 else ("peft", "galaxy")):
             times[k].append(step(*fns[k], opts[k], batch))
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"model": path, "targets": list(targets), "trainable": trainable, "loss": losses,
+    return {"model": path, "targets": list(targets), "trainable": trainable, "loss": losses, "work": work,
             "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
             "ratio": med["galaxy"] / med["peft"],
             "paired_ratio": statistics.median(g / p for g, p in zip(times["galaxy"], times["peft"])),
@@ -176,7 +195,9 @@ def main() -> None:
             r = results[f"serial_{family}"] = serial_pair(family, path, args, out)
             print(f"serial {family} ({Path(path).name}, LoRA r {args.lora_dim} on {', '.join(r['targets'])}, "
                   f"{r['trainable']['galaxy']:,} / {r['trainable']['peft']:,} trainable, threads {args.threads}): "
-                  f"loss {r['loss']['galaxy']:.6f} / {r['loss']['peft']:.6f}; median step galaxy "
+                  f"loss {r['loss']['galaxy']:.7f} / {r['loss']['peft']:.7f}; GEMMs per forward+backward "
+                  + " / ".join(f"{w['gemm_calls']} ({w['gemm_gflops']:.2f} GFLOP)" for w in r["work"].values())
+                  + "; median step galaxy "
                   f"{r['median_s']['galaxy'] * 1e3:.1f} ms, peft {r['median_s']['peft'] * 1e3:.1f} ms: "
                   f"{r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x, target <= {SERIAL_TARGET})", flush=True)
     if "galaxy2" in args.parts:
