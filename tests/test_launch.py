@@ -180,16 +180,19 @@ def test_ranks_with_different_world_sizes_stop_at_once(config):
     assert time.monotonic() - t0 < 10 + STARTUP_S
 
 
-def test_a_second_job_on_a_busy_port_stops_at_once_and_the_first_goes_on(config):
+def test_a_second_job_on_a_busy_port_stops_at_once_and_the_first_goes_on(config, tmp_path):
     cfg, port = config(timeout_s=10), free_port()
-    url = f"tcp://127.0.0.1:{port}"
+    url, release = f"tcp://127.0.0.1:{port}", tmp_path / "release"
     first = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url],
-                   LAUNCH_TARGET_SLEEP="8") for r in range(2)]
-    time.sleep(5)         # the first job is past its rendezvous (started, importing and joining take ~3 s)
+                   LAUNCH_TARGET_HOLD=str(release)) for r in range(2)]
+    assert first[0].stdout.readline() == "rank 0 joined\n"   # past its rendezvous, holding the port
     t0 = time.monotonic()
     second = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url])
               for r in range(2)]
-    results = [finish(proc, timeout=40) for proc in second]
+    try:
+        results = [finish(proc, timeout=40) for proc in second]
+    finally:
+        release.touch()
     assert time.monotonic() - t0 < 10 + STARTUP_S
     (code0, _, err0), (code1, _, err1) = results
     assert code0 == 1 and lines_of(err0) == [

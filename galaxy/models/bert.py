@@ -12,10 +12,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from galaxy.distributed.comm_bytes import plan_comm_bytes, sum_param_units
 from galaxy.distributed.transitions import Layout, Transition
+from galaxy.layers.activation import activation
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
@@ -47,7 +47,7 @@ def bert_layer(cfg) -> TransformerBlock:
     att = SelfAttention(h, cfg.num_attention_heads, qkv=("query", "key", "value"), out="out",
                         dropout_p=cfg.attention_probs_dropout_prob)   # the [b, 1, 1, S] mask: no query rows
     con1 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_eps), cfg.hidden_dropout_prob, post_norm=True)
-    mlp = FeedForward(h, cfg.intermediate_size, ACT2FN[cfg.hidden_act], names=("up", "down"))
+    mlp = FeedForward(h, cfg.intermediate_size, activation(cfg.hidden_act), names=("up", "down"))
     con2 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_eps), cfg.hidden_dropout_prob, post_norm=True)
     return TransformerBlock(att, con1, mlp, con2)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import LazyCheckpoint
@@ -16,6 +15,8 @@ class CheckpointError(ValueError):
 
 
 def load_hf_config(model_path: str, dropout: float | None = None):
+    # Imported here: a job that stops at the config checks never pays transformers' import.
+    from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(model_path)
     if dropout is not None:
         # Every family's dropout probabilities (BERT, Llama, GPT-2's embd/attn/resid_pdrop).

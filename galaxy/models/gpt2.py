@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Transition
+from galaxy.layers.activation import activation
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
@@ -65,7 +65,7 @@ def gpt2_layer(cfg, layer_idx: int) -> TransformerBlock:
     att = SelfAttention(h, cfg.num_attention_heads, qkv=("c_attn",), out="c_proj", dropout_p=cfg.attn_pdrop,
                         scale=scale, query_dims={"mask": 2})
     con1 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_epsilon), cfg.resid_pdrop)
-    mlp = FeedForward(h, inner_size(cfg), ACT2FN[cfg.activation_function], names=("c_fc", "c_proj"))
+    mlp = FeedForward(h, inner_size(cfg), activation(cfg.activation_function), names=("c_fc", "c_proj"))
     con2 = Connector(nn.LayerNorm(h, eps=cfg.layer_norm_epsilon), cfg.resid_pdrop)
     return TransformerBlock(att, con1, mlp, con2)
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from galaxy.distributed.comm_bytes import sum_param_units
 from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
+from galaxy.layers.activation import activation
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
@@ -66,7 +65,7 @@ def llama_layer(cfg, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> Transfor
                         qkv_bias=qkv_bias, out_bias=out_bias, dropout_p=cfg.attention_dropout, positions=rotary,
                         query_dims={"mask": 2, "cos": 1, "sin": 1})
     con1 = Connector(RMSNorm(h, cfg.rms_norm_eps))
-    mlp = FeedForward(h, cfg.intermediate_size, ACT2FN[cfg.hidden_act], names=("gate_proj", "up_proj", "down_proj"),
+    mlp = FeedForward(h, cfg.intermediate_size, activation(cfg.hidden_act), names=("gate_proj", "up_proj", "down_proj"),
                       bias=mlp_bias)
     con2 = Connector(RMSNorm(h, cfg.rms_norm_eps))
     return TransformerBlock(att, con1, mlp, con2)
@@ -93,7 +92,10 @@ class LlamaBackbone(GalaxyModel):
 
     def materialize(self) -> None:
         """(Re)create what is not a checkpoint tensor: rotary tables, weight tying."""
-        self.rotary = LlamaRotaryEmbedding(self.config)   # handles every rope_type of the config
+        # transformers' rotary tables handle every rope_type of the config; imported here, as the
+        # model is built, so that importing the family costs no transformers modeling import.
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        self.rotary = LlamaRotaryEmbedding(self.config)
         # A pipeline stage may hold one end only (galaxy.pipeline.stage.keep_stage): nothing to tie.
         if self.config.tie_word_embeddings and hasattr(self, "embed_tokens") and hasattr(self, "lm_head"):
             self.lm_head.weight = self.embed_tokens.weight

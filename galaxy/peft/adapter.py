@@ -11,8 +11,8 @@ rule "sum"), on the full sequence under CON None and serially (rule "replicated"
 from __future__ import annotations
 
 from torch import nn
-from transformers.activations import ACT2FN
 
+from galaxy.layers.activation import activation
 from galaxy.peft.seeding import init_linear, named_generator
 
 
@@ -20,12 +20,9 @@ class BottleneckAdapter(nn.Module):
     def __init__(self, hidden: int, bottleneck: int, non_linearity: str, std: float,
                  seed: int, name: str, device=None):
         super().__init__()
-        if non_linearity not in ACT2FN:
-            raise ValueError(f"non_linearity {non_linearity!r} is unknown; use one of relu, gelu, "
-                             "silu, tanh (any name of transformers' ACT2FN)")
+        self.act = activation(non_linearity, "non_linearity")   # first: an unknown name fails before any weight
         self.down = nn.Linear(hidden, bottleneck, device=device)   # [bottleneck, hidden]
         self.up = nn.Linear(bottleneck, hidden, device=device)     # [hidden, bottleneck], zero
-        self.act = ACT2FN[non_linearity]
         init_linear(self.down, named_generator(seed, f"{name}.down"), std)
         init_linear(self.up, named_generator(seed, f"{name}.up"), 0.0)
 

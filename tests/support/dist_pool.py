@@ -12,6 +12,12 @@ case's mesh; DTensor's sharding cache hands back an earlier, equal DeviceMesh, b
 not enough). But each live gloo group costs an idle worker about 0.1% of a core (its socket loop
 wakes on its own; measured: 300 groups, 32% of a core per worker), and every later test pays for
 it. So a pool whose workers hold more than GROUP_LIMIT groups starts afresh after the case.
+
+Workers are forked from one forkserver that has imported torch, transformers' model classes,
+galaxy and the test runners once (PRELOAD): a spawned worker spent seconds importing them, and
+every pool size and every fresh start paid that again (about 30 restarts a suite). The forkserver
+runs no collective and starts no thread pool before it forks, so a worker starts as a spawned one
+would, less the imports.
 """
 from __future__ import annotations
 
@@ -25,6 +31,10 @@ import traceback
 import torch.multiprocessing as mp
 
 GROUP_LIMIT = 48
+PRELOAD = ["torch", "torch.distributed", "transformers", "peft",
+           "transformers.models.bert.modeling_bert", "transformers.models.llama.modeling_llama",
+           "transformers.models.qwen2.modeling_qwen2", "transformers.models.gpt2.modeling_gpt2",
+           "galaxy.runtime.assemble", "support.parity_runners", "support.peft_runners"]
 
 
 def free_port() -> int:
@@ -83,7 +93,8 @@ class DistPool:
         self._start()
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)     # read when the forkserver starts: once a session
         port = free_port()
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()

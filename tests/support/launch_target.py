@@ -2,8 +2,10 @@
 
 LAUNCH_TARGET_DIE_RANK=<r> makes rank r exit abruptly between its two collectives, to
 stand in for a peer that crashes or is killed mid-training. LAUNCH_TARGET_BAR=1 shows a progress
-bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_SLEEP=<s> keeps every rank
-busy for s seconds after the rendezvous, to stand in for a job that is running. Each rank prints
+bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_HOLD=<file> keeps every
+rank after the rendezvous until that file exists, to stand in for a job that is running (each
+rank prints "rank R joined" once past the rendezvous, so a test acts while the job surely holds
+its port). Each rank prints
 how it waits for collectives (config key comm_wait, galaxy.distributed.waiting) and whether memory
 it frees stays mapped (config key cpu_allocator, galaxy.runtime.cpu_allocator).
 """
@@ -37,7 +39,11 @@ def train(cfg, env):
     t = torch.full((1,), float(env.rank + 1))
     dist.all_reduce(t)
     assert t.item() == env.world * (env.world + 1) / 2, t
-    time.sleep(float(os.environ.get("LAUNCH_TARGET_SLEEP", 0)))
+    print(f"rank {env.rank} joined", flush=True)
+    hold = os.environ.get("LAUNCH_TARGET_HOLD")
+    deadline = time.monotonic() + 120         # a test that died without releasing: do not linger
+    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if os.environ.get("LAUNCH_TARGET_DIE_RANK") == str(env.rank):
         os._exit(9)
     dist.all_reduce(t)
