@@ -15,12 +15,17 @@ runs' "done" events. Both are set against galaxy.planner.cost's prediction from 
   combinations, pp 2 (even stages, 2 micro-batches; uneven stages, 4), dp 2, dp 2 with 2
   accumulation steps, Galaxy with every layer recomputed
 
+With --peft METHOD (lora, adapter, side, side_only) the base config trains that method (LoRA:
+--lora_dim, the family's targets), the profiles measure it too, and the predictions are the cost
+model's for it; under side-tuning the recomputed plan is left out (recomputation does nothing
+where no backward runs through the backbone).
+
 Prints the table, the Spearman rank correlation of predicted vs measured step time, the median
 absolute error of step time and of peak memory (every rank), writes JSON and a predicted-vs-measured
 chart.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_accuracy.py [--pin] [--steps 6] [--rounds 3]
-        [--pad_size 64] [--batch_size 8] [--only N] [--out runs/bench/plan_accuracy]
+        [--pad_size 64] [--batch_size 8] [--only N] [--peft lora] [--out runs/bench/plan_accuracy]
 """
 from __future__ import annotations
 
@@ -35,9 +40,28 @@ from planning_runs import ROOT, profile, spearman, train, write_base
 
 sys.path.insert(0, str(ROOT))
 
+from galaxy.config import load_config  # noqa: E402
+from galaxy.models.registry import family_of  # noqa: E402
 from galaxy.plan import Plan  # noqa: E402
 from galaxy.planner.cost import CostModel  # noqa: E402
+from galaxy.planner.method import config_signature  # noqa: E402
+from galaxy.planner.model_profile import check_method  # noqa: E402
 from galaxy.planner.profiles import load_devices, read_json  # noqa: E402
+
+PEFT_FLAGS = {"lora": "use_lora", "adapter": "use_adapter", "side": "use_side", "side_only": "use_side_only"}
+
+
+def method_keys(method: str | None, lora_dim: int) -> dict:
+    """The base config's keys for a PEFT method (none: full fine-tuning)."""
+    if method is None:
+        return {}
+    return {PEFT_FLAGS[method]: True, **({"lora_dim": lora_dim, "lora_alpha": 2 * lora_dim} if method == "lora" else {})}
+
+
+def method_of(base: str, model: dict) -> dict | None:
+    """The signature of the base config's method (None: full), checked against the model profile."""
+    signature = config_signature(load_config(base), family_of(model["model_type"]))
+    return signature if check_method(model, signature, "model.json") else None
 
 
 def plans(pad: int) -> list[tuple[str, int, Plan]]:
@@ -108,19 +132,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
     p.add_argument("--statistic", choices=("median", "min"), default="median",
                    help="of profile rounds and of measured steps alike: min on a machine shared with other work")
-    p.add_argument("--out", default="runs/bench/plan_accuracy")
+    p.add_argument("--peft", choices=sorted(PEFT_FLAGS), help="train and cost this PEFT method (default: full)")
+    p.add_argument("--lora_dim", type=int, default=8)
+    p.add_argument("--out", help="default: runs/bench/plan_accuracy[_METHOD]")
     args = p.parse_args()
-    out = ROOT / args.out
+    out = ROOT / (args.out or "runs/bench/plan_accuracy" + (f"_{args.peft}" if args.peft else ""))
     cores = [0, 1] if args.pin else [None, None]
-    base = write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps)
+    base = write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps,
+                      **method_keys(args.peft, args.lora_dim))
     t0 = time.time()
     model_path, devices_path = profile(out, base, 2, cores, args.repeats, args.statistic)
     print(f"profiles taken in {time.time() - t0:.0f} s", flush=True)
     model = read_json(model_path)
     devices, link = load_devices(devices_path)
-    cost = {1: CostModel(model, devices[:1], None, batch_size=args.batch_size),
-            2: CostModel(model, devices, link, batch_size=args.batch_size)}
-    chosen = plans(args.pad_size)[: args.only]
+    method = method_of(base, model)
+    cost = {1: CostModel(model, devices[:1], None, batch_size=args.batch_size, method=method),
+            2: CostModel(model, devices, link, batch_size=args.batch_size, method=method)}
+    chosen = [c for c in plans(args.pad_size) if not (args.peft in ("side", "side_only") and c[2].recomputed)]
+    chosen = chosen[: args.only]
     runs: list[list[dict]] = [[] for _ in chosen]
     for r in range(args.rounds):
         order = range(len(chosen)) if r % 2 == 0 else reversed(range(len(chosen)))
@@ -150,7 +179,7 @@ def main() -> None:
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
     time_err = statistics.median(abs(r["predicted_s"] / r["measured_s"] - 1) for r in rows)
     mem_err = [abs(pm / mm - 1) for r in rows for pm, mm in zip(r["predicted_mib"], r["measured_mib"])]
-    print(f"\n{len(rows)} plans: Spearman {rho:.3f} (target >= 0.9); median |step time error| {time_err:.1%} "
+    print(f"\n{args.peft or 'full fine-tuning'}, {len(rows)} plans: Spearman {rho:.3f} (target >= 0.9); median |step time error| {time_err:.1%} "
           f"(target <= 15%); peak memory per rank: median |error| {statistics.median(mem_err):.1%}, "
           f"max {max(mem_err):.1%}, within 10% for {sum(e <= 0.10 for e in mem_err)} of {len(mem_err)} ranks")
     (out / "results.json").write_text(json.dumps({"rows": rows, "spearman": rho, "median_abs_time_error": time_err,

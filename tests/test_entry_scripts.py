@@ -48,15 +48,21 @@ def write_config(job, name, **extra):
 
 
 def hf_losses(job):
-    from transformers import AutoTokenizer, BertForSequenceClassification
-    model = BertForSequenceClassification.from_pretrained(job["model_dir"])
+    from transformers import BertForSequenceClassification
+    return sgd_losses(BertForSequenceClassification.from_pretrained(job["model_dir"]), job)
+
+
+def sgd_losses(model, job, steps=STEPS, batch=BATCH, pad=PAD, lr=LR):
+    """A Hugging Face classifier's losses under SGD over its trainable parameters, on the job's
+    rows in order, tokenized as the entry scripts tokenize them."""
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(job["model_dir"])
     rows = [line.rsplit("\t", 1) for line in open(job["train"]).read().splitlines()]
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     losses = []
-    for step in range(STEPS):
-        chunk = rows[step * BATCH:(step + 1) * BATCH]
-        enc = tok([t for t, _ in chunk], padding="max_length", truncation=True, max_length=PAD, return_tensors="pt")
+    for step in range(steps):
+        chunk = rows[step * batch:(step + 1) * batch]
+        enc = tok([t for t, _ in chunk], padding="max_length", truncation=True, max_length=pad, return_tensors="pt")
         loss = model(**enc, labels=torch.tensor([CLASSES.index(y) for _, y in chunk])).loss
         loss.backward()
         opt.step()

@@ -48,6 +48,12 @@ def wrap_data_parallel(module: nn.Module, dp_pg, device=None) -> nn.Module:
     # Buffers (rotary tables) are constants: no need to re-broadcast them every forward.
     quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_ARGS
              else {"broadcast_buffers": False})
+    # No broadcast of rank 0's parameters at construction: every replica has read the same
+    # checkpoint and drawn its new tensors from the same seed (docs/design.md section 5), so it would
+    # overwrite equal values, through a coalesced copy of every parameter and buffer, frozen ones
+    # included (all-MiniLM-L6-v2: 87 MiB more at the start, the whole run's peak under LoRA).
+    if "init_sync" in _DDP_ARGS:
+        quiet["init_sync"] = False
     # Gradients live in DDP's buckets (views), so backward writes them there directly: no copy into
     # the buckets before the all-reduce and back after it, and no second copy of every gradient
     # (all-MiniLM-L6-v2: 87 MiB per rank, and about 60 ms of copying per CPU step).

@@ -38,6 +38,9 @@ from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
 from galaxy.peft.seeding import init_linear, named_generator
 
 GATE_TEMPERATURE = 0.1    # LST: mu = sigmoid(alpha / T)
+# The model's attributes that hold the side network's ends: the first pipeline stage builds the
+# input, the last the output (add_side).
+SIDE_FIRST, SIDE_LAST = ("side_in",), ("side_out",)
 
 
 class SideAttention(nn.Module):

@@ -4,7 +4,10 @@
     python plan.py profile-model --config_file base.json --out profiles/model.json
     python plan.py search --config_file base.json --devices profiles/devices.json \\
         --model profiles/model.json --memory_mib 4000 2000 --out train_config/bert/planned.json [--png plan.png]
-        [--pp N ...] [--dp N ...]
+        [--pp N ...] [--dp N ...] [--json plans.json]
+
+The search costs the run the base config asks for: its PEFT method (use_lora, use_adapter,
+use_side, use_side_only) with the figures profile-model and profile-devices took for it.
 
 profile-devices runs as training runs (galaxy.launch: one process per rank by hand or torchrun,
 timeout_s, exit codes); with --compose it joins devices profiled alone and a link into one
@@ -17,8 +20,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from types import SimpleNamespace
 
-from galaxy.config import ConfigError, apply_preset, load_config, peft_method, with_plan
+from galaxy.config import ConfigError, apply_preset, load_config, with_plan
 from galaxy.data import load_examples
 from galaxy.data.errors import DataError
 from galaxy.launch import main as launch_main
@@ -29,11 +33,12 @@ from galaxy.planner.cost import CostModel
 from galaxy.planner.device_compute import model_signature, tables_match
 from galaxy.planner.device_profile import run as profile_devices_run
 from galaxy.planner.draw import draw_plan
-from galaxy.planner.model_profile import ModelProfileError, check_model_profile, profile_model
+from galaxy.planner.method import config_signature
+from galaxy.planner.model_profile import ModelProfileError, check_method, check_model_profile, profile_model
 from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
 from galaxy.planner.search import divisors, search
 from galaxy.planner.table import mib, no_fit_line, table
-from galaxy.planner.writer import write_planned_config
+from galaxy.planner.writer import ranked_document, write_planned_config
 
 PROG = "plan.py"
 SCRIPTS = {"classification": "pretrain_galaxy.py", "causal_lm": "finetune_llama.py"}
@@ -165,6 +170,9 @@ def _search_parser() -> argparse.ArgumentParser:
                    help="memory budget per rank (one value: every rank; default: each device's memory_mib)")
     p.add_argument("--out", required=True, metavar="PATH", help="the train config to write")
     p.add_argument("--png", metavar="PATH", help="also draw the chosen plan")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the ranked plans, best first ({\"plans\": [{\"keys\", \"predicted_step_s\", "
+                        "...}]}; when none fits, each rank's shortfall_mib)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--pp", type=int, nargs="+", metavar="N",
                    help="search only these pipeline degrees (default: every divisor of the world)")
@@ -203,58 +211,89 @@ def _check_model_matches(model: dict, shape: dict, cfg, where: str) -> None:
                           f"{cfg.pad_size}; run plan.py profile-model on this config")
 
 
+def _budgets(args, devices, link) -> list[float]:
+    world = len(devices)
+    budgets = args.memory_mib or [d["memory_mib"] for d in devices]
+    if len(budgets) == 1:
+        budgets = budgets * world
+    if len(budgets) != world:
+        raise ConfigError(f"--memory_mib gives {len(budgets)} budgets for {world} devices; give one per rank "
+                          f"or one for all")
+    if world > 1 and link is None:
+        raise ProfileError("several devices but no link; give --link")
+    if args.top < 1:
+        raise ConfigError("--top must be at least 1")
+    return budgets
+
+
+def _notes(model: dict, devices: list[dict], method: dict | None) -> list[str]:
+    """What the search could not time as measured: compute tables of another model, or none for
+    the config's PEFT method (the full fine-tuning table stands in)."""
+    notes, signature = [], model_signature(model)
+    for r, d in enumerate(devices):
+        if d.get("compute") and not tables_match(d, signature):
+            notes.append(f"note: rank {r}'s compute table was measured for another model or pad_size; "
+                         f"timing it by its GEMM rate")
+        elif method and (d.get("compute") or {}).get("peft", {}).get("signature") != method["signature"]:
+            notes.append(f"note: rank {r}'s device profile has no table for {method['description']}; "
+                         f"timing it by the full fine-tuning table (weight gradients counted: an upper bound); "
+                         f"run plan.py profile-devices on this config")
+    return notes
+
+
+def _search_inputs(args) -> SimpleNamespace:
+    """The config, profiles and cost model of a search (ConfigError, ProfileError, ...)."""
+    cfg = apply_preset(load_config(args.config_file), "galaxy")
+    shape = read_model_shape(cfg.model_path)
+    model = check_model_profile(read_json(args.model), args.model)
+    _check_model_matches(model, shape, cfg, args.model)
+    signature = config_signature(cfg, family_of(shape["model_type"]))
+    method = check_method(model, signature, args.model)
+    clus = compose(args.devices, args.link)
+    devices, link = clus["devices"], clus["link"]
+    budgets = _budgets(args, devices, link)
+    meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
+    cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
+    counts = method or model        # a method's section counts the model it makes, its own parameters too
+    return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, meshes=meshes,
+                           cost=cost, method=method, total=counts["params"]["total"],
+                           trainable=counts["trainable" if method else "params"]["total"],
+                           notes=_notes(model, devices, method))
+
+
 def search_command(argv) -> None:
     args = _search_parser().parse_args(argv)
     try:
-        cfg = apply_preset(load_config(args.config_file), "galaxy")
-        shape = read_model_shape(cfg.model_path)
-        model = check_model_profile(read_json(args.model), args.model)
-        _check_model_matches(model, shape, cfg, args.model)
-        clus = compose(args.devices, args.link)
-        devices, link = clus["devices"], clus["link"]
-        world = len(devices)
-        budgets = args.memory_mib or [d["memory_mib"] for d in devices]
-        if len(budgets) == 1:
-            budgets = budgets * world
-        if len(budgets) != world:
-            raise ConfigError(f"--memory_mib gives {len(budgets)} budgets for {world} devices; give one per rank "
-                              f"or one for all")
-        if world > 1 and link is None:
-            raise ProfileError("several devices but no link; give --link")
-        if args.top < 1:
-            raise ConfigError("--top must be at least 1")
-        notes = []
-        if peft_method(cfg) != "full":
-            notes.append("note: the memory estimate counts every weight as trained (full fine-tuning): an "
-                         "upper bound under " + peft_method(cfg))
-        signature = model_signature(model)
-        for r, d in enumerate(devices):
-            if d.get("compute") and not tables_match(d, signature):
-                notes.append(f"note: rank {r}'s compute table was measured for another model or pad_size; "
-                             f"timing it by its GEMM rate")
-        meshes = meshes_of(args.pp, args.dp, world, shape["num_hidden_layers"])
-        cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
-        result = search(cost, budgets, top=args.top, dp_sharding=DP_SHARDING, meshes=meshes)
+        run = _search_inputs(args)
+        result = search(run.cost, run.budgets, top=args.top, dp_sharding=DP_SHARDING, meshes=run.meshes)
     except (ConfigError, ProfileError, ModelProfileError, DataError, FileNotFoundError) as e:
         fail("search", e)
+    layers = run.shape["num_hidden_layers"]
+    if args.json:
+        write_json(args.json, ranked_document(result, layers, run.trainable))
     if not result.ranked:
-        fail("search", no_fit_line(result, devices))
-    for line in notes:
+        fail("search", no_fit_line(result, run.devices))
+    cfg, world = run.cfg, len(run.devices)
+    for line in run.notes:
         print(line)
+    what = run.method["description"] if run.method else "full fine-tuning"
+    print(f"{what}: {run.trainable:,} of {run.total:,} parameters train (gradients, optimizer state and "
+          f"gradient sync cover only these)")
     print(f"searched {result.tried:,} plans in {result.seconds:.1f} s: world {world}, batch {cfg.batch_size}, "
-          f"pad_size {cfg.pad_size}, {shape['num_hidden_layers']} layers, memory budgets (MiB) "
-          f"{', '.join(mib(b) for b in budgets)}")
+          f"pad_size {cfg.pad_size}, {layers} layers, memory budgets (MiB) "
+          f"{', '.join(mib(b) for b in run.budgets)}")
     print(table(result.ranked))
     best = result.ranked[0]
     try:
-        write_planned_config(args.config_file, best, args.out, shape=shape, budgets=budgets)
+        write_planned_config(args.config_file, best, args.out, shape=run.shape, budgets=run.budgets,
+                             trainable=run.trainable)
     except ConfigError as e:     # a plan the engine refuses is a planner bug: say so, loudly
         fail("search", f"the written config fails galaxy.config's checks (a planner bug): {e}", 1)
-    script = SCRIPTS.get(model["task"], "pretrain_galaxy.py")
-    run = f"python {script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
-    print(f"wrote {args.out}; train it with: {run}")
+    script = SCRIPTS.get(run.model["task"], "pretrain_galaxy.py")
+    command = f"python {script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
+    print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; train it with: {command}")
     if args.png:
-        print(f"plan drawn: {draw_plan(best, model, devices, args.png)}")
+        print(f"plan drawn: {draw_plan(best, run.model, run.devices, args.png)}")
 
 
 def main(argv=None) -> None:

@@ -46,7 +46,9 @@ class CommForms:
         return out
 
 
-def p2p_bytes(pp: int, first: bool, last: bool, carry_bytes: float) -> float:
+def p2p_bytes(pp: int, first: bool, last: bool, carry_bytes: float, grad_bytes: float | None = None) -> float:
+    """A stage's sends per micro-batch: its carry to the next stage, the carry's gradient to the
+    previous one (grad_bytes; default: as many as the carry)."""
     if pp == 1:
         return 0.0
-    return ((0 if last else 1) + (0 if first else 1)) * carry_bytes
+    return (0 if last else carry_bytes) + (0 if first else (carry_bytes if grad_bytes is None else grad_bytes))

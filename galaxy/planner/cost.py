@@ -17,10 +17,20 @@ the all-reduce of a weight tied across the pipeline's ends, the optimizer step o
 parameters and, with m micro-batches, m - 1 additions of its gradients into .grad; the step ends
 with the last stage to finish.
 
+Under a PEFT method (galaxy.planner.method) the sub-blocks are timed as the method runs them (the
+device profile's table for it: frozen weights without weight gradients, LoRA's rank-r products
+in each projection's shard, the adapters in the CONs), side-tuning's backbone forward only (its
+collectives too: half of them) with the side block forward and backward on the CON layout
+beside every layer (and, under CON SP, its K/V all-gather, reduce-scattered in backward), and
+side-only the side blocks alone. Only trained parameters are synchronised, stepped and
+accumulated: DDP's all-reduce, FSDP's reduce-scatter and the Galaxy sum move their gradients
+alone (kilobytes under LoRA), FSDP still gathers every weight it shards.
+
 Memory: galaxy.planner.memory_model.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -62,7 +72,8 @@ class _Step:
     padded: bool                   # uneven token shares: padded gathers and scatters
     kinds: list                    # per Galaxy rank: (att kind, units), (mlp kind, units), con tokens
     hop: float                     # one stage-to-stage send
-    carry_bytes: float
+    carry_bytes: float             # what a stage sends forward per micro-batch
+    grad_bytes: float              # what it sends back (the carry's gradient)
     compute_s: list = field(default_factory=list)
     sub_s: list = field(default_factory=list)
     sent: list = field(default_factory=list)
@@ -85,11 +96,10 @@ class CostModel(MemoryModel):
         g, pp, dp, m = plan.group, plan.pp, plan.dp, plan.microbatches
         rows = self.batch / (dp * m)
         kinds = [self._kinds(plan, j) for j in range(g)]
-        carry_bytes = self.carry * rows * max(k[2] for k in kinds) * self.hidden * FP32
+        carry_bytes, grad_bytes = self._carry_bytes(rows * max(k[2] for k in kinds))
         world = g * pp * dp
-        s = _Step(plan, rows, self.comm(plan.att, plan.mlp, plan.con, plan.tokens) if g > 1 else {},
-                  len(set(plan.tokens)) > 1, kinds,
-                  link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0, carry_bytes,
+        s = _Step(plan, rows, self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1, kinds,
+                  link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0, carry_bytes, grad_bytes,
                   [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
         fwds, bwds, extras, comm_path = [], [], [], 0.0
         for p in range(pp):
@@ -108,7 +118,7 @@ class CostModel(MemoryModel):
         communication on the critical path), filling in its ranks' figures."""
         plan, m = s.plan, s.plan.microbatches
         first, last = p == 0, p == plan.pp - 1
-        c = plan.recomputed_in_stage(p)
+        c = self.recomputed(plan, p)
         comm = self._stage_comm(s, p, c)
         p2p = ((0 if last else 1) + (0 if first else 1)) * s.hop     # this stage's sends per micro-batch
         worst_fwd = worst_bwd = extra = 0.0
@@ -127,20 +137,62 @@ class CostModel(MemoryModel):
         plan, g = s.plan, s.plan.group
         L, last = plan.stages[p], p == plan.pp - 1
         out = _StageComm()
-        for kind, f in s.forms.items():
+        for kind, f, fwd_share in s.forms:
             b = s.rows * (L * f["a_layer"] + (f["a_fixed"] if last else 0))
             calls = L * f["c_layer"] + (f["c_fixed"] if last else 0)
             rb, rc = 0.5 * c * s.rows * f["a_layer"], 0.5 * c * f["c_layer"]   # recomputed forwards
             out.mb += link_time(self.link, kind, g, b + rb, calls + rc, s.padded)
-            out.fwd += 0.5 * link_time(self.link, kind, g, b, calls, s.padded)
+            out.fwd += fwd_share * link_time(self.link, kind, g, b, calls, s.padded)
             out.mb_bytes += b + rb
             sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
             if sb:
                 out.step += link_time(self.link, kind, g, sb, 0)
                 out.step_bytes += sb
-        if s.forms and not last and any(f["s_layer"] for f in s.forms.values()):
+        if not self.trains_backbone:
+            self._method_sum(plan, p, out)
+        elif s.forms and not last and any(f["s_layer"] for _, f, _ in s.forms):
             out.step += link_time(self.link, "all_reduce", g, 0, 1)     # the stage's own "sum" call
         return out
+
+    def _method_sum(self, plan: Plan, p: int, out: _StageComm) -> None:
+        """The Galaxy group's sum of a method's trained "sum" gradients, once per step (stage p)."""
+        g = plan.group
+        summed = plan.stages[p] * self.summed_layer_params_of(plan, 0) + self.summed_outside_of(plan, p)
+        if summed:
+            b = ring_bytes("all_reduce", int(summed), FP32, g)
+            out.step += link_time(self.link, "all_reduce", g, b, 1)
+            out.step_bytes += b
+
+    def _forms(self, plan: Plan) -> list[tuple[str, dict, float]]:
+        """(kind, closed-form terms, the forward's share of their time) of the Galaxy group's
+        collectives under the run's method (galaxy.planner.comm_forms; module docstring)."""
+        forms = self.comm(plan.att, plan.mlp, plan.con, plan.tokens)
+        if self.trains_backbone:
+            return [(k, f, 0.5) for k, f in forms.items()]
+        # A method's trained "sum" gradients replace full fine-tuning's (_method_sum).
+        steps = dict(s_layer=0.0, s_fixed=0.0)
+        if self.backward_through_backbone:
+            return [(k, {**f, **steps}, 0.5) for k, f in forms.items()]
+        # No backward through the backbone: the forward's half of its collectives, all in forward
+        # (none in its layers when they never run); the side block's own, forward and backward.
+        layer = 0.5 if self.backbone == "forward" else 0.0
+        out = [(k, {**f, **steps, "a_layer": layer * f["a_layer"], "c_layer": layer * f["c_layer"],
+                    "a_fixed": 0.5 * f["a_fixed"], "c_fixed": 0.5 * f["c_fixed"]}, 1.0) for k, f in forms.items()]
+        if plan.con == "SP":              # K and V of the rank's tokens: [rows, s_r, 2w], padded
+            kv = ring_bytes("all_gather", max(plan.tokens) * 2 * self.side_width, FP32, plan.group)
+            side = dict(a_layer=kv, a_fixed=0.0, s_layer=0.0, s_fixed=0.0, c_layer=1, c_fixed=0)
+            out += [("all_gather", side, 1.0), ("reduce_scatter", side, 0.0)]
+        return out
+
+    def _carry_bytes(self, row_tokens: float) -> tuple[float, float]:
+        """Bytes a stage sends forward and back per micro-batch (row_tokens: rows x CON tokens): the
+        carry and its gradient; a backbone without autograd sends no gradient, side-only no
+        backbone carry; the side state travels both ways."""
+        backbone = self.carry * row_tokens * self.hidden * FP32 if self.backbone != "absent" else 0.0
+        side = row_tokens * self.side_width * FP32
+        if self.backward_through_backbone:
+            return backbone, backbone
+        return backbone + side, side
 
     def _replica_compute(self, s: _Step, p: int, c: int, ranks: list[int]) -> tuple[float, float, list]:
         """One micro-batch on one replica's Galaxy group of stage p (c layers recomputed): (forward,
@@ -149,11 +201,11 @@ class CostModel(MemoryModel):
         L = plan.stages[p]
         fwd = bwd = 0.0
         per_rank = [[0.0, 0.0] for _ in ranks]
-        for i, sub in enumerate(SUB_BLOCKS):
+        for i, sub in self._subs:
             times = []
             for j, r in enumerate(ranks):
                 (ak, au), (mk, mu), con = s.kinds[j]
-                kind, units = ((ak, au), ("con", con), (mk, mu), ("con", con))[i]
+                kind, units = ((ak, au), ("con", con), (mk, mu), ("con", con), ("side", con))[i]
                 tf, tb = self.compute[r](kind, units, s.rows)
                 times.append((tf, tb))
                 per_rank[j][0] += L * tf
@@ -174,24 +226,36 @@ class CostModel(MemoryModel):
                 bwd += max(t[1] for t in times)
         return fwd, bwd, per_rank
 
+    def sub_blocks(self) -> list[tuple[int, str]]:
+        """(index, label) of what runs per layer: the four sub-blocks, then the side block under
+        side-tuning; side-only runs the side block alone."""
+        subs = [] if self.backbone == "absent" else list(enumerate(SUB_BLOCKS))
+        return subs + ([(4, "SIDE")] if self.backbone in ("forward", "absent") else [])
+
+    @functools.cached_property
+    def _subs(self) -> list[tuple[int, str]]:
+        return self.sub_blocks()
+
     def _rank_step(self, s: _Step, p: int, c: int, j: int, r: int, own: list, comm: _StageComm) -> float:
         """Rank r's once-per-step work (DDP all-reduce, the tied weight's sum, the optimizer step,
         gradient accumulation), its compute, bytes and memory; returns the once-per-step seconds."""
         plan, m = s.plan, s.plan.microbatches
         first, last = p == 0, p == plan.pp - 1
         n = self.params_of(plan, p, j)
-        dp_time, dp_bytes = self._dp_comm(plan, n)
+        t = self.trainable_of(plan, p, j, n)
+        dp_time, dp_bytes = self._dp_comm(plan, n, t)
         if plan.pp > 1 and self.tied and (first or last):     # the tied weight's two ends sum gradients
             tied_bytes = ring_bytes("all_reduce", self.tied, FP32, 2)
             dp_time += link_time(self.link, "all_reduce", 2, tied_bytes, 1)
             dp_bytes += tied_bytes
-        held = n / self._opt_divisor(plan)
+        held = t / self._opt_divisor(plan)
         opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * held
         # every micro-batch after the first adds its gradients into .grad (autograd's
         # AccumulateGrad): a pass over what the rank's gradients hold
         acc = (m - 1) * held * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
         s.compute_s[r] = m * sum(own) + opt + acc
-        s.sent[r] = m * (comm.mb_bytes + p2p_bytes(plan.pp, first, last, s.carry_bytes)) + comm.step_bytes + dp_bytes
+        s.sent[r] = m * (comm.mb_bytes + p2p_bytes(plan.pp, first, last, s.carry_bytes, s.grad_bytes)) + \
+            comm.step_bytes + dp_bytes
         s.memory[r] = self._memory(plan, p, j, r, n, s.rows, c, self.in_flight(plan, p),
                                    plan.stages[p], s.kinds[j][2], first, last)
         return dp_time + opt + acc
@@ -199,19 +263,25 @@ class CostModel(MemoryModel):
     def _opt_divisor(self, plan: Plan) -> int:
         return plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else 1
 
-    def _dp_comm(self, plan: Plan, n: float) -> tuple[float, float]:
-        """Seconds and bytes of one rank's data-parallel gradient traffic per step."""
+    def _dp_comm(self, plan: Plan, n: float, t: float) -> tuple[float, float]:
+        """Seconds and bytes of one rank's data-parallel traffic per step (n parameters held, t of
+        them trained): DDP all-reduces the trained gradients; FSDP gathers every weight (again in
+        backward under "full", where backward runs through it) and reduce-scatters the trained
+        gradients."""
         dp = plan.dp
         if dp <= 1:
             return 0.0, 0.0
         if plan.dp_sharding == "none":
-            b = ring_bytes("all_reduce", int(n), FP32, dp)
-            calls = max(1, math.ceil(n * FP32 / DDP_BUCKET_BYTES))
+            if not t:
+                return 0.0, 0.0
+            b = ring_bytes("all_reduce", int(t), FP32, dp)
+            calls = max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))
             return link_time(self.link, "all_reduce", dp, b, calls), b
         shard = int(math.ceil(n / dp))
-        gathers = 2 * plan.microbatches if plan.dp_sharding == "full" else 1
+        passes = 2 if self.backward_through_backbone else 1
+        gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
         ag = ring_bytes("all_gather", shard, FP32, dp)
-        rs = ring_bytes("reduce_scatter", shard, FP32, dp)
+        rs = ring_bytes("reduce_scatter", int(math.ceil(t / dp)), FP32, dp)
         t = link_time(self.link, "all_gather", dp, gathers * ag, gathers * plan.stages[0]) + \
             link_time(self.link, "reduce_scatter", dp, rs, plan.stages[0])
         return t, gathers * ag + rs

@@ -1,8 +1,18 @@
 """Seconds a device spends on a sub-block at a share: from its measured compute table when the table
-was taken for this model and pad_size, else from the model profile's FLOPs and the device's GEMM rate."""
+was taken for this model and pad_size, else from the model profile's FLOPs and the device's GEMM rate.
+
+Under a PEFT method the table is the one profile-devices measured for that method (the device
+profile's compute "peft", when its signature is the run's): the sub-blocks as galaxy.peft makes
+them, frozen weights and all. Without one, the full fine-tuning table stands in (weight gradients
+counted: an upper bound), a backbone that runs without autograd takes no backward, frozen
+embeddings none either, and the side block is timed by its FLOPs."""
 from __future__ import annotations
 
 import bisect
+
+from galaxy.planner.method import BACKBONE
+
+LAYER_KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con")
 
 
 def _interp(xs, ys, x):
@@ -22,11 +32,17 @@ class DeviceCompute:
     FLOPS_OF = {"att_tp": "att", "att_sp": "att", "mlp_tp": "mlp", "mlp_sp": "mlp", "con": "con",
                 "head": "head", "embed": None}
 
-    def __init__(self, device: dict, model: dict, use_tables: bool):
-        self.device, self.model = device, model
+    def __init__(self, device: dict, model: dict, use_tables: bool, method: dict | None = None):
+        """method: the model profile's "peft" section of the run's method (None: full fine-tuning)."""
+        self.device, self.model, self.method = device, model, method
         compute = device.get("compute") if use_tables else None
         self.tables = compute["kinds"] if compute else {}
         self.rows = compute["rows"] if compute else []
+        self.backbone = BACKBONE[method["signature"]["method"]] if method else "trained"
+        peft = (compute or {}).get("peft")
+        self.method_tables = bool(method and peft and peft.get("signature") == method["signature"])
+        if self.method_tables:
+            self.tables, self.rows = peft["kinds"], peft["rows"]
         self.rate = device.get("gemm_flops_per_s")
         self.ew_rate = device.get("elementwise_flops_per_s")
         self._cache: dict = {}
@@ -35,9 +51,30 @@ class DeviceCompute:
         key = (kind, units, rows)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._table(kind, units, rows) if kind in self.tables \
-                else self._flops(kind, units, rows)
+            if kind in self.tables:
+                hit = self._table(kind, units, rows)
+            elif kind == "side":
+                hit = self._side_flops(units, rows)
+            else:
+                hit = self._flops(kind, units, rows)
+            hit = self._cache[key] = self._standing_in(kind, *hit)
         return hit
+
+    def _standing_in(self, kind: str, fwd: float, bwd: float) -> tuple[float, float]:
+        """What a full fine-tuning figure standing in for a method's keeps: no backward where the
+        method runs none (a backbone without autograd, frozen embeddings)."""
+        if self.backbone == "trained" or self.method_tables:
+            return fwd, bwd
+        if kind == "embed" or (kind in LAYER_KINDS and self.backbone in ("forward", "absent")):
+            return fwd, 0.0
+        return fwd, bwd
+
+    def _side_flops(self, units, rows):
+        f = (self.method or {}).get("side_flops_per_row")
+        if not f or self.rate is None:
+            return 0.0, 0.0
+        frac = units / self.model["pad_size"]
+        return f["fwd"] / self.rate * rows * frac, f["bwd"] / self.rate * rows * frac
 
     def _table(self, kind, units, rows):
         t = self.tables[kind]

@@ -5,7 +5,8 @@ rendezvous and every collective, a dead peer an exit 1 with one line). Every ran
 time (so that ranks sharing a host contend as they will in training):
 
   compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
-              of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
+              of shares (heads, columns, tokens) and rows, and again as the config's PEFT method
+              runs them (frozen weights, LoRA, adapters, the side block); one GEMM at the model's largest shape
               (the fallback rate); the optimizer's step per parameter (AdamW, SGD); adding a
               gradient into .grad per parameter (every micro-batch after the first does)
   memory      what a rank may use (CPU: its cgroup's memory limit where one applies, as on a device
@@ -30,7 +31,11 @@ import torch
 import torch.distributed as dist
 
 from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
-from galaxy.planner.harness import SubBlockBench
+from galaxy.models.registry import family_of
+from galaxy.models.shape import read_model_shape
+from galaxy.peft import PeftOptions
+from galaxy.planner.harness import KINDS, SubBlockBench
+from galaxy.planner.method import costed_options, method_signature
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
 from galaxy.runtime import cgroup, cpu_allocator
 from galaxy.train.optim import build_optimizer, step_kind
@@ -86,7 +91,7 @@ MEAN_WINDOW_S, MAX_MEAN_ROUNDS = 0.1, 400
 
 
 def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: int, warmup: int,
-                    statistic: str = "median") -> dict:
+                    statistic: str = "median", kinds=KINDS) -> dict:
     """Forward and backward seconds of every kind on a grid of shares x rows. The points are timed
     in rounds (every point once per round), so that a change in the machine's load while profiling
     shifts every point alike instead of bending the table; `statistic` of the rounds is kept
@@ -94,7 +99,7 @@ def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: i
     rows = rows_grid(batch, quick)
     points = 3 if quick else 5
     grid = {}
-    for kind in ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head"):
+    for kind in kinds:
         total, step = bench.units[kind]
         fixed = kind == "embed" or (kind == "head" and bench.task == "classification")
         grid[kind] = [total] if fixed else unit_grid(total, step, points)
@@ -153,6 +158,22 @@ def timed(fn, device, repeats: int, statistic: str) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return STATISTICS[statistic](times)
+
+
+def measure_method(cfg, num_labels, device, *, quick: bool, repeats: int, warmup: int,
+                   statistic: str = "median") -> dict | None:
+    """The compute table of the config's PEFT method (None under full fine-tuning): the same grid,
+    on the one-layer model galaxy.peft makes (galaxy.planner.harness), with the method's signature
+    (galaxy.planner.method) that says which runs it times."""
+    options = PeftOptions.from_config(cfg)
+    if options.method == "full":
+        return None
+    options = costed_options(options, family_of(read_model_shape(cfg.model_path)["model_type"]))
+    bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
+                          device=device, seed=cfg.seed, peft=options)
+    table = measure_compute(bench, cfg.batch_size, quick=quick, repeats=repeats, warmup=warmup,
+                            statistic=statistic, kinds=bench.kinds)
+    return {"signature": method_signature(options, bench.family), **table}
 
 
 def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic: str = "median") -> float:
@@ -328,6 +349,10 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
                         "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
                         "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
                         "pad_size": cfg.pad_size}
+    method = measure_method(cfg, num_labels, env.device, quick=quick, repeats=repeats, warmup=warmup,
+                            statistic=statistic)
+    if method is not None:
+        compute["peft"] = method
     return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type,
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),

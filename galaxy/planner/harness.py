@@ -14,6 +14,14 @@ runs the family's own sub-block module, as a rank of a Galaxy group would:
   con     u tokens          one connective (CON1; CON2 has the same shape)
   embed   the sequence      the model's embed(): replicated on every rank under every plan
   head    u tokens          the model's head() on a carry of u tokens (and the loss)
+  side    u tokens          side-tuning's block of a layer (galaxy.peft.side) on u CON tokens,
+                            its K/V padded to the full sequence as the att_sp kind's are
+
+With a PEFT method (peft=), the one-layer model is the one galaxy.peft makes of it (apply_peft
+after a one-rank plan, as training applies it after the plan): frozen weights, LoRA inside the
+projections (a TP shard's LoRA sliced like its weight, galaxy.peft.lora), adapters in the CONs, the
+side network beside the layer. What the method runs without autograd (side-tuning's backbone)
+runs under no_grad here too, and a backward with nothing to differentiate takes no time.
 """
 from __future__ import annotations
 
@@ -24,11 +32,17 @@ import time
 import torch
 import torch.nn.functional as F
 
+from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config, model_class
 from galaxy.models.registry import family_of
+from galaxy.parallel.plan import ParamRule, apply_plan
+from galaxy.peft import apply_peft
+from galaxy.peft.lora import LoraLinear
+from galaxy.plan import Plan
 from galaxy.profiler.activations import SavedActivations
 
 KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head")
+LAYER_KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con")
 
 
 def unit_totals(hf, pad_size: int) -> dict:
@@ -37,12 +51,13 @@ def unit_totals(hf, pad_size: int) -> dict:
     kv = getattr(hf, "num_key_value_heads", None) or heads
     return {"att_tp": (heads, heads // kv), "att_sp": (pad_size, 1), "mlp_tp": (hf.intermediate_size, 1),
             "mlp_sp": (pad_size, 1), "con": (pad_size, 1), "embed": (pad_size, pad_size),
-            "head": (pad_size, 1)}
+            "head": (pad_size, 1), "side": (pad_size, 1)}
 
 
 class SubBlockBench:
     def __init__(self, model_path: str, *, seq: int, num_labels: int | None, dropout: float | None = None,
-                 device="cpu", seed: int = 0):
+                 device="cpu", seed: int = 0, peft=None):
+        """peft: galaxy.peft.PeftOptions of the method to run the sub-blocks under (None: full)."""
         hf = load_hf_config(model_path, dropout)
         hf.num_hidden_layers = 1
         self.hf, self.seq, self.num_labels = hf, seq, num_labels
@@ -61,11 +76,28 @@ class SubBlockBench:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
                 else:
                     p.fill_(1.0)
+        self.method = peft.method if peft is not None else "full"
+        if self.method != "full":
+            apply_plan(model, Plan(), GalaxyGroup.serial(hf.num_attention_heads, hf.intermediate_size, seq))
+            apply_peft(model, peft, seed=seed)
         self.model = model.to(self.device).train()
         self.layer = self.model.layers[0]
         self.units = unit_totals(hf, seq)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._contexts: dict[int, dict] = {}
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds this bench's model runs: side-tuning adds its block; side-only runs no
+        backbone layer at all."""
+        if self.method == "side_only":
+            return ("side", "embed", "head")
+        return KINDS + (("side",) if self.method == "side" else ())
+
+    @property
+    def backbone_grad(self) -> bool:
+        """Whether the backbone's layers run with autograd (side-tuning runs them without)."""
+        return self.method not in ("side", "side_only")
 
     # --- what one kind runs ---------------------------------------------------------------
 
@@ -85,7 +117,13 @@ class SubBlockBench:
         if kind in ("att_tp", "mlp_tp"):
             mod = copy.deepcopy(self.layer.att if kind == "att_tp" else self.layer.mlp)
             if units != total:
-                mod.shard_tp((units,), 0)
+                shard_updates(mod, mod.shard_tp((units,), 0))
+            return mod
+        if kind == "side":
+            mod = copy.deepcopy(self.layer.side)     # its own K/V padding: a small module
+            if units != total:
+                mod.block.attn.kv_gather = _PaddedKV(self.seq)
+                mod.block.attn.local_rows = slice(0, units)
             return mod
         if kind == "att_sp":
             mod = copy.copy(self.layer.att)          # shares the weights; own kv_gather / local_rows
@@ -117,15 +155,23 @@ class SubBlockBench:
             ids = torch.randint(1, self.hf.vocab_size, (rows, self.seq), generator=self._gen, device=self.device)
             extra = {"token_type_ids": torch.zeros_like(ids)} if self.task == "classification" else {}
             fwd = lambda: mod.embed(ids, **extra)   # noqa: E731
+        elif kind == "side":
+            s, stream = self._rand(rows, units, self.model.side_width), self._rand(rows, units, h, grad=False)
+            ctx = self._context(rows)
+            fwd = lambda: mod(s, stream, ctx)   # noqa: E731
         elif kind == "head":
-            carry = tuple(self._rand(rows, units, h) for _ in range(mod.carry_size))
+            carry = tuple(self._rand(rows, units, h, grad=self.backbone_grad) for _ in range(mod.carry_size))
+            if self.method in ("side", "side_only"):
+                carry += (self._rand(rows, units, self.model.side_width),)
             if self.task == "classification":
                 labels = torch.randint(0, self.num_labels, (rows,), generator=self._gen, device=self.device)
             else:
                 labels = torch.randint(0, self.hf.vocab_size, (rows, units), generator=self._gen, device=self.device)
             fwd = lambda: (mod.head(carry, labels)[1],)   # noqa: E731
         else:
-            raise ValueError(f"unknown kind {kind!r}; kinds are {', '.join(KINDS)}")
+            raise ValueError(f"unknown kind {kind!r}; kinds are {', '.join(KINDS)}, side")
+        if kind in LAYER_KINDS and not self.backbone_grad:
+            return mod, _without_autograd(fwd)
         return mod, fwd
 
     # --- measurements ---------------------------------------------------------------------
@@ -147,6 +193,9 @@ class SubBlockBench:
             out = out if isinstance(out, tuple) else (out,)
             sync()
             t1 = time.perf_counter()
+            out = tuple(o for o in out if o.requires_grad)     # a frozen or no_grad part: nothing to do
+            if not out:
+                return t1 - t0, 0.0
             if not grads:
                 grads.extend(torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in out)
             torch.autograd.backward(out, grads)
@@ -176,6 +225,26 @@ class SubBlockBench:
         if kind in ("embed", "head"):
             raise ValueError("embed / head parameters are counted on the whole model")
         return sum(p.numel() for p in self.module(kind, units).parameters())
+
+    def trainable(self, kind: str, units: int) -> int:
+        """The parameters of params(kind, units) that train under the bench's method."""
+        return sum(p.numel() for p in self.module(kind, units).parameters() if p.requires_grad)
+
+
+def shard_updates(mod, dims: dict) -> None:
+    """Slice the LoRA updates inside a TP shard like their projections' weights (dims: what
+    shard_tp returned, {param: (dim, sizes[, parts])}), as galaxy.peft.lora shards them on rank 0."""
+    for pname, (dim, sizes, *parts) in dims.items():
+        owner = mod.get_submodule(pname.rpartition(".")[0])
+        if isinstance(owner, LoraLinear) and pname.endswith(".weight"):
+            owner.shard_like(ParamRule("sharded", dim, tuple(sizes), *parts), 0)
+
+
+def _without_autograd(fwd):
+    def run():
+        with torch.no_grad():
+            return fwd()
+    return run
 
 
 class _PaddedKV:

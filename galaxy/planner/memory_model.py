@@ -15,6 +15,14 @@ them all) and the temporaries come on top; on CUDA the larger of the two. With s
 data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered
 parameters beside their shards), gradients and optimizer state are divided over the dp replicas;
 the unsharded gradients before their reduce-scatter still count once, as DDP's buckets do.
+
+Under a PEFT method (galaxy.planner.method) every weight is held as above (FSDP shards the frozen
+ones too, and gathers them for forward and backward alike), but gradients, optimizer state and its
+temporaries, DDP's and the Galaxy group's buckets and FSDP's unsharded gradients cover only the
+parameters that train, and the activations are those the method saves (model profile): a frozen
+projection keeps no input for a weight gradient, LoRA keeps its own; side-tuning's backbone keeps
+nothing (no autograd) but makes each sub-block's intermediates while it runs, and recomputation,
+which only wraps the backbone's layers, changes nothing there.
 """
 from __future__ import annotations
 
@@ -35,6 +43,11 @@ CPU_ACTIVATION_SLACK = 1.0
 
 
 class MemoryModel(ModelTerms):
+    def recomputed(self, plan: Plan, p: int) -> int:
+        """Stage p's layers that recompute in backward: none where no backward runs through them
+        (galaxy.layers.block checkpoints a layer only while autograd records it)."""
+        return plan.recomputed_in_stage(p) if self.backward_through_backbone else 0
+
     def estimate_memory(self, plan: Plan) -> list[float]:
         """MiB per rank (the memory half of estimate(), cheaper)."""
         g, pp, m = plan.group, plan.pp, plan.microbatches
@@ -47,7 +60,7 @@ class MemoryModel(ModelTerms):
                 n = self.params_of(plan, p, j)
                 for d in range(plan.dp):
                     r = (p * plan.dp + d) * g + j
-                    out[r] = self._memory(plan, p, j, r, n, rows, plan.recomputed_in_stage(p), inflight, plan.stages[p],
+                    out[r] = self._memory(plan, p, j, r, n, rows, self.recomputed(plan, p), inflight, plan.stages[p],
                                           s_con[j], p == 0, p == pp - 1) / MIB
         return out
 
@@ -65,8 +78,12 @@ class MemoryModel(ModelTerms):
         # rebuilds them: recomputation saves the saved activations once, not 1 + slack times
         # (bench/plan_accuracy.py: Galaxy with every layer recomputed measured 751-760 MiB against
         # 684 predicted at 1 + slack; serial 834, 794 predicted, 880 now).
-        whole = acts if not c else \
-            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last)[1]
+        # A frozen backbone's backward still makes every activation's gradient, as full fine-tuning's
+        # does, though it saved less (bench/plan_accuracy.py --peft lora: 16 plans' ranks within
+        # 2.6% (median) with full fine-tuning's activations here, 4.9% under with LoRA's own).
+        frozen = self.backbone == "frozen"
+        whole = acts if not (c or frozen) else \
+            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last, frozen)[1]
         kept = 0.0
         if dev.get("freed_memory_kept") and first:
             # Each accumulated micro-batch after the first makes a fresh dense embedding gradient and
@@ -74,13 +91,15 @@ class MemoryModel(ModelTerms):
             # that block too, split by later small allocations, so the next one extends the heap
             # (bench/plan_accuracy.py: pp 2, 4 micro-batches, stage 0 measured 851-885 MiB against
             # 747 predicted without this term).
-            kept = (plan.microbatches - 1) * self.embed_params * FP32
+            kept = (plan.microbatches - 1) * self.trainable.embed * FP32
         return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
 
     @functools.lru_cache(maxsize=65536)
-    def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last) -> tuple[float, float, float]:
+    def _memory_parts(self, plan, p, j, n, rows, c, inflight, L, s_con, first, last,
+                      backbone_acts: bool = False) -> tuple[float, float, float]:
         """(weights, gradients, optimizer state and the buckets' gradient copies; activations at the
-        backward's peak; an unfused optimizer step's temporaries) in bytes."""
+        backward's peak; an unfused optimizer step's temporaries) in bytes. backbone_acts: the
+        layers' activations as full fine-tuning saves them."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
         weights = n / dp if sharded else n
@@ -88,18 +107,21 @@ class MemoryModel(ModelTerms):
             weights += 2 * self.layer_params_of(plan, j)          # a layer gathered, the next prefetched
         elif sharded:                                             # no_reshard: the gathered parameters stay
             weights += n                                          # beside their shards until the step ends
-        held = n / dp if sharded else n                           # what grads and optimizer state cover
+        t = self.trainable_of(plan, p, j, n)                      # what grads and optimizer state cover
+        held = t / dp if sharded else t
         opt = OPT_STATE.get(self.optimizer, 0) * held
         # A second copy of the gradients: DDP's buckets (its gradients are views of them, but
         # backward makes each gradient afresh after zero_grad(set_to_none) and the bucket takes a copy);
         # under sharding, each unit's unsharded gradients before their reduce-scatter (freed unit by
         # unit, but the allocator keeps the memory: bench/plan_memory.py measured 929 MiB where the
         # shards alone predicted 728).
-        buckets = n if dp > 1 else 0
+        buckets = t if dp > 1 else 0
         # The Galaxy group's "sum" gradients are flattened into their all-reduce buckets: one more
         # copy, in buffers GradientSync keeps from step to step.
-        buckets += L * self.summed_layer_params_of(plan, j) / (dp if sharded else 1)
-        layer, biggest = self.layer_act_per_row(plan, j)
+        summed = L * self.summed_layer_params_of(plan, j) + self.summed_outside_of(plan, p)
+        buckets += summed / (dp if sharded else 1)
+        layer, biggest = self.layer_act_per_row(plan, j, backbone_acts)
+        biggest = max(biggest, self.forward_working_per_row(plan, j))
         carry = self.carry * s_con * self.hidden * FP32
         per_mb = (L - c) * layer + c * carry
         if first:

@@ -15,8 +15,14 @@ batch size and micro-batch:
      "act_bytes_per_row": {kind: [c0, c1]},          # saved for backward: c0 + c1 x units, per row
      "flops_per_row": {"att" | "mlp" | "con" | "head": {"fwd", "bwd", "fwd_elementwise",
                                                         "bwd_elementwise"}},   # whole sub-block (con: one)
-     "profiler": {...}}                              # galaxy.profiler's figures of the whole layer,
+     "profiler": {...},                              # galaxy.profiler's figures of the whole layer,
                                                      # the closed form's FLOPs beside them
+     "peft": {...}}                                  # with a PEFT method in the config: the same for
+                                                     # the model it makes (galaxy.planner.method_profile)
+
+Every figure outside "peft" is the model's under full fine-tuning, whatever the config's method:
+one profile costs the method and full fine-tuning alike. A profile without "peft" (taken for full
+fine-tuning, or before methods were profiled) still reads; searching for a method needs it.
 
 Activation bytes are counted as galaxy.profiler counts them (saved-tensor hooks, each storage
 once, parameters excluded), at two shares per kind, so the linear form is exact for these modules.
@@ -30,20 +36,14 @@ import torch
 
 from galaxy.models.build import model_class
 from galaxy.models.registry import family_of
+from galaxy.planner.counting import linear as _linear
+from galaxy.planner.counting import part_counts
 from galaxy.planner.harness import SubBlockBench
+from galaxy.planner.method import describe
+from galaxy.planner.method_profile import method_section
 
 FORMAT, VERSION = "galaxy-model-profile", 1
 ROWS = 2     # activation bytes are measured on 2 rows and divided (they are linear in rows)
-
-
-def _linear(f, lo: int, hi: int) -> list[float]:
-    """[c0, c1] with f(u) = c0 + c1 u through u = lo and u = hi (c1 = 0 when lo == hi)."""
-    f_hi = f(hi)
-    if lo == hi:
-        return [float(f_hi), 0.0]
-    f_lo = f(lo)
-    c1 = (f_hi - f_lo) / (hi - lo)
-    return [float(f_hi - c1 * hi), float(c1)]
 
 
 def _half(total: int, step: int) -> int:
@@ -56,14 +56,7 @@ def _whole_model_params(hf, num_labels) -> dict:
     family = family_of(hf.model_type)
     with torch.device("meta"):
         model = model_class(family, None)(hf, num_labels=num_labels)
-    count = lambda names: {id(p): p.numel() for n in names for p in getattr(model, n).parameters()}  # noqa: E731
-    first, last = count(model.first_stage_modules), count(model.last_stage_modules)
-    layers = {id(p) for p in model.layers.parameters()}
-    other = {id(p): p.numel() for p in model.parameters()
-             if id(p) not in layers and id(p) not in first and id(p) not in last}
-    return {"embed": sum(first.values()), "head": sum(last.values()),
-            "tied": sum(v for k, v in first.items() if k in last), "other": sum(other.values()),
-            "total": sum(p.numel() for p in model.parameters())}
+    return part_counts(model)
 
 
 def _layer_params(bench: SubBlockBench, seq: int) -> dict:
@@ -121,6 +114,7 @@ def profile_model(cfg, num_labels: int | None) -> dict:
     flops["head"] = {k: max(0, totals[k] - layer_sum[k]) for k in totals}     # embeddings + head
     hf1 = bench.hf
     closed = bench.family.matmul_flops(hf1, 1, seq, num_labels)["total"] if bench.family.matmul_flops else None
+    peft = method_section(cfg, num_labels, hf)
     return {
         "format": FORMAT, "version": VERSION,
         "model_path": cfg.model_path, "model_type": hf.model_type, "family": bench.family.name,
@@ -132,6 +126,7 @@ def profile_model(cfg, num_labels: int | None) -> dict:
                      "fwd_flops_per_row_one_layer": t.fwd_flops,
                      "closed_form_fwd_flops_per_row_one_layer": closed,
                      "flops_match_closed_form": closed == t.fwd_flops if closed is not None else None},
+        **({"peft": peft} if peft else {}),
     }
 
 
@@ -149,4 +144,20 @@ def check_model_profile(doc, where: str) -> dict:
     for key in ("hf_config", "units", "params", "act_bytes_per_row", "flops_per_row", "pad_size", "carry_tensors"):
         if key not in doc:
             raise ModelProfileError(f"{where} has no '{key}'; write it again with plan.py profile-model")
+    for key in ("signature", "backbone", "params", "trainable", "summed_outside", "act_bytes_per_row"):
+        if "peft" in doc and key not in doc["peft"]:
+            raise ModelProfileError(f"{where} has no 'peft' '{key}'; write it again with plan.py profile-model")
     return doc
+
+
+def check_method(doc: dict, signature: dict, where: str) -> dict | None:
+    """The profile's "peft" section when it is of the method `signature` names (None: full
+    fine-tuning); ModelProfileError when the profile was taken for another method."""
+    if signature["method"] == "full":
+        return None
+    section = doc.get("peft")
+    if section is None or section["signature"] != signature:
+        taken = describe(section["signature"]) if section else "full fine-tuning"
+        raise ModelProfileError(f"model profile {where} was taken for {taken}, the config asks for "
+                                f"{describe(signature)}; run plan.py profile-model on this config")
+    return section

@@ -1,18 +1,55 @@
 """What one rank of a plan holds and runs, read off the model profile: its sub-blocks' kinds and
-shares, its parameters, the activations a layer saves per row. The memory and time models build on it."""
+shares, its parameters (held, and trained under the run's fine-tuning method), the activations a
+layer saves per row. The memory and time models build on it.
+
+Under a PEFT method (galaxy.planner.method) the model profile's "peft" section gives the same
+figures for the model galaxy.peft makes (galaxy.planner.method_profile): every parameter held,
+the method's own included; those that train; the activations the method saves. Full fine-tuning
+reads the profile's own figures, as before methods were costed."""
 from __future__ import annotations
+
+import functools
 
 from galaxy.plan import Plan
 from galaxy.planner.comm_forms import CommForms
 from galaxy.planner.device_compute import DeviceCompute, model_signature, tables_match
+from galaxy.planner.method import BACKBONE
 
 MIB = 2 ** 20
 FP32 = 4
 
 
+class Counts:
+    """Parameters per part of the model, as a model profile lists them: "embed" (first stage),
+    "head" (last stage), "tied" (held by both ends), "other" (every stage), and per layer, by
+    sub-block kind, [c0, c1] (c0 + c1 x the rank's share) or a whole count."""
+
+    def __init__(self, doc: dict):
+        self.embed, self.head, self.tied = doc["embed"], doc["head"], doc["tied"]
+        self.other = doc.get("other", 0)
+        self.total = doc.get("total")
+        self.layer = doc["layer"]
+
+    def kind(self, kind: str, units: int) -> float:
+        v = self.layer.get(kind, 0)
+        return v[0] + v[1] * units if isinstance(v, list) else v
+
+    @functools.lru_cache(maxsize=65536)      # the search asks for the same shares many times
+    def per_layer(self, att: tuple, mlp: tuple) -> float:
+        """One layer at a rank running att = (kind, units) and mlp = (kind, units)."""
+        return self.kind(*att) + self.kind(*mlp) + self.kind("con", 0) + self.kind("side", 0)
+
+    def whole_part(self, kind: str) -> float:
+        """The part of a TP kind that no share slices (c0: LoRA's unsharded A or B)."""
+        v = self.layer.get(kind, 0)
+        return v[0] if isinstance(v, list) else v
+
+
 class ModelTerms:
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, batch_size: int,
-                 optimizer: str = "adamw"):
+                 optimizer: str = "adamw", method: dict | None = None):
+        """method: the signature (galaxy.planner.method) of the fine-tuning method to cost; the
+        model profile's "peft" section must be of it. None: full fine-tuning."""
         self.model, self.devices, self.link = model, devices, link
         self.batch = batch_size
         self.optimizer = optimizer
@@ -20,15 +57,32 @@ class ModelTerms:
         self.seq = model["pad_size"]
         self.hidden = model["hf_config"]["hidden_size"]
         self.layers = model["hf_config"]["num_hidden_layers"]
+        self.method = method or {"method": "full"}
+        self.backbone = BACKBONE[self.method["method"]]
+        section = model.get("peft") if self.backbone != "trained" else None
         signature = model_signature(model)
-        self.compute = [DeviceCompute(d, model, tables_match(d, signature)) for d in devices]
+        self.compute = [DeviceCompute(d, model, tables_match(d, signature), section) for d in devices]
         self.comm = CommForms(model)
-        p = model["params"]
-        self.embed_params, self.head_params, self.tied = p["embed"], p["head"], p["tied"]
-        self.other_params = p.get("other", 0)
-        self.layer_params = p["layer"]
-        self.acts = model["act_bytes_per_row"]
+        self.params = Counts(model["params"] if section is None else section["params"])
+        self.trainable = self.params if section is None else Counts(section["trainable"])
+        # trainable parameters outside the layers on the CON layout: summed over the group under CON SP
+        self.summed_outside = {} if section is None else section["summed_outside"]
+        self.embed_params, self.head_params, self.tied = self.params.embed, self.params.head, self.trainable.tied
+        self.other_params = self.params.other
+        self.layer_params = self.params.layer
+        self.acts = model["act_bytes_per_row"] if section is None else section["act_bytes_per_row"]
+        self.full_acts = model["act_bytes_per_row"]
         self.carry = model["carry_tensors"]
+        self.side_width = section.get("side_width", 0) if section else 0
+
+    @property
+    def trains_backbone(self) -> bool:
+        return self.backbone == "trained"
+
+    @property
+    def backward_through_backbone(self) -> bool:
+        """Whether backward runs through the backbone's layers (and so recomputation helps)."""
+        return self.backbone in ("trained", "frozen")
 
     def _kinds(self, plan: Plan, j: int):
         """(att kind, units), (mlp kind, units), con tokens of Galaxy rank j."""
@@ -39,42 +93,89 @@ class ModelTerms:
 
     def _kind_params(self, kind: str, units: int) -> float:
         """Parameters of one sub-block kind at a share (the model profile: [c0, c1] or a constant)."""
-        v = self.layer_params[kind]
-        return v[0] + v[1] * units if isinstance(v, list) else v
+        return self.params.kind(kind, units)
+
+    def _layer_count(self, counts: Counts, plan: Plan, j: int) -> float:
+        att, mlp, _ = self._kinds(plan, j)
+        return counts.per_layer(att, mlp)
 
     def layer_params_of(self, plan: Plan, j: int) -> float:
-        (ak, au), (mk, mu), _ = self._kinds(plan, j)
-        return self._kind_params(ak, au) + self._kind_params(mk, mu) + self.layer_params["con"]
+        return self._layer_count(self.params, plan, j)
 
     def summed_layer_params_of(self, plan: Plan, j: int) -> float:
-        """Parameters of one layer at rank j whose gradients the Galaxy group sums (galaxy.parallel.
-        grad_sync: the sequence-parallel sub-blocks' weights, which saw only this rank's tokens)."""
+        """Trained parameters of one layer at rank j whose gradients the Galaxy group sums
+        (galaxy.parallel.grad_sync): the sequence-parallel sub-blocks' weights, which saw only this
+        rank's tokens, and under a method the whole parts of TP sub-blocks (LoRA's A of a column-
+        parallel projection, B of a row-parallel one) and what runs on the CON layout under CON SP."""
         if plan.group == 1:
             return 0.0
+        t = self.trainable
         (ak, au), (mk, mu), _ = self._kinds(plan, j)
-        return ((self._kind_params(ak, au) if ak == "att_sp" else 0.0)
-                + (self._kind_params(mk, mu) if mk == "mlp_sp" else 0.0)
-                + (self.layer_params["con"] if plan.con == "SP" else 0.0))
+        whole_tp = not self.trains_backbone       # full fine-tuning: as costed before methods
+        out = 0.0
+        for kind, units in ((ak, au), (mk, mu)):
+            if kind.endswith("_sp"):
+                out += t.kind(kind, units)
+            elif whole_tp:
+                out += t.whole_part(kind)
+        if plan.con == "SP":
+            out += t.kind("con", 0) + t.kind("side", 0)
+        return out
 
-    def params_of(self, plan: Plan, p: int, j: int) -> float:
-        n = plan.stages[p] * self.layer_params_of(plan, j) + self.other_params
+    def _count(self, counts: Counts, plan: Plan, p: int, j: int) -> float:
+        n = plan.stages[p] * self._layer_count(counts, plan, j) + counts.other
         if p == 0:
-            n += self.embed_params
+            n += counts.embed
         if p == plan.pp - 1:
-            n += self.head_params
+            n += counts.head
         if plan.pp == 1:
-            n -= self.tied
+            n -= counts.tied
         return n
 
-    def _act(self, kind: str, units: float) -> float:
-        c0, c1 = self.acts[kind]
+    def params_of(self, plan: Plan, p: int, j: int) -> float:
+        """Parameters rank j of stage p holds (frozen ones too)."""
+        return self._count(self.params, plan, p, j)
+
+    def trainable_of(self, plan: Plan, p: int, j: int, held: float | None = None) -> float:
+        """Parameters rank j of stage p trains: gradients, optimizer state and step, gradient sync
+        (held: params_of's answer, when known: all of them under full fine-tuning)."""
+        if held is not None and self.trainable is self.params:
+            return held
+        return self._count(self.trainable, plan, p, j)
+
+    def summed_outside_of(self, plan: Plan, p: int) -> float:
+        """Trained parameters outside the layers that stage p's Galaxy group sums (a method's side
+        input and output under CON SP); full fine-tuning's are in the closed forms."""
+        if plan.group == 1 or plan.con != "SP":
+            return 0.0
+        s = self.summed_outside
+        return s.get("other", 0) + (s.get("embed", 0) if p == 0 else 0) + (s.get("head", 0) if p == plan.pp - 1 else 0)
+
+    def _act(self, kind: str, units: float, acts: dict | None = None) -> float:
+        c0, c1 = (acts or self.acts).get(kind, (0.0, 0.0))
         return c0 + c1 * units
 
-    def layer_act_per_row(self, plan: Plan, j: int) -> tuple[float, float]:
-        """(bytes a layer saves per row, the largest sub-block's) at rank j's shares."""
+    def layer_act_per_row(self, plan: Plan, j: int, full: bool = False) -> tuple[float, float]:
+        """(bytes a layer saves per row, the largest sub-block's) at rank j's shares: its four
+        sub-blocks', and the side block's under side-tuning (whose backbone saves nothing).
+        full: the four sub-blocks' as full fine-tuning saves them."""
         (ak, au), (mk, mu), con = self._kinds(plan, j)
-        parts = (self._act(ak, au), self._act(mk, mu), self._act("con", con), self._act("con", con))
+        if not self.backward_through_backbone:
+            side = self._act("side", con)
+            return side, side
+        acts = self.full_acts if full else self.acts
+        parts = (self._act(ak, au, acts), self._act(mk, mu, acts), self._act("con", con, acts),
+                 self._act("con", con, acts))
         return sum(parts), max(parts)
+
+    def forward_working_per_row(self, plan: Plan, j: int) -> float:
+        """Bytes per row a backbone sub-block run without autograd makes while it runs (side-tuning:
+        its intermediates live until it returns): the largest sub-block's activations."""
+        if self.backbone != "forward":
+            return 0.0
+        (ak, au), (mk, mu), con = self._kinds(plan, j)
+        full = lambda kind, units: self.full_acts[kind][0] + self.full_acts[kind][1] * units   # noqa: E731
+        return max(full(ak, au), full(mk, mu), full("con", con))
 
     def stage_ranks(self, plan: Plan, p: int) -> list[int]:
         g, dp = plan.group, plan.dp

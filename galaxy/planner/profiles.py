@@ -21,7 +21,10 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
                "kinds": {kind: {"units": [u, ...], "fwd_s": [[s per row] per unit], "bwd_s": [[...]]}}}
     kinds: att_tp (units: query heads), att_sp, mlp_sp, con, head (units: tokens), mlp_tp (MLP
     columns), embed (units: the full sequence); times are seconds of one sub-block's forward /
-    backward on `rows` rows, interpolated linearly in both units and rows.
+    backward on `rows` rows, interpolated linearly in both units and rows. A profile taken with a
+    PEFT method in the config also holds COMPUTE["peft"] = {"signature": {...}, "rows", "kinds"}:
+    the same grid as the method runs it (galaxy.planner.method; side-tuning adds the kind side,
+    units: tokens); absent, the method is timed by the full fine-tuning table.
 
     LINK = {"backend": str, "world": int,
             "fit": {kind: {"latency_s": float, "bytes_per_s": float}},   # all_gather, reduce_scatter,
@@ -47,7 +50,7 @@ import os
 
 FORMAT, VERSION = "galaxy-devices", 1
 LINK_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "send_recv")
-COMPUTE_KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head")
+COMPUTE_KINDS = ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head", "side")
 
 
 class ProfileError(ValueError):
@@ -187,6 +190,14 @@ def check_device(device, where: str) -> dict:
 
 
 def _check_compute(compute, where: str) -> None:
+    _check_table(compute, where)
+    if compute.get("peft") is not None:
+        _check_table(compute["peft"], f"{where} peft")
+        if not isinstance(compute["peft"].get("signature"), dict):
+            raise ProfileError(f"{where} peft: 'signature' must be an object naming the method")
+
+
+def _check_table(compute, where: str) -> None:
     if not isinstance(compute, dict) or not isinstance(compute.get("kinds"), dict):
         raise ProfileError(f"{where} must hold 'rows' and 'kinds'")
     rows = compute.get("rows")

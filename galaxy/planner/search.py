@@ -85,8 +85,10 @@ class Searcher:
 
     def _speed(self, r: int) -> float:
         c, rows = self.cost.compute[r], self.cost.batch
-        t = sum(sum(c(kind, units, rows)) for kind, units in
-                (("att_tp", self.heads), ("mlp_tp", self.columns), ("con", self.seq), ("con", self.seq)))
+        runs = {i for i, _ in self.cost.sub_blocks()}     # the cost model's indices: ATT CON MLP CON SIDE
+        t = sum(sum(c(kind, units, rows)) for i, kind, units in
+                ((0, "att_tp", self.heads), (2, "mlp_tp", self.columns), (1, "con", self.seq), (3, "con", self.seq),
+                 (4, "side", self.seq)) if i in runs)
         return 1.0 / max(t, 1e-12)
 
     # --- scoring ----------------------------------------------------------------------------------
@@ -105,6 +107,8 @@ class Searcher:
         """The fewest leading layers per stage whose recomputation makes the stage's ranks fit."""
         ckpt = [0] * plan.pp
         plan = replace(plan, checkpoint=())
+        if not self.cost.backward_through_backbone:       # nothing to recompute (side-tuning)
+            return plan.with_stage_checkpoints(ckpt)
         mem = self.cost.estimate_memory(plan)
         for p in range(plan.pp):
             ranks = self.cost.stage_ranks(plan, p)

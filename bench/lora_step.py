@@ -1,0 +1,214 @@
+"""What a LoRA step costs: galaxy against peft, and against full fine-tuning of the same plan.
+
+serial    one process: a LoRA training step (zero_grad, forward with the loss, backward, AdamW over
+          the trainable parameters) of galaxy's model against peft's LoRA on Hugging Face's model,
+          side by side: all-MiniLM-L6-v2 (classification, 4 classes) and a random Llama (causal LM,
+          --llama_hidden wide, --llama_layers layers, written under --out). Both start from one
+          peft adapter directory (random non-zero A and B, and the classifier), so the weights are
+          the same; same targets, rank, batch, dropout (0: the loss check is exact), threads.
+          Steps alternate between the two (galaxy, peft, peft, galaxy, ...). Target: galaxy / peft
+          of the medians <= 1.0. Also counted, load-independent: each side's GEMM calls and GFLOPs
+          per forward and backward (torch.profiler).
+galaxy2   world 2 under the Galaxy preset (even shares, pinned with --pin): pretrain_galaxy.py on
+          all-MiniLM-L6-v2 with use_lora, and with full fine-tuning, same plan, batch and data;
+          --rounds runs each, alternating; each run's median step after the first, the least
+          disturbed run of each counts. Target: LoRA / full <= 0.8.
+
+Prints every figure and the two ratios, and writes --out/results.json.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/lora_step.py [--parts serial galaxy2] [--threads 1] [--steps 20]
+        [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--out runs/bench/lora_step]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+MINILM = ROOT / "models" / "all-MiniLM-L6-v2"
+NUM_LABELS = 4
+SERIAL_TARGET, GALAXY_TARGET = 1.0, 0.8
+
+
+def write_llama(folder: Path, hidden: int, layers: int, vocab: int = 8000) -> str:
+    """A random LlamaForCausalLM (grouped-query attention, untied head) written as a model folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = folder / f"llama-{hidden}x{layers}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        heads = hidden // 64
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=vocab,
+                          max_position_embeddings=1024, tie_word_embeddings=False)
+        LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def hf_model(family: str, path: str):
+    from transformers import BertForSequenceClassification, LlamaForCausalLM
+    if family == "bert":
+        return BertForSequenceClassification.from_pretrained(path, num_labels=NUM_LABELS, hidden_dropout_prob=0.0,
+                                                             attention_probs_dropout_prob=0.0)
+    return LlamaForCausalLM.from_pretrained(path)
+
+
+def write_adapter(family: str, path: str, out: Path, targets, r: int) -> str:
+    """A peft adapter with random non-zero A and B (and the classifier): both models load it."""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    task = "SEQ_CLS" if family == "bert" else "CAUSAL_LM"
+    model = get_peft_model(hf_model(family, path), LoraConfig(task_type=task, r=r, lora_alpha=2 * r,
+                                                               target_modules=list(targets)))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(0.05 * torch.randn_like(p))
+    folder = out / f"adapter-{family}"
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def pair(family: str, path: str, adapter: str, pad: int):
+    """(galaxy's model, peft's model), both in train() with the adapter loaded and dropout off."""
+    from peft import PeftModel
+
+    from galaxy.distributed.group import GalaxyGroup
+    from galaxy.models.build import load_hf_config
+    from galaxy.peft import PeftOptions, apply_peft
+    from galaxy.plan import Plan
+    from galaxy.runtime.assemble import build_model
+    cfg = load_hf_config(path, 0.0)
+    group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, pad)
+    ours = build_model(path, Plan(), group, num_labels=NUM_LABELS if family == "bert" else None, dropout=0.0)
+    apply_peft(ours, PeftOptions("lora", lora_path=adapter))
+    theirs = PeftModel.from_pretrained(hf_model(family, path), adapter, is_trainable=True)
+    return ours.train(), theirs.train()
+
+
+def batch_for(family: str, path: str, rows: int, pad: int) -> dict:
+    if family == "bert":
+        from step_time_vs_hf import make_batch
+        return make_batch(path, rows, pad)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 8000, (rows, pad), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def step_work(model, loss_fn, batch) -> dict:
+    """What one forward and backward asks of the CPU, counted by torch.profiler (the same on a busy
+    machine as on a quiet one): GEMM calls and their GFLOPs. Equal counts mean a time gap is the
+    kernels' or the machine's, not extra work (weight gradients of frozen weights would add GEMMs)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        loss_fn(model, batch).backward()
+    events = [e for e in prof.key_averages() if e.key in GEMMS]
+    model.zero_grad(set_to_none=True)
+    return {"gemm_calls": sum(e.count for e in events), "gemm_gflops": sum(e.flops for e in events) / 1e9}
+
+
+def serial_pair(family: str, path: str, args, out: Path) -> dict:
+    """Interleaved LoRA steps of galaxy and peft on one model: medians, mins, ratios, the loss check."""
+    from step_time_vs_hf import step
+
+    from galaxy.train.optim import build_optimizer
+    targets = ("query", "value") if family == "bert" else ("q_proj", "v_proj")
+    adapter = write_adapter(family, path, out, targets, args.lora_dim)
+    ours, theirs = pair(family, path, adapter, args.pad_size)
+    batch = batch_for(family, path, args.batch_size, args.pad_size)
+    if family != "bert":
+        batch = {k: v for k, v in batch.items() if k != "token_type_ids"}
+    fns = {"galaxy": (ours, lambda m, b: m(**b)[1]), "peft": (theirs, lambda m, b: m(**b).loss)}
+    with torch.no_grad():
+        losses = {k: fn(m, batch).item() for k, (m, fn) in fns.items()}
+    if abs(losses["galaxy"] - losses["peft"]) > 1e-5 * abs(losses["peft"]):   # not the same computation
+        raise SystemExit(f"{family}: galaxy's loss {losses['galaxy']} differs from peft's {losses['peft']}")
+    work = {k: step_work(m, fn, batch) for k, (m, fn) in fns.items()}
+    opts = {k: build_optimizer("adamw", m.parameters(), lr=1e-5) for k, (m, _) in fns.items()}
+    trainable = {k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, (m, _) in fns.items()}
+    for _ in range(args.warmup):
+        for k, (m, fn) in fns.items():
+            step(m, fn, opts[k], batch)
+    times = {k: [] for k in fns}
+    for i in range(args.steps):
+        for k in (("galaxy", "peft") if i % 2 == 0 else ("peft", "galaxy")):
+            times[k].append(step(*fns[k], opts[k], batch))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"model": path, "targets": list(targets), "trainable": trainable, "loss": losses, "work": work,
+            "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+            "ratio": med["galaxy"] / med["peft"],
+            "paired_ratio": statistics.median(g / p for g, p in zip(times["galaxy"], times["peft"])),
+            "times_s": times}
+
+
+def galaxy_world2(args, out: Path) -> dict:
+    """pretrain_galaxy.py at world 2 (Galaxy preset, even shares): LoRA against full fine-tuning."""
+    from planning_runs import train, write_base
+    base = write_base(out / "galaxy2", pad_size=args.pad_size, batch_size=args.batch_size, steps=args.train_steps)
+    cores = [0, 1] if args.pin else [None, None]
+    runs = {"lora": [], "full": []}
+    lora = {"use_lora": True, "lora_dim": args.lora_dim, "lora_alpha": 2 * args.lora_dim}
+    for r in range(args.rounds):
+        for name in (("full", "lora") if r % 2 == 0 else ("lora", "full")):
+            keys = lora if name == "lora" else {}
+            runs[name].append(train(out / "galaxy2", base, name, keys, 2, cores))
+    best = {k: min(g["step_s"] for g in v) for k, v in runs.items()}
+    return {"step_s": best, "ratio": best["lora"] / best["full"], "runs": runs,
+            "peak_mib": {k: v[-1]["peak_mib"] for k, v in runs.items()}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", nargs="+", choices=("serial", "galaxy2"), default=["serial", "galaxy2"])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--pad_size", type=int, default=128)
+    p.add_argument("--lora_dim", type=int, default=8)
+    p.add_argument("--llama_hidden", type=int, default=512)
+    p.add_argument("--llama_layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--train_steps", type=int, default=8, help="steps of each world-2 run")
+    p.add_argument("--pin", action="store_true", help="world 2: rank r on core r (taskset)")
+    p.add_argument("--out", default="runs/bench/lora_step")
+    args = p.parse_args()
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    results = {"args": vars(args), "torch": torch.__version__, "load": os.getloadavg()}
+    if "serial" in args.parts:
+        llama = write_llama(out, args.llama_hidden, args.llama_layers)
+        for family, path in (("bert", str(MINILM)), ("llama", llama)):
+            r = results[f"serial_{family}"] = serial_pair(family, path, args, out)
+            print(f"serial {family} ({Path(path).name}, LoRA r {args.lora_dim} on {', '.join(r['targets'])}, "
+                  f"{r['trainable']['galaxy']:,} / {r['trainable']['peft']:,} trainable, threads {args.threads}): "
+                  f"loss {r['loss']['galaxy']:.7f} / {r['loss']['peft']:.7f}; GEMMs per forward+backward "
+                  + " / ".join(f"{w['gemm_calls']} ({w['gemm_gflops']:.2f} GFLOP)" for w in r["work"].values())
+                  + "; median step galaxy "
+                  f"{r['median_s']['galaxy'] * 1e3:.1f} ms, peft {r['median_s']['peft'] * 1e3:.1f} ms: "
+                  f"{r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x, target <= {SERIAL_TARGET})", flush=True)
+    if "galaxy2" in args.parts:
+        r = results["galaxy2"] = galaxy_world2(args, out)
+        print(f"world 2, Galaxy preset: LoRA {r['step_s']['lora'] * 1e3:.1f} ms, full {r['step_s']['full'] * 1e3:.1f} "
+              f"ms per step: {r['ratio']:.3f}x (target <= {GALAXY_TARGET}); peak MiB per rank LoRA "
+              f"{r['peak_mib']['lora']}, full {r['peak_mib']['full']}", flush=True)
+    results["load_after"] = os.getloadavg()
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / 'results.json'} (load average {results['load']} -> {results['load_after']})")
+
+
+if __name__ == "__main__":
+    main()
