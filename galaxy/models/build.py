@@ -18,9 +18,10 @@ class CheckpointError(ValueError):
 def load_hf_config(model_path: str, dropout: float | None = None):
     cfg = AutoConfig.from_pretrained(model_path)
     if dropout is not None:
-        # Every family's dropout probabilities (BERT, Llama, GPT-2's embd/attn/resid_pdrop).
+        # Every family's dropout probabilities (BERT, Llama, GPT-2's embd/attn/resid_pdrop, BART's
+        # dropout and activation_dropout, T5's dropout_rate).
         for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout",
-                    "embd_pdrop", "attn_pdrop", "resid_pdrop"):
+                    "embd_pdrop", "attn_pdrop", "resid_pdrop", "dropout", "activation_dropout", "dropout_rate"):
             if hasattr(cfg, key):
                 setattr(cfg, key, dropout)
         if getattr(cfg, "classifier_dropout", None) is not None:

@@ -187,3 +187,13 @@ class FamilySpec:
             return self.tasks[task]
         except KeyError:
             raise ValueError(f"{self.name} models do not do {task}; they do {', '.join(sorted(self.tasks))}") from None
+
+
+def checked_config(config_class, raw: dict, unsupported: Callable[[object], str | None]):
+    """A family's transformers config from a config.json dict (the class's defaults for keys it
+    leaves out); ValueError with unsupported(cfg)'s line when the family cannot compute it."""
+    cfg = config_class.from_dict(raw)
+    problem = unsupported(cfg)
+    if problem:
+        raise ValueError(problem)
+    return cfg

@@ -122,3 +122,47 @@ def make_tiny_gpt2(path: str, seed: int = 0, **overrides) -> str:
 # The tiny causal LMs by family (conftest's tiny_lm_dir). Llama and Qwen2 share TINY_LLAMA's shape
 # (and key names, so overrides such as num_hidden_layers serve both); GPT-2's is TINY_GPT2.
 MAKE_TINY_LM = {"llama": make_tiny_llama, "qwen2": make_tiny_qwen2, "gpt2": make_tiny_gpt2}
+
+
+# Encoder-decoders: 2 encoder and 2 decoder layers, 4 heads of 12 (d_model 48), MLP 96; source
+# rows of TINY_SEQ tokens, target rows of TINY_TARGET (unequal, so that the two stacks' token
+# shares differ).
+TINY_TARGET = 9
+TINY_BART = dict(vocab_size=128, d_model=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                 dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+
+
+def make_tiny_bart(path: str, seed: int = 0, **overrides) -> str:
+    """BartForConditionalGeneration, LM head tied to the shared table, a non-zero final_logits_bias."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(BartConfig(**{**TINY_BART, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        model.final_logits_bias.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_seq2seq_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, target: int = TINY_TARGET, vocab: int = 128):
+    """Right-padded source rows (row i keeps seq - 4*i tokens) and target rows (row i keeps
+    target - 3*i tokens): labels ignore the target's padding, the decoder's inputs are the labels
+    shifted right (start token 2), and its mask keeps the real targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    tgt = torch.randint(3, vocab, (batch, target), generator=g)
+    tgt_mask = torch.ones(batch, target, dtype=torch.long)
+    for i in range(batch):
+        mask[i, max(2, seq - 4 * i):] = 0
+        tgt_mask[i, max(2, target - 3 * i):] = 0
+    ids[mask == 0] = 0
+    labels = tgt.masked_fill(tgt_mask == 0, -100)
+    decoder_input_ids = torch.cat((torch.full((batch, 1), 2), tgt[:, :-1].masked_fill(tgt_mask[:, :-1] == 0, 0)), 1)
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=tgt_mask, labels=labels)
+MAKE_TINY_LM["bart"] = make_tiny_bart
