@@ -171,10 +171,11 @@ class Plan:
     def uses(self, share: str) -> bool:
         """Whether a split of this kind ("heads", "columns", "tokens", "decoder_tokens") is in use."""
         if share == "heads":
-            return "TP" in (self.att, self.xatt)
+            return self.att == "TP" or self.xatt == "TP"
         if share == "columns":
             return self.mlp == "TP"
-        return "SP" in (self.att, self.mlp, self.con) + ((self.xatt,) if share == "decoder_tokens" else ())
+        return self.att == "SP" or self.mlp == "SP" or self.con == "SP" or (share == "decoder_tokens"
+                                                                             and self.xatt == "SP")
 
     def method(self, kind: str) -> str:
         """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""

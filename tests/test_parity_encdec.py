@@ -1,13 +1,15 @@
-"""The encoder-decoder families (BART) under per-sub-block plans train exactly like Hugging Face.
+"""The encoder-decoder families (BART, T5) under per-sub-block plans train exactly like Hugging Face.
 
 Tiny BartForConditionalGeneration (2 encoder and 2 decoder layers, 4 heads, MLP 96, LM head tied
-to the shared table, non-zero biases, norms and final_logits_bias) on right-padded source rows of
-12 tokens and target rows of 9 (labels -100 on padding, decoder inputs the labels shifted right).
-At world 2 the 8 ATT x MLP x CON combinations, each with the XATT method that makes every pair of
-the four methods appear (a 2^(4-1) design), uneven heads (3 / 1), MLP columns (64 / 32), source
-tokens (7 / 5) and target tokens (4 / 5, the other rank larger); world 3 and serial. Each: logits,
-loss, every gathered gradient, 5 SGD steps' losses and the final gathered weights within 1e-5
-relative (fp32).
+to the shared table, non-zero biases, norms and final_logits_bias) and T5ForConditionalGeneration
+(the same depth, 4 heads of 8 in a width of 48, relative position buckets 8 up to distance 16;
+v1.0: ReLU MLP, tied and scaled head; v1.1: gated GELU, its own head) on right-padded source rows
+of 12 tokens and target rows of 9 (labels -100 on padding, decoder inputs the labels shifted
+right). At world 2 the 8 ATT x MLP x CON combinations, each with the XATT method that makes every
+pair of the four methods appear (a 2^(4-1) design), uneven heads (3 / 1), MLP columns (64 / 32),
+source tokens (7 / 5) and target tokens (4 / 5, the other rank larger); world 3 and serial; T5
+v1.1 under two plans and serially. Each: logits, loss, every gathered gradient, 5 SGD steps'
+losses and the final gathered weights within 1e-5 relative (fp32).
 """
 import itertools
 
@@ -43,18 +45,36 @@ def check(reports):
         check_report(report, rank)
 
 
-@pytest.mark.parametrize("att,mlp,con,xatt", COMBOS, ids=[plan_id("bart", *c) for c in COMBOS])
-def test_bart_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, att, mlp, con, xatt):
-    check(dist_pool(2).run(train_plan_and_compare, "bart", tiny_lm_dir("bart"), Plan(att, mlp, con, xatt=xatt),
-                           SHARES[2], tiny_seq2seq_batch))
+FAMILIES = ("bart", "t5")
+WORLD2 = [(f, *c) for f in FAMILIES for c in COMBOS]
+WORLD3_CASES = [(f, *c) for f in FAMILIES for c in WORLD3]
+T5_V1_1 = [("TP", "TP", "SP", "SP"), ("SP", "SP", "None", "TP")]
 
 
-@pytest.mark.parametrize("att,mlp,con,xatt", WORLD3, ids=[plan_id("bart", *c) for c in WORLD3])
-def test_bart_plan_matches_hf_world3(dist_pool, tiny_lm_dir, att, mlp, con, xatt):
-    check(dist_pool(3).run(train_plan_and_compare, "bart", tiny_lm_dir("bart"), Plan(att, mlp, con, xatt=xatt),
-                           SHARES[3], tiny_seq2seq_batch))
+def run(dist_pool, world, family, model_dir, plan):
+    check(dist_pool(world).run(train_plan_and_compare, family, model_dir, plan, SHARES[world], tiny_seq2seq_batch))
 
 
-def test_bart_serial_matches_hf(dist_pool, tiny_lm_dir):
-    check(dist_pool(1).run(train_plan_and_compare, "bart", tiny_lm_dir("bart"), Plan(), SHARES[1],
-                           tiny_seq2seq_batch))
+@pytest.mark.parametrize("family,att,mlp,con,xatt", WORLD2, ids=[plan_id(*c) for c in WORLD2])
+def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con, xatt):
+    run(dist_pool, 2, family, tiny_lm_dir(family), Plan(att, mlp, con, xatt=xatt))
+
+
+@pytest.mark.parametrize("family,att,mlp,con,xatt", WORLD3_CASES, ids=[plan_id(*c) for c in WORLD3_CASES])
+def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con, xatt):
+    run(dist_pool, 3, family, tiny_lm_dir(family), Plan(att, mlp, con, xatt=xatt))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
+    run(dist_pool, 1, family, tiny_lm_dir(family), Plan())
+
+
+@pytest.mark.parametrize("att,mlp,con,xatt", T5_V1_1, ids=[plan_id("t5v1.1", *c) for c in T5_V1_1])
+def test_t5_v1_1_gated_untied_matches_hf(dist_pool, tiny_lm_dir, att, mlp, con, xatt):
+    """Gated-GELU MLP (wi_0, wi_1, wo), the LM head apart from the shared table, no output scale."""
+    run(dist_pool, 2, "t5", tiny_lm_dir("t5", v1_1=True), Plan(att, mlp, con, xatt=xatt))
+
+
+def test_t5_v1_1_serial_matches_hf(dist_pool, tiny_lm_dir):
+    run(dist_pool, 1, "t5", tiny_lm_dir("t5", v1_1=True), Plan())

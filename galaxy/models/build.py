@@ -29,6 +29,22 @@ def load_hf_config(model_path: str, dropout: float | None = None):
     return cfg
 
 
+@torch.no_grad()
+def tie_as_checkpoint(cfg, checkpoint: LazyCheckpoint, family: FamilySpec):
+    """cfg, untied (tie_word_embeddings False) when the checkpoint holds the family's tied pair
+    (FamilySpec.hf_tied) with different values: Hugging Face then loads both, apart."""
+    if not family.hf_tied or not getattr(cfg, "tie_word_embeddings", False):
+        return cfg
+    if not all(name in checkpoint for name in family.hf_tied):
+        return cfg
+    head, table = (torch.empty(checkpoint.shape(name)) for name in family.hf_tied)
+    checkpoint.read_into(family.hf_tied[0], head)
+    checkpoint.read_into(family.hf_tied[1], table)
+    if not torch.equal(head, table):
+        cfg.tie_word_embeddings = False
+    return cfg
+
+
 def model_class(family: FamilySpec, task: str | None):
     """The family's model class for `task` (None: its first task in FamilySpec.tasks, its primary one)."""
     return family.model_class(next(iter(family.tasks)) if task is None else task)

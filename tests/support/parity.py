@@ -89,8 +89,13 @@ def hf_bart(model_dir):
     return BartForConditionalGeneration.from_pretrained(model_dir).train()
 
 
+def hf_t5(model_dir):
+    from transformers import T5ForConditionalGeneration
+    return T5ForConditionalGeneration.from_pretrained(model_dir).train()
+
+
 HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2,
-              "llama/classification": hf_llama_classifier, "bart": hf_bart}
+              "llama/classification": hf_llama_classifier, "bart": hf_bart, "t5": hf_t5}
 
 
 def check_report(report, rank, tol=1e-5):

@@ -166,3 +166,41 @@ def tiny_seq2seq_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, target: i
     return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input_ids,
                 decoder_attention_mask=tgt_mask, labels=labels)
 MAKE_TINY_LM["bart"] = make_tiny_bart
+
+
+TINY_T5 = dict(vocab_size=128, d_model=48, d_kv=8, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+               relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+               feed_forward_proj="relu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=2)
+
+
+def make_tiny_t5(path: str, seed: int = 0, v1_1: bool = False, **overrides) -> str:
+    """T5ForConditionalGeneration, 4 heads of 8 (inner width 32, not d_model 48), buckets 8 up to
+    distance 16 (so that log-spaced buckets occur in 12 tokens). v1_1: gated-GELU MLP and an LM
+    head of its own (a checkpoint holding lm_head.weight apart, untied, unscaled: flan-T5's form)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(seed)
+    keys = {**TINY_T5, **({"feed_forward_proj": "gated-gelu"} if v1_1 else {}), **overrides}
+    model = T5ForConditionalGeneration(T5Config(**keys, tie_word_embeddings=not v1_1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if v1_1:
+        weights = os.path.join(path, "model.safetensors")
+        state = load_file(weights)
+        state["lm_head.weight"] = 0.05 * torch.randn_like(state["shared.weight"])
+        save_file(state, weights, metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["tie_word_embeddings"] = False
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    return path
+
+
+MAKE_TINY_LM["t5"] = make_tiny_t5
