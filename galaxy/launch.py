@@ -18,7 +18,9 @@ and is started either once per rank by hand,
 
 or by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment: env://).
 By hand, --init_method defaults to tcp://127.0.0.1:29500, i.e. all ranks on this machine;
-give the address of rank 0's host to span machines. A single process (--world 1, the
+give the address of rank 0's host to span machines: each rank then binds its collectives to the
+interface that routes there unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name one
+(galaxy.distributed.interface). A single process (--world 1, the
 default) rendezvouses through an in-memory store, so two serial runs never share a port.
 
 Before any process group starts, the config, the data, the model's weights and tokenizer, the
@@ -55,6 +57,7 @@ from galaxy.config import ConfigError, apply_preset, load_config, validate_for_w
 from galaxy.data.errors import DataError
 from galaxy.distributed import waiting
 from galaxy.distributed.agreement import Disagreement, RendezvousError, agree, fingerprint, open_store
+from galaxy.distributed.interface import bind_to_rendezvous
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
 from galaxy.preflight.summary import summary as preflight_summary
@@ -117,6 +120,12 @@ def parse_args(argv, script: str, add_arguments=None, default_config: str | None
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
+    _world_and_rank(p, args)
+    return args
+
+
+def _world_and_rank(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """world, rank, init_method (and local_rank) from torchrun's environment or the command line."""
     env_rank, env_world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
     args.local_rank = None
     if env_rank is not None and env_world is not None:  # started by torchrun
@@ -147,7 +156,6 @@ def parse_args(argv, script: str, add_arguments=None, default_config: str | None
         if problem:
             p.error(f"--init_method {args.init_method} {problem}; give tcp://HOST:PORT with rank 0's address "
                     f"(e.g. {DEFAULT_INIT_METHOD})")
-    return args
 
 
 def _tcp_problem(url: str) -> str | None:
@@ -291,6 +299,21 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
     Returns normally (exit status 0) on success; every failure exits, see the module docstring.
     """
     args = parse_args(argv, script, add_arguments, default_config)
+    cfg, job, report, settings = _checked_job(args, preset, script, model_type, config_fn, prepare_fn,
+                                              add_arguments)
+    if args.rank == 0:
+        for line in report.warnings:
+            sys.stderr.write(f"{script}: {line}\n")
+    if args.check:
+        print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
+        return
+    env = _rendezvous(cfg, args, settings, script)
+    _run(train_fn, job, env, script)
+
+
+def _checked_job(args, preset, script, model_type, config_fn, prepare_fn, add_arguments):
+    """(config, job, preflight report, settings fingerprint): every check before any process group;
+    a user's mistake exits 2 with one line per problem."""
     try:
         cfg = load_run_config(args, preset, script, model_type, config_fn)
         if prepare_fn is None:
@@ -299,35 +322,36 @@ def main(preset: str, train_fn, script: str, argv=None, prepare_fn=None, add_arg
             job = prepare_fn(cfg, args) if add_arguments is not None else prepare_fn(cfg)
         # A script with a prepare function builds a model: check it against its weights.
         report = preflight.check_job(cfg, job) if prepare_fn is not None else preflight.Report()
-        settings = fingerprint(cfg, job, args, script)
+        return cfg, job, report, fingerprint(cfg, job, args, script)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         _report(script, e)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-    if args.rank == 0:
-        for line in report.warnings:
-            sys.stderr.write(f"{script}: {line}\n")
-    if args.check:
-        print(preflight_summary(cfg, job, report, script, args.rank, args.world), flush=True)
-        return
 
+
+def _rendezvous(cfg, args, settings, script: str) -> DistEnv:
+    """The process group, or an exit naming what failed (status 2: ranks disagree; 1: the rendezvous)."""
+    via = bind_to_rendezvous(args.init_method)      # "" on loopback: nothing changes there
     try:
-        env = init_distributed(cfg, args, settings)
+        return init_distributed(cfg, args, settings)
     except ConfigError as e:  # raised before init_process_group
         _report(script, e)
         sys.exit(2)
     except Disagreement as e:  # every rank reaches it, before init_process_group
         _hard_exit(2, f"{script}: rank {args.rank}: error: {e}")
     except RendezvousError as e:
-        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method} failed: {e}")
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method}{via} failed: {e}")
     except KeyboardInterrupt:
         _hard_exit(130)
     except Exception as e:
-        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method or 'local store'} "
+        _hard_exit(1, f"{script}: rank {args.rank}: rendezvous at {args.init_method or 'local store'}{via} "
                       f"failed (waited up to timeout_s={cfg.timeout_s:g}; did all {args.world} ranks "
                       f"start with the same --world and --init_method?): {_first_line(e)}")
 
+
+def _run(train_fn, job, env: DistEnv, script: str) -> None:
+    """train_fn(job, env), every failure one line and its exit status (module docstring)."""
     try:
         train_fn(job, env)
     except KeyboardInterrupt:

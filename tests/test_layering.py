@@ -8,7 +8,7 @@ import pytest
 # Bottom first; a module may import its own package and those of earlier rows.
 LAYERS = [("plan",), ("config", "files", "data", "compat", "assets"), ("distributed",), ("layers",), ("models",),
           ("parallel",), ("pipeline",), ("runtime",), ("peft",), ("preflight",), ("train",), ("launch",),
-          ("profiler",), ("planner",)]
+          ("profiler",), ("planner",), ("edge",)]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "galaxy"
 

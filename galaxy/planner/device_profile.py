@@ -8,9 +8,10 @@ time (so that ranks sharing a host contend as they will in training):
               of shares (heads, columns, tokens) and rows; one GEMM at the model's largest shape
               (the fallback rate); the optimizer's step per parameter (AdamW, SGD); adding a
               gradient into .grad per parameter (every micro-batch after the first does)
-  memory      what a rank may use (CPU: MemAvailable shared by the ranks on the host; CUDA: the
-              free device memory) and the process's RSS before any model exists (the baseline
-              every training process pays)
+  memory      what a rank may use (CPU: its cgroup's memory limit where one applies, as on a device
+              of the edge testbed or in a container, else MemAvailable; shared by the ranks on the
+              host; CUDA: the free device memory) and the process's RSS before any model exists
+              (the baseline every training process pays)
 
 then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
 with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
@@ -28,9 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
 from galaxy.planner.harness import SubBlockBench
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
-from galaxy.runtime import cpu_allocator
+from galaxy.runtime import cgroup, cpu_allocator
 from galaxy.train.optim import build_optimizer, step_kind
 
 
@@ -206,76 +208,93 @@ def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
     project's 2-core VM at the sizes a step moves (bench/results/plan_accuracy.md). The mean of
     every call is kept whatever --statistic says: a step pays every call, its slow ones too (a
     waiting thread woken a scheduler tick late: 4 ms on some VMs, against 0.3 ms typical)."""
-    from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
-    n, rank, device = env.world, env.rank, env.device
-    pg = dist.group.WORLD
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    width = 64
-    out = []
-    square = torch.randn(BURST_GEMM, BURST_GEMM, device=device)
+    timer = _LinkTimer(env, repeats)
+    for size in sizes:
+        timer.gathers(size)
+        timer.all_reduce(size)
+        timer.send_recv(size)
+    return timer.out
 
-    def burst() -> None:
+
+class _LinkTimer:
+    """The collectives of measure_link, each timed after a burst of GEMMs, recorded at the slowest rank."""
+
+    WIDTH = 64          # features per token of the gathered and scattered activations
+
+    def __init__(self, env, repeats: int):
+        self.n, self.rank, self.device, self.repeats = env.world, env.rank, env.device, repeats
+        self.pg = dist.group.WORLD
+        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        self.square = torch.randn(BURST_GEMM, BURST_GEMM, device=self.device)
+        self.out: list[dict] = []
+
+    def burst(self) -> None:
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < BURST_S:
-            square @ square
-            sync()
+            self.square @ self.square
+            self.sync()
 
-    def _timed(fn, repeats: int) -> float:
+    def timed(self, fn) -> float:
         """Mean seconds per call, each call after a burst, over `repeats` batches of calls; a batch
         is about LINK_BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
-        sync()
+        self.sync()
         t0 = time.perf_counter()
         fn()
-        sync()
-        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        self.sync()
+        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
         dist.all_reduce(once, op=dist.ReduceOp.MAX)           # every rank must make as many calls
-        calls = repeats * max(1, min(MAX_CALLS, int(LINK_BATCH_S / (BURST_S + max(once.item(), 1e-6)))))
+        calls = self.repeats * max(1, min(MAX_CALLS, int(LINK_BATCH_S / (BURST_S + max(once.item(), 1e-6)))))
         spent = 0.0
         for _ in range(calls):
-            burst()
+            self.burst()
             t0 = time.perf_counter()
             fn()
-            sync()
+            self.sync()
             spent += time.perf_counter() - t0
         return spent / calls
 
-    def record(kind, wire, uneven, seconds):
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    def record(self, kind: str, wire, uneven: bool, seconds: float, group: int | None = None) -> None:
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append({"kind": kind, "group": n, "bytes": int(wire), "uneven": uneven, "seconds": float(t.item())})
+        self.out.append({"kind": kind, "group": group or self.n, "bytes": int(wire), "uneven": uneven,
+                         "seconds": float(t.item())})
 
-    for size in sizes:
+    def gathers(self, size: int) -> None:
+        """All-gather and reduce-scatter of token shards, even and (where there are tokens to
+        spare) uneven, the largest shard moving about `size` bytes in all."""
+        n, width = self.n, self.WIDTH
         longest = max(1, size // (4 * width * (n - 1)))           # tokens of the largest shard
         for uneven in (False, True):
             if uneven and longest < 2:
                 continue
             shares = [longest] * n if not uneven else [longest] + [max(1, longest // 2)] * (n - 1)
-            x = torch.randn(1, shares[rank], width, device=device)
-            full = torch.randn(1, sum(shares), width, device=device)
+            x = torch.randn(1, shares[self.rank], width, device=self.device)
+            full = torch.randn(1, sum(shares), width, device=self.device)
             wire = (n - 1) * longest * width * 4
             dist.barrier()
-            record("all_gather", wire, uneven, _timed(lambda: all_gather_sequence(x, shares, pg), repeats))
+            self.record("all_gather", wire, uneven, self.timed(lambda: all_gather_sequence(x, shares, self.pg)))
             dist.barrier()
-            record("reduce_scatter", wire, uneven,
-                   _timed(lambda: reduce_scatter_sequence(full, shares, rank, pg), repeats))
+            self.record("reduce_scatter", wire, uneven,
+                        self.timed(lambda: reduce_scatter_sequence(full, shares, self.rank, self.pg)))
+
+    def all_reduce(self, size: int) -> None:
+        n = self.n
         numel = max(n, size // (8 * (n - 1)) * n)
-        y = torch.randn(numel, device=device)
+        y = torch.randn(numel, device=self.device)
         dist.barrier()
-        record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, _timed(lambda: all_reduce(y, pg), repeats))
-        z = torch.randn(max(1, size // 4), device=device)
+        self.record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, self.timed(lambda: all_reduce(y, self.pg)))
+
+    def send_recv(self, size: int) -> None:
+        z = torch.randn(max(1, size // 4), device=self.device)
         dist.barrier()
 
         def exchange():
-            if rank == 0:
+            if self.rank == 0:
                 dist.send(z, dst=1)
-            elif rank == 1:
+            elif self.rank == 1:
                 dist.recv(z, src=0)
-        seconds = _timed(exchange, repeats)     # ranks past 1 call a no-op, as many times
-        t = torch.tensor([seconds], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append({"kind": "send_recv", "group": 2, "bytes": int(z.numel() * 4), "uneven": False,
-                    "seconds": float(t.item())})
-    return out
+        # ranks past 1 call a no-op, as many times
+        self.record("send_recv", z.numel() * 4, False, self.timed(exchange), group=2)
 
 
 def link_sizes(quick: bool) -> list[int]:
@@ -296,7 +315,8 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
         free, _ = torch.cuda.mem_get_info(env.device)
         memory = free / 2 ** 20 / sharing
     else:
-        memory = available_mib() / sharing
+        limited = cgroup.own_memory()       # the kernel holds the rank to it, whatever the host has free
+        memory = (limited.limit / 2 ** 20 if limited else available_mib()) / sharing
     bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
                           device=env.device, seed=cfg.seed)
     dist.barrier()                      # every rank measures at the same time, as it will train

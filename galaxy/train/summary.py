@@ -7,24 +7,37 @@ import sys
 import torch
 import torch.distributed as dist
 
+from galaxy.runtime import cgroup
 
-def peak_memory_mib(device: torch.device) -> float:
-    """CUDA: the most memory tensors ever held on the device. CPU: the process's peak RSS."""
+
+def peak_memory_mib(device: torch.device) -> tuple[float, str]:
+    """(MiB, what was measured). CUDA: the most memory tensors ever held on the device. CPU: the
+    peak of the rank's cgroup where a cgroup limits its memory (what the kernel holds it to: a
+    device of the edge testbed, a container), else the process's peak RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return torch.cuda.max_memory_allocated(device) / 2**20, "GPU"
+    limited = cgroup.own_memory()
+    if limited is not None and limited.peak is not None:
+        return limited.peak / 2**20, "cgroup"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10   # bytes on macOS, KiB on Linux
+    return (peak / 2**20 if sys.platform == "darwin" else peak / 2**10), "RSS"   # bytes on macOS, KiB on Linux
 
 
-def gather_peak_memory(device: torch.device) -> list[float]:
-    """Collective over the default group: [MiB of rank 0, rank 1, ...] on every rank."""
+def gather_peak_memory(device: torch.device) -> tuple[list[float], list[str]]:
+    """Collective over the default group: ([MiB of rank 0, rank 1, ...], [what each measured]) on every rank."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, round(peak_memory_mib(device), 1))
-    return every
+    mib, source = peak_memory_mib(device)
+    dist.all_gather_object(every, (round(mib, 1), source))
+    return [m for m, _ in every], [s for _, s in every]
+
+
+PEAK_LABELS = {"GPU": "peak GPU memory allocated", "RSS": "peak RSS", "cgroup": "peak memory of each rank's cgroup",
+               "mixed": "peak memory (the rank's cgroup's where one limits it, else RSS)"}
 
 
 def format_summary(summary: dict, device: torch.device) -> str:
-    what = "peak GPU memory allocated" if device.type == "cuda" else "peak RSS"
+    kinds = set(summary.get("peak_memory_of", ())) or {"GPU" if device.type == "cuda" else "RSS"}
+    what = PEAK_LABELS[kinds.pop() if len(kinds) == 1 else "mixed"]
     lines = [f"done: {summary['steps']} steps ({summary['steps_this_run']} in this run) in "
              f"{summary['wall_s']:.1f} s, {summary['tokens_per_s']:.0f} tokens/s (non-padding), "
              f"final loss {summary['final_loss']:.4f}"]

@@ -113,7 +113,7 @@ def config(row: dict, model: dict, folder: str) -> tuple[str, str, int, str]:
 
 def make_models(folder: str) -> dict:
     """family -> {"dir", "train", "keys" (config keys the data needs), "columns" (MLP shares)}."""
-    from galaxy.models import tiny_llama
+    from galaxy.assets import tiny_llama
     llama_tokenizer = tiny_llama.train_tokenizer(300)        # Llama's and Qwen2's: trained once
     return {"bert": _bert(os.path.join(folder, "bert")),
             **{family: _causal_lm(family, os.path.join(folder, family), llama_tokenizer)
@@ -122,7 +122,7 @@ def make_models(folder: str) -> dict:
 
 def _bert(folder: str) -> dict:
     from galaxy.data import pydoc_topics_dataset
-    from galaxy.models.packaged_minilm import packaged_minilm_dir
+    from galaxy.assets.packaged_minilm import packaged_minilm_dir
     examples, names = pydoc_topics_dataset("train")
     by_class = [[text for text, label in examples if label == c] for c in range(len(names))]
     rows = [(by_class[i % len(names)][i // len(names)], i % len(names)) for i in range(BATCH * STEPS)]
@@ -144,7 +144,7 @@ GPT2_SHAPE = dict(n_embd=48, n_layer=2, n_head=6, n_positions=64, bos_token_id=0
 
 def _causal_lm(family: str, folder: str, llama_tokenizer) -> dict:
     import pydoc_data.topics
-    from galaxy.models import tiny_gpt2, tiny_llama, tiny_qwen2
+    from galaxy.assets import tiny_gpt2, tiny_llama, tiny_qwen2
     from transformers import LlamaConfig, LlamaForCausalLM
     llama = lambda **keys: LlamaForCausalLM(LlamaConfig(**keys, tie_word_embeddings=False))  # noqa: E731
     make, tokenizer, shape = {"llama": (llama, lambda vocab: llama_tokenizer, LM_SHAPE),
