@@ -16,7 +16,7 @@ import itertools
 import pytest
 
 from support.parity import check_report
-from support.parity_runners import train_plan_and_compare
+from support.parity_runners import train_plans_and_compare, train_runner_and_compare
 from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch
 
 from galaxy.plan import Plan
@@ -40,41 +40,42 @@ def plan_id(family, att, mlp, con, xatt):
     return f"{family}-att{att}-mlp{mlp}-con{con}-xatt{xatt}"
 
 
-def check(reports):
-    for rank, report in enumerate(reports):
-        check_report(report, rank)
+def run(dist_pool, world, family, model_dir, cases):
+    """Every case in one call to the pool (a case is milliseconds of work beside a launch); a
+    failure names the plan."""
+    plans = [Plan(*case) if len(case) < 4 else Plan(*case[:3], xatt=case[3]) for case in cases]
+    for rank, results in enumerate(dist_pool(world).run(train_plans_and_compare, family, model_dir, plans,
+                                                        SHARES[world], tiny_seq2seq_batch)):
+        for case, (_, report) in zip(cases, results):
+            try:
+                check_report(report, rank)
+            except AssertionError as e:
+                raise AssertionError(f"{plan_id(family, *case) if case else family + '-serial'}: {e}") from None
 
 
-FAMILIES = ("bart", "t5")
-WORLD2 = [(f, *c) for f in FAMILIES for c in COMBOS]
-WORLD3_CASES = [(f, *c) for f in FAMILIES for c in WORLD3]
-T5_V1_1 = [("TP", "TP", "SP", "SP"), ("SP", "SP", "None", "TP")]
+@pytest.mark.parametrize("family", ("bart", "t5"))
+def test_world2_uneven_plans_match_hf(dist_pool, tiny_lm_dir, family):
+    run(dist_pool, 2, family, tiny_lm_dir(family), COMBOS)
 
 
-def run(dist_pool, world, family, model_dir, plan):
-    check(dist_pool(world).run(train_plan_and_compare, family, model_dir, plan, SHARES[world], tiny_seq2seq_batch))
+@pytest.mark.parametrize("family", ("bart", "t5"))
+def test_world3_plans_match_hf(dist_pool, tiny_lm_dir, family):
+    run(dist_pool, 3, family, tiny_lm_dir(family), WORLD3)
 
 
-@pytest.mark.parametrize("family,att,mlp,con,xatt", WORLD2, ids=[plan_id(*c) for c in WORLD2])
-def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp, con, xatt):
-    run(dist_pool, 2, family, tiny_lm_dir(family), Plan(att, mlp, con, xatt=xatt))
+def test_serial_matches_hf(dist_pool, tiny_lm_dir):
+    for family, overrides in (("bart", {}), ("t5", {}), ("t5", {"v1_1": True})):
+        run(dist_pool, 1, family, tiny_lm_dir(family, **overrides), [()])
 
 
-@pytest.mark.parametrize("family,att,mlp,con,xatt", WORLD3_CASES, ids=[plan_id(*c) for c in WORLD3_CASES])
-def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con, xatt):
-    run(dist_pool, 3, family, tiny_lm_dir(family), Plan(att, mlp, con, xatt=xatt))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_serial_matches_hf(dist_pool, tiny_lm_dir, family):
-    run(dist_pool, 1, family, tiny_lm_dir(family), Plan())
-
-
-@pytest.mark.parametrize("att,mlp,con,xatt", T5_V1_1, ids=[plan_id("t5v1.1", *c) for c in T5_V1_1])
-def test_t5_v1_1_gated_untied_matches_hf(dist_pool, tiny_lm_dir, att, mlp, con, xatt):
+def test_t5_v1_1_gated_untied_matches_hf(dist_pool, tiny_lm_dir):
     """Gated-GELU MLP (wi_0, wi_1, wo), the LM head apart from the shared table, no output scale."""
-    run(dist_pool, 2, "t5", tiny_lm_dir("t5", v1_1=True), Plan(att, mlp, con, xatt=xatt))
+    run(dist_pool, 2, "t5", tiny_lm_dir("t5", v1_1=True), [("TP", "TP", "SP", "SP"), ("SP", "SP", "None", "TP")])
 
 
-def test_t5_v1_1_serial_matches_hf(dist_pool, tiny_lm_dir):
-    run(dist_pool, 1, "t5", tiny_lm_dir("t5", v1_1=True), Plan())
+@pytest.mark.parametrize("family", ("bart", "t5"))
+def test_dp2_matches_hf(dist_pool, tiny_lm_dir, family):
+    """Two replicas under DDP, 4 rows each, against HF on the global batch of 8."""
+    for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, tiny_lm_dir(family), Plan(),
+                                                   1, 2, SHARES[1], tiny_seq2seq_batch)):
+        check_report(report, rank)

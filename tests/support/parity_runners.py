@@ -158,3 +158,9 @@ def train_plan_and_compare(family: str, model_dir, plan, shares, batch_fn, steps
     build: more keywords (a dict): activation_checkpointing, task, comm_chunks, kv_blocks."""
     return train_runner_and_compare(family, model_dir, plan, 1, 1, shares, batch_fn,
                                     {"global_batch": None, "steps": steps, "lr": lr, **(build or {})})
+
+
+def train_plans_and_compare(family: str, model_dir, plans, shares, batch_fn) -> list:
+    """train_plan_and_compare for each plan in turn, in one call to the pool (a process launch's
+    worth of cases); returns [(plan, report)]."""
+    return [(plan, train_plan_and_compare(family, model_dir, plan, shares, batch_fn)) for plan in plans]
