@@ -17,6 +17,7 @@ import pytest
 
 from support.parity import check_report
 from support.parity_runners import train_plans_and_compare, train_runner_and_compare
+from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
 from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch
 
 from galaxy.plan import Plan
@@ -40,12 +41,12 @@ def plan_id(family, att, mlp, con, xatt):
     return f"{family}-att{att}-mlp{mlp}-con{con}-xatt{xatt}"
 
 
-def run(dist_pool, world, family, model_dir, cases):
+def run(dist_pool, world, family, model_dir, cases, build=None):
     """Every case in one call to the pool (a case is milliseconds of work beside a launch); a
-    failure names the plan."""
+    failure names the plan. build: train_plan_and_compare's more keywords."""
     plans = [Plan(*case) if len(case) < 4 else Plan(*case[:3], xatt=case[3]) for case in cases]
     for rank, results in enumerate(dist_pool(world).run(train_plans_and_compare, family, model_dir, plans,
-                                                        SHARES[world], tiny_seq2seq_batch)):
+                                                        SHARES[world], tiny_seq2seq_batch, build)):
         for case, (_, report) in zip(cases, results):
             try:
                 check_report(report, rank)
@@ -79,3 +80,24 @@ def test_dp2_matches_hf(dist_pool, tiny_lm_dir, family):
     for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, tiny_lm_dir(family), Plan(),
                                                    1, 2, SHARES[1], tiny_seq2seq_batch)):
         check_report(report, rank)
+
+
+@pytest.mark.parametrize("family,case", [("t5", ("TP", "TP", "SP", "SP")), ("bart", ("SP", "SP", "None", "TP"))])
+def test_recomputed_layers_match_hf(dist_pool, tiny_lm_dir, family, case):
+    """activation_checkpointing "full": every encoder and decoder layer recomputed in backward."""
+    run(dist_pool, 2, family, tiny_lm_dir(family), [case], {"activation_checkpointing": "full"})
+
+
+@pytest.mark.parametrize("family,targets,case", [("bart", ["q_proj", "v_proj", "fc1"], ("TP", "TP", "SP", "SP")),
+                                                 ("t5", ["q", "v", "wo"], ("SP", "TP", "None", "TP"))])
+def test_lora_matches_peft(dist_pool, tiny_lm_dir, tmp_path, family, targets, case):
+    """LoRA on self- and cross-attention (and an MLP projection) from one random peft adapter:
+    losses, logits and the adapter tensors after 5 SGD steps equal peft's on the HF model."""
+    model_dir = tiny_lm_dir(family)
+    adapter = write_peft_adapter(family, model_dir, str(tmp_path / "lora"), targets)
+    plan = Plan(*case[:3], xatt=case[3])
+    for rank, report in enumerate(dist_pool(2).run(lora_plan_vs_peft, family, model_dir, adapter, plan, SHARES[2],
+                                                   tiny_seq2seq_batch)):
+        assert max(report["loss"]) < 1e-5 and report["logits"] < 1e-5, (rank, report["loss"], report["logits"])
+        assert report["tensors"][0] < 1e-5, (rank, report["tensors"])
+        assert report["frozen_grads"] == [], (rank, report["frozen_grads"])

@@ -26,7 +26,8 @@ class ModelKeys:
                                  "random model of model_type and the shape keys", path="folder_in")
     model_type: str | None = key(None, "the family of a random model (bert, llama, qwen2, gpt2); must match "
                                  "model_path's")
-    task: Literal["classification", "causal_lm"] | None = key(None, "what to train; null: the entry script's task")
+    task: Literal["classification", "causal_lm", "seq2seq"] | None = key(None, "what to train; null: the entry "
+                                                                         "script's task")
     hidden_size: int | None = key(None, "shape key: without model_path a random model of this shape; with it "
                                   "it must agree with config.json", at_least=1)
     intermediate_size: int | None = key(None, "shape key (MLP width)", at_least=1)

@@ -160,7 +160,7 @@ def train_plan_and_compare(family: str, model_dir, plan, shares, batch_fn, steps
                                     {"global_batch": None, "steps": steps, "lr": lr, **(build or {})})
 
 
-def train_plans_and_compare(family: str, model_dir, plans, shares, batch_fn) -> list:
-    """train_plan_and_compare for each plan in turn, in one call to the pool (a process launch's
-    worth of cases); returns [(plan, report)]."""
-    return [(plan, train_plan_and_compare(family, model_dir, plan, shares, batch_fn)) for plan in plans]
+def train_plans_and_compare(family: str, model_dir, plans, shares, batch_fn, build=None) -> list:
+    """train_plan_and_compare (build: its keywords) for each plan in turn, in one call to the pool
+    (a process launch's worth of cases); returns [(plan, report)]."""
+    return [(plan, train_plan_and_compare(family, model_dir, plan, shares, batch_fn, build=build)) for plan in plans]
