@@ -18,7 +18,7 @@ import pytest
 from support.parity import check_report
 from support.parity_runners import train_plans_and_compare, train_runner_and_compare
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
-from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch
+from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch, tiny_seq2seq_unmasked
 
 from galaxy.plan import Plan
 
@@ -41,12 +41,12 @@ def plan_id(family, att, mlp, con, xatt):
     return f"{family}-att{att}-mlp{mlp}-con{con}-xatt{xatt}"
 
 
-def run(dist_pool, world, family, model_dir, cases, build=None):
+def run(dist_pool, world, family, model_dir, cases, build=None, batch_fn=tiny_seq2seq_batch):
     """Every case in one call to the pool (a case is milliseconds of work beside a launch); a
     failure names the plan. build: train_plan_and_compare's more keywords."""
     plans = [Plan(*case) if len(case) < 4 else Plan(*case[:3], xatt=case[3]) for case in cases]
     for rank, results in enumerate(dist_pool(world).run(train_plans_and_compare, family, model_dir, plans,
-                                                        SHARES[world], tiny_seq2seq_batch, build)):
+                                                        SHARES[world], batch_fn, build)):
         for case, (_, report) in zip(cases, results):
             try:
                 check_report(report, rank)
@@ -80,6 +80,12 @@ def test_dp2_matches_hf(dist_pool, tiny_lm_dir, family):
     for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, tiny_lm_dir(family), Plan(),
                                                    1, 2, SHARES[1], tiny_seq2seq_batch)):
         check_report(report, rank)
+
+
+@pytest.mark.parametrize("family", ("bart", "t5"))
+def test_no_decoder_mask_matches_hf(dist_pool, tiny_lm_dir, family):
+    """No decoder_attention_mask: a causal mask over the target's 9 tokens (the source has 12)."""
+    run(dist_pool, 2, family, tiny_lm_dir(family), [("TP", "SP", "SP", "TP")], batch_fn=tiny_seq2seq_unmasked)
 
 
 @pytest.mark.parametrize("family,case", [("t5", ("TP", "TP", "SP", "SP")), ("bart", ("SP", "SP", "None", "TP"))])

@@ -132,6 +132,8 @@ class EncoderDecoder(GalaxyModel):
             attention_mask = torch.ones_like(input_ids)
         decoder_input_ids = self.decoder_inputs(input_ids, decoder_input_ids,
                                                 labels if self.task == "seq2seq" else None)
+        if decoder_attention_mask is None:        # as Hugging Face: no target padding, causal only
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
         carry = self.embed(input_ids, decoder_input_ids=decoder_input_ids)
         carry = self.run_layers(carry, self.layer_context(attention_mask, decoder_attention_mask), self.layers)
         return self.head(carry, labels)

@@ -165,6 +165,15 @@ def tiny_seq2seq_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, target: i
     decoder_input_ids = torch.cat((torch.full((batch, 1), 2), tgt[:, :-1].masked_fill(tgt_mask[:, :-1] == 0, 0)), 1)
     return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input_ids,
                 decoder_attention_mask=tgt_mask, labels=labels)
+
+
+def tiny_seq2seq_unmasked(seed: int, batch: int = 3):
+    """tiny_seq2seq_batch without decoder_attention_mask: the decoder attends causally over the
+    whole target, as Hugging Face's does without one. (The decoder's inputs stay: the fidelity
+    loop's logits call leaves the labels out. Labels alone are the trainer's batches.)"""
+    return {k: v for k, v in tiny_seq2seq_batch(seed, batch).items() if k != "decoder_attention_mask"}
+
+
 MAKE_TINY_LM["bart"] = make_tiny_bart
 
 
