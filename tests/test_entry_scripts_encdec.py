@@ -122,3 +122,17 @@ def test_pipelines_of_encoder_decoders_are_refused():
     assert ("pp_deg 2: encoder-decoder models (bart, t5) do not run as pipelines yet; set pp_deg to 1 "
             "(dp_deg and every Galaxy plan work)") in Plan(pp=2).problems(2, work)
     assert not Plan(dp=2).problems(2, work)
+
+
+def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
+    """One line, exit 2, before any process group (--check)."""
+    from galaxy import launch
+    from galaxy.train.trainer import prepare_seq2seq, train
+    config, _ = write_config(work, "t5", "train.jsonl", use_side=True)
+    with pytest.raises(SystemExit) as e:
+        launch.main(preset="galaxy", train_fn=train, script="finetune_t5.py", prepare_fn=prepare_seq2seq,
+                    argv=["--config_file", config, "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("finetune_t5.py: error: use_side: side-tuning does not cover encoder-decoders (bart, t5) yet; "
+                   "use use_lora or use_adapter"), err

@@ -17,9 +17,10 @@ import pytest
 
 from support.parity import check_report
 from support.parity_runners import train_plans_and_compare, train_runner_and_compare
-from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
+from support.peft_runners import lora_plan_vs_peft, peft_plan_vs_serial, write_peft_adapter
 from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch, tiny_seq2seq_unmasked
 
+from galaxy.peft import PeftOptions
 from galaxy.plan import Plan
 
 
@@ -107,3 +108,15 @@ def test_lora_matches_peft(dist_pool, tiny_lm_dir, tmp_path, family, targets, ca
         assert max(report["loss"]) < 1e-5 and report["logits"] < 1e-5, (rank, report["loss"], report["logits"])
         assert report["tensors"][0] < 1e-5, (rank, report["tensors"])
         assert report["frozen_grads"] == [], (rank, report["frozen_grads"])
+
+
+@pytest.mark.parametrize("family,case", [("bart", ("TP", "SP", "SP", "TP")), ("t5", ("SP", "TP", "None", "SP"))])
+def test_adapters_match_serial(dist_pool, tiny_lm_dir, family, case):
+    """Bottleneck adapters after self-attention, cross-attention and the MLP (peft has no format
+    for them): the plan's losses, logits and adapter weights after 5 SGD steps equal galaxy serial."""
+    options = PeftOptions("adapter", adapter_reduction_dim=8, non_linearity="gelu")
+    plan = Plan(*case[:3], xatt=case[3])
+    for rank, report in enumerate(dist_pool(2).run(peft_plan_vs_serial, tiny_lm_dir(family), plan, SHARES[2], options,
+                                                   tiny_seq2seq_batch)):
+        assert max(report["loss"]) < 1e-5 and report["logits"] < 1e-5, (rank, report["loss"], report["logits"])
+        assert report["tensors"][0] < 1e-5, (rank, report["tensors"])
