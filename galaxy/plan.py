@@ -3,8 +3,10 @@
     mesh        pp x dp x group: pipeline stages, data-parallel replicas of each stage, and the
                 Galaxy ranks that split every block between them (group = world / (pp * dp));
                 rank = (pp_index * dp + dp_index) * group + galaxy_rank (galaxy.distributed.mesh)
-    methods     how each sub-block runs in the group: att TP|SP, mlp TP|SP, con SP|None
-    shares      per Galaxy rank: query heads (a TP ATT), MLP columns (a TP MLP), tokens (SP)
+    methods     how each sub-block runs in the group: att TP|SP, mlp TP|SP, con SP|None, and an
+                encoder-decoder's cross-attention xatt TP|SP (None: as att)
+    shares      per Galaxy rank: query heads (a TP ATT or XATT), MLP columns (a TP MLP), tokens
+                (SP), and an encoder-decoder's decoder tokens (its target sequence, SP)
     pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
                 accumulation's otherwise) and the schedule (gpipe | 1f1b)
     memory      the layers that recompute in backward (activation checkpointing), and whether the
@@ -20,7 +22,7 @@ runners, the planner, checkpoints' layout record, the profiler) takes this one t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from itertools import accumulate
 from typing import NamedTuple
@@ -32,7 +34,7 @@ class Layout(str, Enum):
     S = "S"     # sequence-sharded: rank r holds its tokens [b, s_r, h]
     P = "P"     # partial: every rank holds [b, S, h]; the true value is the sum over ranks
 
-METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None")}
+METHODS = {"att": ("TP", "SP"), "mlp": ("TP", "SP"), "con": ("SP", "None"), "xatt": ("TP", "SP")}
 SCHEDULES = ("gpipe", "1f1b")
 # dp_sharding: replicas hold whole copies (DDP), or FSDP2 shards them and frees each layer's
 # gathered parameters after its forward ("full", ZeRO-3 like) or keeps them to backward ("no_reshard").
@@ -55,9 +57,10 @@ FIELD_OF_KEY = {
     "grad_accum_steps": "microbatches", "pipeline_schedule": "schedule",
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks",
+    "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens",
 }
 SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
-              "tokens": "seq_scatter_list"}
+              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
 
 
 class Workload(NamedTuple):
@@ -66,14 +69,17 @@ class Workload(NamedTuple):
     kv_heads: int       # key/value heads (num_key_value_heads; = heads without grouped-query attention)
     columns: int        # MLP intermediate size
     layers: int         # transformer layers
-    tokens: int         # sequence length (pad_size)
+    tokens: int         # sequence length (pad_size); an encoder-decoder's source length
     rows: int | None = None      # global batch rows (batch_size); None: not checked
+    target_tokens: int | None = None     # an encoder-decoder's decoder length; None: no decoder
 
     @staticmethod
-    def of(shape: dict, tokens: int, rows: int | None = None) -> "Workload":
-        """From a model shape (galaxy.models.shape.read_model_shape)."""
+    def of(shape: dict, tokens: int, rows: int | None = None, target_tokens: int | None = None) -> "Workload":
+        """From a model shape (galaxy.models.shape.read_model_shape); target_tokens counts only
+        for an encoder-decoder (shape["is_encoder_decoder"])."""
         return Workload(shape["num_attention_heads"], shape["num_key_value_heads"], shape["intermediate_size"],
-                        shape["num_hidden_layers"], tokens, rows)
+                        shape["num_hidden_layers"], tokens, rows,
+                        target_tokens if shape.get("is_encoder_decoder") else None)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,8 @@ class Plan:
     dp_sharding: str = "none"                 # none | full | no_reshard
     comm_chunks: int = 1
     kv_blocks: bool = False
+    xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
+    decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -141,6 +149,8 @@ class Plan:
             keys["comm_chunks"] = self.comm_chunks
         if self.kv_blocks:
             keys["kv_blocks"] = True
+        if self.xatt is not None:
+            keys["xatt_parallel_method"] = self.xatt
         return keys
 
     def checkpoint_key(self, layers: int | None = None):
@@ -159,12 +169,17 @@ class Plan:
     # --- what a resolved plan answers ----------------------------------------------------------
 
     def uses(self, share: str) -> bool:
-        """Whether a split of this kind ("heads", "columns", "tokens") is in use."""
+        """Whether a split of this kind ("heads", "columns", "tokens", "decoder_tokens") is in use."""
         if share == "heads":
-            return self.att == "TP"
+            return self.att == "TP" or self.xatt == "TP"
         if share == "columns":
             return self.mlp == "TP"
-        return "SP" in (self.att, self.mlp, self.con)
+        return self.att == "SP" or self.mlp == "SP" or self.con == "SP" or (share == "decoder_tokens"
+                                                                             and self.xatt == "SP")
+
+    def method(self, kind: str) -> str:
+        """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""
+        return getattr(self, kind) if kind != "xatt" or self.xatt is not None else self.att
 
     @property
     def con_layout(self) -> Layout:
@@ -237,6 +252,9 @@ class Plan:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
         problems += self._pipeline_problems(work)
+        if self.pp > 1 and work.target_tokens is not None:
+            problems.append(f"pp_deg {self.pp}: encoder-decoder models (bart, t5) do not run as pipelines yet; "
+                            "set pp_deg to 1 (dp_deg and every Galaxy plan work)")
         try:
             recompute_layers(self.checkpoint, work.layers)
         except PlanError as e:
@@ -256,7 +274,8 @@ class Plan:
             raise PlanError(*problems)
         shares = self._shares(world // (self.pp * self.dp), world, work)[0]
         stages = self.stages or tuple(even_split(work.layers, self.pp))
-        return replace(self, **shares, stages=stages,
+        xatt = self.method("xatt") if work.target_tokens is not None else self.xatt
+        return replace(self, **shares, stages=stages, xatt=xatt,
                        checkpoint=tuple(sorted(recompute_layers(self.checkpoint, work.layers))))
 
     def _shares(self, size: int, world: int, work: Workload) -> tuple[dict, list[str]]:
@@ -269,10 +288,18 @@ class Plan:
             "columns": (work.columns, "intermediate_size in the model config", 1,
                         "or set mlp_parallel_method to 'SP'"),
             "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
+            "decoder_tokens": (work.target_tokens, "target_pad_size (default pad_size)", 1,
+                               "or raise target_pad_size"),
         }
         out, problems = {}, []
         for name, (total, what, unit, fix) in wanted.items():
             key, given = SHARE_KEYS[name], getattr(self, name)
+            if total is None:       # no decoder: its shares mean nothing
+                out[name] = None
+                if given is not None:
+                    problems.append(f"{key} splits an encoder-decoder's decoder tokens, but the model "
+                                    "has no decoder; remove the key")
+                continue
             if given is not None:
                 problems += _given_share_problems(key, given, size, total, what, cells,
                                                   kv_group if name == "heads" and att_tp else 1, work)
@@ -328,32 +355,12 @@ def _given_share_problems(key, given, size, total, what, cells, kv_group, work) 
     return []
 
 
-def plan_key_problems(keys, rows: int | None = None) -> list[str]:
-    """What is wrong with a config's plan keys before any world or model is known (keys: an
-    object with the flat keys as attributes; rows: the global batch)."""
-    plan = Plan.from_keys(keys)
-    problems = plan.key_problems()
-    accumulation = getattr(keys, "grad_accum_steps", 1)
-    if plan.pp > 1 and accumulation > 1:
-        problems.append("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
-                        "num_microbatches is its accumulation); remove it")
-    if plan.pp == 1 and rows is not None and accumulation >= 1 and rows % accumulation:
-        problems.append(f"batch_size {rows} is not divisible by grad_accum_steps "
-                        f"{accumulation}; batch_size is the global batch of one optimizer "
-                        f"step, split into grad_accum_steps equal micro-batches")
-    return problems
-
-
 class PlanError(ValueError):
     """Problems of a plan: one line each (`problems`), joined by newlines."""
 
     def __init__(self, *problems: str):
         self.problems = list(problems)
         super().__init__("\n".join(problems))
-
-
-def plan_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(Plan))
 
 
 def even_split(total: int, parts: int, unit: int = 1) -> list[int]:

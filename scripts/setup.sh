@@ -13,3 +13,7 @@ PY=${PYTHON:-python3}
 [ -f models/tiny-llama/config.json ] || .venv/bin/python -m galaxy.assets.tiny_llama models/tiny-llama
 # The offline GPT-2: the same tokenizer recipe (GPT-2's <|endoftext|>) and a tiny random GPT2LMHeadModel.
 [ -f models/tiny-gpt2/config.json ] || .venv/bin/python -m galaxy.assets.tiny_gpt2 models/tiny-gpt2
+# The offline encoder-decoders (finetune_bart.py, finetune_t5.py): the same tokenizer recipe with BART's
+# and T5's templates, a tiny random BartForConditionalGeneration and T5ForConditionalGeneration.
+[ -f models/tiny-bart/config.json ] || .venv/bin/python -m galaxy.assets.tiny_bart models/tiny-bart
+[ -f models/tiny-t5/config.json ] || .venv/bin/python -m galaxy.assets.tiny_t5 models/tiny-t5

@@ -191,9 +191,9 @@ def test_model_folder_without_a_tokenizer(monkeypatch, capsys, ws):
 # --- 3. messages ---------------------------------------------------------------------------------
 
 def test_unsupported_model_type_names_it_and_the_supported_ones(monkeypatch, capsys, ws):
-    model = model_copy(ws, "m-t5", model_type="t5")
-    line = refused(monkeypatch, capsys, ws, "t5", model_path=model)
-    assert 'has model_type "t5" (string), which galaxy does not train' in line
+    model = model_copy(ws, "m-xlnet", model_type="xlnet")
+    line = refused(monkeypatch, capsys, ws, "xlnet", model_path=model)
+    assert 'has model_type "xlnet" (string), which galaxy does not train' in line
     assert line.endswith(f"supported model types: {', '.join(sorted(FAMILIES))}")
 
 

@@ -56,8 +56,8 @@ def test_bad_shapes_are_one_line_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     msg = str(pytest.raises(ConfigError, ensure_model, config(tmp_path, **SHAPE, vocab_size=1000), "bert").value)
     assert msg.startswith("vocab_size 1000 is smaller than the 30522 tokens of the all-MiniLM-L6-v2")
-    msg = str(pytest.raises(ConfigError, ensure_model, config(tmp_path, **SHAPE, model_type="t5"), "bert").value)
-    assert msg.startswith(f"model_type 't5' is not supported; supported: {', '.join(supported_model_types())}")
+    msg = str(pytest.raises(ConfigError, ensure_model, config(tmp_path, **SHAPE, model_type="xlnet"), "bert").value)
+    assert msg.startswith(f"model_type 'xlnet' is not supported; supported: {', '.join(supported_model_types())}")
     big = {**SHAPE, "hidden_size": 16384, "intermediate_size": 65536, "num_hidden_layers": 48}
     msg = str(pytest.raises(ConfigError, ensure_model, config(tmp_path, **big), "bert").value)
     assert "B parameters: building it needs about" in msg and "lower hidden_size" in msg

@@ -36,6 +36,8 @@ SERIAL = [
     # the rest of the shipped training configs
     *[f"python finetune_llama.py --config train_config/llama/{m}.json" for m in ("adapter", "side", "classification")],
     "python finetune_llama.py --config train_config/gpt2/full.json",
+    *[f"python finetune_{m}.py" for m in ("t5", "bart")],
+    *[f"python finetune_{m}.py --config_file train_config/{m}/lora.json" for m in ("t5", "bart")],
 ]
 PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
 WORLD2 = [   # {r}: the rank
@@ -56,6 +58,8 @@ WORLD2 = [   # {r}: the rank
     "python finetune_llama.py --config train_config/llama/galaxy/full.json --world 2 --rank {r}",
     "python finetune_llama.py --config train_config/gpt2/galaxy/full.json --world 2 --rank {r}",
     "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/gpt2/pp/full.json",
+    *[f"python finetune_{m}.py --config_file train_config/{m}/galaxy/full.json --world 2 --rank {{r}}"
+      for m in ("t5", "bart")],
 ]
 # Galaxy-LM's own style: its keys, no model_path (written to the scratch directory's galaxy_lm/).
 GALAXY_LM_CONFIGS = {"bert_full": BERT_FULL, "bert_galaxy_lora": BERT_GALAXY_LORA, "bert_pp_side": BERT_PP_SIDE,
@@ -75,7 +79,8 @@ DATA_SERIAL = ["python finetune_llama.py --config galaxy_lm/guanaco.json"]
 DEFAULT_CONFIGS = {"pretrain_bert.py": "bert/full.json", "pretrain_tp_bert.py": "bert/tp/full.json",
                    "pretrain_sp_bert.py": "bert/sp/full.json", "pretrain_dp_bert.py": "bert/dp/full.json",
                    "pretrain_pp_bert.py": "bert/pp/full.json", "pretrain_galaxy.py": "bert/galaxy/full.json",
-                   "finetune_llama.py": "llama/full.json", "finetune_pp_llama.py": "llama/pp/full.json"}
+                   "finetune_llama.py": "llama/full.json", "finetune_pp_llama.py": "llama/pp/full.json",
+                   "finetune_bart.py": "bart/full.json", "finetune_t5.py": "t5/full.json"}
 DOCUMENTED = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 GALAXY_LM_PAGE = os.path.join(ROOT, "docs", "galaxy_lm.md")
 

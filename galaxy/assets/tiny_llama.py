@@ -31,15 +31,22 @@ def train_bpe(vocab_size: int, special_tokens: list[str]):
     return tok
 
 
-def train_tokenizer(vocab_size: int):
-    """Llama's (and Qwen2's) tiny tokenizer: SPECIAL, a BOS added before every text."""
+def with_template(tok, single: str, pair: str, **roles):
+    """A transformers tokenizer around a trained BPE (tokenizers.Tokenizer) that wraps every text
+    in `single` (e.g. "<s> $A"; `pair` for two texts); roles: bos_token="<s>", ..."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = train_bpe(vocab_size, SPECIAL)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    used = sorted({t for t in (single + " " + pair).split() if t.startswith("<")})
+    tok.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                       special_tokens=[(t, tok.token_to_id(t)) for t in used])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **roles)
+
+
+def train_tokenizer(vocab_size: int):
+    """Llama's (and Qwen2's) tiny tokenizer: SPECIAL, a BOS added before every text."""
+    return with_template(train_bpe(vocab_size, SPECIAL), "<s> $A", "<s> $A <s> $B", bos_token="<s>",
+                         eos_token="</s>", pad_token="<pad>")
 
 
 def default_tokenizer():

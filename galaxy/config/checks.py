@@ -5,7 +5,7 @@ from __future__ import annotations
 from galaxy.config.errors import ConfigError
 from galaxy.config.keys import PEFT_FLAGS, GalaxyConfig
 from galaxy.config.schema import declared, range_problem
-from galaxy.plan import plan_key_problems
+from galaxy.plan import Plan
 
 
 def key_problems(cfg: GalaxyConfig) -> list[str]:
@@ -42,3 +42,19 @@ def peft_method(cfg) -> str:
         got = " and ".join(on) + (" are all true" if on else "full_model is false and no other is true")
         raise ConfigError(f"{got}; set exactly one of {', '.join(PEFT_FLAGS)} to true")
     return PEFT_FLAGS[on[0]] if on else "full"
+
+
+def plan_key_problems(keys, rows: int | None = None) -> list[str]:
+    """What is wrong with a config's plan keys before any world or model is known (keys: an
+    object with the flat keys as attributes; rows: the global batch)."""
+    plan = Plan.from_keys(keys)
+    problems = plan.key_problems()
+    accumulation = getattr(keys, "grad_accum_steps", 1)
+    if plan.pp > 1 and accumulation > 1:
+        problems.append("grad_accum_steps does not apply with pp_deg > 1 (the pipeline's "
+                        "num_microbatches is its accumulation); remove it")
+    if plan.pp == 1 and rows is not None and accumulation >= 1 and rows % accumulation:
+        problems.append(f"batch_size {rows} is not divisible by grad_accum_steps "
+                        f"{accumulation}; batch_size is the global batch of one optimizer "
+                        f"step, split into grad_accum_steps equal micro-batches")
+    return problems

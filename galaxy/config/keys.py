@@ -26,7 +26,8 @@ class ModelKeys:
                                  "random model of model_type and the shape keys", path="folder_in")
     model_type: str | None = key(None, "the family of a random model (bert, llama, qwen2, gpt2); must match "
                                  "model_path's")
-    task: Literal["classification", "causal_lm"] | None = key(None, "what to train; null: the entry script's task")
+    task: Literal["classification", "causal_lm", "seq2seq"] | None = key(None, "what to train; null: the entry "
+                                                                         "script's task")
     train: bool = key(True, "false: no training; a classifier predicts the test set (test_path, or the embedded "
                       "one) under the plan, as --predict FILE does")
     hidden_size: int | None = key(None, "shape key: without model_path a random model of this shape; with it "
@@ -53,7 +54,9 @@ class DataKeys:
     class_list: list[str] | str | None = key(None, "label names, or a text file with one per line; null: "
                                              "from the data", kind="a list of strings or the path of a "
                                              "text file")
-    pad_size: int = key(128, "tokens per row (padded or truncated)", at_least=1)
+    pad_size: int = key(128, "tokens per row (padded or truncated); an encoder-decoder's source", at_least=1)
+    target_pad_size: int | None = key(None, "an encoder-decoder's target tokens per row (padded or truncated); "
+                                      "null: pad_size", at_least=1)
     batch_size: int = key(8, "rows per optimizer step, over all data-parallel replicas", at_least=1)
     shuffle: bool = key(True, "shuffle the training rows every epoch")
     max_eval_samples: int | None = key(None, "evaluate only the first N dev / test examples", at_least=1)
@@ -102,6 +105,10 @@ class PlanKeys:
     comm_chunks: int = key(1, "a TP sub-block's collectives travel in this many chunks of the sequence, "
                            "overlapped with its GEMMs", at_least=1)
     kv_blocks: bool = key(False, "SP attention attends to its own keys while the other ranks' K/V travel")
+    xatt_parallel_method: Method | None = key(None, "XATT, an encoder-decoder's cross-attention: heads split "
+                                              "(TP) or the decoder's tokens split (SP); null: as ATT")
+    decoder_seq_scatter_list: list[int] | None = key(None, "an encoder-decoder's decoder tokens per Galaxy "
+                                                     "rank (SP sub-blocks); null: even")
 
     @property
     def plan(self) -> Plan:

@@ -7,8 +7,14 @@ from galaxy.plan import Plan, PlanError, Workload
 
 
 def workload(cfg, shape: dict) -> Workload:
-    """The model's sizes (galaxy.models.shape.read_model_shape) and the config's batch."""
-    return Workload.of(shape, cfg.pad_size, cfg.batch_size)
+    """The model's sizes (galaxy.models.shape.read_model_shape) and the config's batch; an
+    encoder-decoder's decoder reads target_pad_size tokens (default pad_size)."""
+    return Workload.of(shape, cfg.pad_size, cfg.batch_size, target_tokens(cfg))
+
+
+def target_tokens(cfg) -> int:
+    """Tokens of an encoder-decoder's decoder rows: target_pad_size, else pad_size."""
+    return cfg.target_pad_size or cfg.pad_size
 
 
 def validate_for_world(cfg, world: int, rank: int, shape: dict) -> None:
@@ -23,9 +29,11 @@ def validate_for_world(cfg, world: int, rank: int, shape: dict) -> None:
         raise ConfigError(f"--world is {world} but {who} runs on one process; use --world 1 "
                           f"or a distributed script")
     problems = cfg.plan.problems(world, workload(cfg, shape))
-    if cfg.pad_size > shape["max_position_embeddings"]:
-        problems.append(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
-                        f"{shape['max_position_embeddings']}; lower pad_size")
+    for key in ("pad_size", "target_pad_size"):
+        value = getattr(cfg, key)
+        if value is not None and value > shape["max_position_embeddings"]:
+            problems.append(f"{key} {value} exceeds the model's max_position_embeddings "
+                            f"{shape['max_position_embeddings']}; lower {key}")
     raise_all(problems)
 
 

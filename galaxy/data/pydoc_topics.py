@@ -126,7 +126,7 @@ def _split_of(text):
 
 @functools.lru_cache(maxsize=1)
 def _build():
-    """{split: tuple of (text, label)} in a fixed order (class, then topic key order)."""
+    """{split: tuple of (text, label, topic key)} in a fixed order (class, then topic key order)."""
     from pydoc_data.topics import topics  # stdlib; imported lazily (~0.5 MB of text)
 
     seen = set()  # paragraphs already used; drops text repeated across topics
@@ -138,12 +138,23 @@ def _build():
             fresh = [p for p in _paragraphs(topics[key]) if p not in seen]
             seen.update(fresh)
             for text in _samples(fresh):
-                splits[_split_of(text)].append((text, label))
+                splits[_split_of(text)].append((text, label, key))
     return {name: tuple(rows) for name, rows in splits.items()}
+
+
+def _rows(split):
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} (use one of {', '.join(SPLITS)})")
+    return _build()[split]
 
 
 def pydoc_topics_dataset(split):
     """(examples, class_names) for split "train"/"dev"/"test"; examples: [(text, label)]."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r} (use one of {', '.join(SPLITS)})")
-    return list(_build()[split]), list(CLASS_NAMES)
+    return [(text, label) for text, label, _ in _rows(split)], list(CLASS_NAMES)
+
+
+def pydoc_titles_dataset(split):
+    """The sequence-to-sequence form: [(passage, its topic's title)], the title the pydoc topic
+    key with spaces for dashes ("string-methods" -> "string methods"); the same passages and
+    splits as pydoc_topics_dataset."""
+    return [(text, key.replace("-", " ")) for text, _, key in _rows(split)]

@@ -7,7 +7,7 @@ returns early for it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import torch.distributed as dist
 
 
@@ -19,10 +19,21 @@ class GalaxyGroup:
     heads: tuple[int, ...]         # query heads per rank (TP attention)
     columns: tuple[int, ...]       # MLP columns per rank (TP MLP)
     tokens: tuple[int, ...]        # tokens per rank (SP sub-blocks)
+    # An encoder-decoder's decoder tokens per rank (its target sequence); None: no decoder.
+    decoder_tokens: tuple[int, ...] | None = None
 
     @staticmethod
     def serial(num_heads: int, intermediate_size: int, seq_len: int) -> "GalaxyGroup":
         return GalaxyGroup(0, 1, None, (num_heads,), (intermediate_size,), (seq_len,))
+
+    def decoder(self) -> "GalaxyGroup":
+        """This group as the decoder's layers see it: its token shares are the decoder's.
+        A one-rank group (no shares to speak of) is itself."""
+        if self.size == 1:
+            return self
+        if self.decoder_tokens is None:
+            raise ValueError("this Galaxy group has no decoder token shares (decoder_seq_scatter_list)")
+        return replace(self, tokens=self.decoder_tokens)
 
     @property
     def token_offset(self) -> int:

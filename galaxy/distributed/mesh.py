@@ -78,7 +78,7 @@ def make_mesh(plan: Plan, device_type: str | None = None, timeout: timedelta | N
     override = None if timeout is None else {axis: C10dBackend.Options(dist.get_backend(), timeout) for axis in AXES}
     grid = init_device_mesh(device_type, (pp, dp, size), mesh_dim_names=AXES, backend_override=override)
     pg = {axis: grid.get_group(axis) if n > 1 else None for axis, n in zip(AXES, (pp, dp, size))}
-    galaxy = GalaxyGroup(rank % size, size, pg["mp"], plan.heads, plan.columns, plan.tokens)
+    galaxy = GalaxyGroup(rank % size, size, pg["mp"], plan.heads, plan.columns, plan.tokens, plan.decoder_tokens)
     return Mesh(galaxy, (rank // size) % dp, dp, pg["dp"], rank // (size * dp), pp, pg["pp"], grid, timeout)
 
 

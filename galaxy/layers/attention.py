@@ -17,9 +17,12 @@ def split_heads(t, head_dim: int):
 
 def attention(q, k, v, mask, *, dropout_p: float, rng_scope=nullcontext, scale=None, enable_gqa: bool = False):
     """Scaled dot-product attention of q [b, s, heads, d] over k, v [b, S, kv_heads, d] ->
-    context [b, s, heads*d]. mask: bool, True = attend, broadcastable to [b, heads, s, S], or None.
+    context [b, s, heads*d]. mask: bool, True = attend, or additive (float: a position bias with
+    the masked scores at a very negative value), broadcastable to [b, heads, s, S], or None.
     dropout_p > 0 draws inside rng_scope (TP/SP: the rank's own dropout stream)."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                   # [b, heads, s|S, d]
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(q.dtype)                                          # autocast: as the scores
     with rng_scope() if dropout_p > 0 else nullcontext():
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                              enable_gqa=enable_gqa)
@@ -40,7 +43,8 @@ def attention_while_gathering(q_fn, k, v, gather, mask, *, dropout_p: float, rng
     kv_heads = k.shape[2]
     pending = gather.start(torch.cat((k, v), dim=2).flatten(2))          # one collective for both
     q = q_fn()
-    if not (blocks and split_attention_available(q, dropout_p)):
+    additive = mask is not None and mask.is_floating_point()         # the blocks take bool masks
+    if not (blocks and split_attention_available(q, dropout_p)) or additive:
         k_all, v_all = pending().unflatten(-1, (2 * kv_heads, -1)).chunk(2, dim=2)   # [b, S, kv_heads, d]
         return attention(q, k_all, v_all, mask, dropout_p=dropout_p, rng_scope=rng_scope, scale=scale,
                          enable_gqa=enable_gqa)

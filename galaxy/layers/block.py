@@ -22,6 +22,11 @@ from galaxy.layers.recompute import run_checkpointed
 
 
 class TransformerBlock(nn.Module):
+    # Whose tokens the CON layout splits: "source" (this group's token shares) or "target" (an
+    # encoder-decoder's decoder layers, galaxy.layers.decoder_block: the decoder's shares).
+    sequence = "source"
+    cons = ("con1", "con2")        # the CONs, each on the CON layout
+
     def __init__(self, att: nn.Module, con1: nn.Module, mlp: nn.Module, con2: nn.Module):
         super().__init__()
         self.att, self.con1, self.mlp, self.con2 = att, con1, mlp, con2
@@ -32,6 +37,10 @@ class TransformerBlock(nn.Module):
         # Activation checkpointing (set_recompute): recompute this block in backward.
         self.recompute, self.recompute_rng = False, None
         self.comm_chunks = 1           # chunks of the sequence a TP sub-block's collectives travel in
+
+    def parts(self) -> tuple:
+        """The sub-blocks a plan splits, each with its transitions: (name, into, out of)."""
+        return (("att", self.to_att, self.from_att), ("mlp", self.to_mlp, self.from_mlp))
 
     def set_recompute(self, on: bool, rng=None) -> None:
         """Keep only this block's inputs for backward and recompute the rest (galaxy.layers.

@@ -4,22 +4,27 @@ Two-matrix (BERT's up / down, GPT-2's c_fc / c_proj):   down(act(up(x)))
 gated, SwiGLU (Llama's gate_proj / up_proj / down_proj): down(act(gate(x)) * up(x))
 
 The output projection is an OutputProjection: its bias is returned, not added, and CON adds it
-after the output's layout transition. Under TP each rank keeps its columns of the intermediate
+after the output's layout transition. `dropout_p`: dropout on the hidden activation before the
+output projection (BART's activation_dropout, T5's dropout_rate), drawn in `rng_scope`: under a
+plan the activation is this rank's columns or tokens, so the plan routes it to the rank's stream. Under TP each rank keeps its columns of the intermediate
 width: gate and up are column-parallel, down row-parallel (galaxy.layers.sharding).
 """
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import nn
 
 from galaxy.layers.linear import OutputProjection
+from galaxy.layers.rng import ShardedDropout
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
 
 
-class FeedForward(nn.Module):
+class FeedForward(ShardedDropout, nn.Module):
     """names: (up, down) or (gate, up, down), the projections' names in the family's checkpoints;
     act: the activation module (transformers' ACT2FN[...] of the config)."""
 
-    def __init__(self, hidden: int, intermediate: int, act: nn.Module, *, names: tuple[str, ...], bias: bool = True):
+    def __init__(self, hidden: int, intermediate: int, act: nn.Module, *, names: tuple[str, ...], bias: bool = True,
+                 dropout_p: float = 0.0):
         super().__init__()
         if len(names) not in (2, 3):
             raise ValueError(f"an MLP's names are (up, down) or (gate, up, down), got {names}")
@@ -29,6 +34,7 @@ class FeedForward(nn.Module):
             setattr(self, name, nn.Linear(hidden, intermediate, bias=bias))
         setattr(self, down, OutputProjection(intermediate, hidden, bias=bias))
         self.act = act
+        self.dropout_p = dropout_p
 
     @property
     def deferred_bias(self) -> str:
@@ -56,4 +62,7 @@ class FeedForward(nn.Module):
         else:
             gate, up = columns
             inner = self.act(gate(x)) * up(x)
+        if self.training and self.dropout_p > 0:
+            with self.rng_scope():
+                inner = F.dropout(inner, self.dropout_p, True)
         return down(inner), down.bias

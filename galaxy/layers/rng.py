@@ -51,3 +51,19 @@ class ShardedDropout:
 
     def draw_dropout_from(self, rng: ShardedRNG) -> None:
         self.rng_scope = rng.fork
+
+
+class Dropout(ShardedDropout, torch.nn.Module):
+    """Dropout on activations outside the sub-blocks that lie in a plan's layout (T5's dropout
+    after the decoder's final norm, on the CON layout): it draws from the default stream until a
+    plan routes it to the rank's own (a model's con_params under CON SP)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        with self.rng_scope():
+            return torch.nn.functional.dropout(x, self.p, True)

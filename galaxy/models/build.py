@@ -19,13 +19,30 @@ def load_hf_config(model_path: str, dropout: float | None = None):
     from transformers import AutoConfig
     cfg = AutoConfig.from_pretrained(model_path)
     if dropout is not None:
-        # Every family's dropout probabilities (BERT, Llama, GPT-2's embd/attn/resid_pdrop).
+        # Every family's dropout probabilities (BERT, Llama, GPT-2's embd/attn/resid_pdrop, BART's
+        # dropout and activation_dropout, T5's dropout_rate).
         for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "attention_dropout",
-                    "embd_pdrop", "attn_pdrop", "resid_pdrop"):
+                    "embd_pdrop", "attn_pdrop", "resid_pdrop", "dropout", "activation_dropout", "dropout_rate"):
             if hasattr(cfg, key):
                 setattr(cfg, key, dropout)
         if getattr(cfg, "classifier_dropout", None) is not None:
             cfg.classifier_dropout = dropout
+    return cfg
+
+
+@torch.no_grad()
+def tie_as_checkpoint(cfg, checkpoint: LazyCheckpoint, family: FamilySpec):
+    """cfg, untied (tie_word_embeddings False) when the checkpoint holds the family's tied pair
+    (FamilySpec.hf_tied) with different values: Hugging Face then loads both, apart."""
+    if not family.hf_tied or not getattr(cfg, "tie_word_embeddings", False):
+        return cfg
+    if not all(name in checkpoint for name in family.hf_tied):
+        return cfg
+    head, table = (torch.empty(checkpoint.shape(name)) for name in family.hf_tied)
+    checkpoint.read_into(family.hf_tied[0], head)
+    checkpoint.read_into(family.hf_tied[1], table)
+    if not torch.equal(head, table):
+        cfg.tie_word_embeddings = False
     return cfg
 
 

@@ -19,33 +19,45 @@ IGNORE_INDEX = -100
 
 class CausalLMHead:
     """Mixin for a GalaxyModel with `self.lm_head` (nn.Linear [vocab, hidden], possibly tied to
-    the input embeddings) and a carry (residual stream, normalised input of the next block)."""
+    the input embeddings) and a carry (residual stream, normalised input of the next block).
+
+    An encoder-decoder's LM head (galaxy.models.seq2seq) is this one on the decoder's output,
+    with labels aligned to the positions (label_shift 0) instead of shifted inside the model."""
 
     task, peft_task_type = "causal_lm", "CAUSAL_LM"
     output_heads = ("lm_head",)     # applied through its weight (tied, sharded loss): no LoRA
     last_stage_modules = ("lm_head",)
     carry_size = 2           # (residual stream, normalised input of the next sub-block)
+    label_shift = 1          # position t predicts label t + label_shift
 
     def plan_head(self, con_layout, group) -> dict:
         """The LM head and loss run on the CON layout: under S each rank scores its own tokens."""
         self.head_group = group if con_layout == Layout.S and group.size > 1 else None
         return {}     # the head weight's gradient is all-reduced in backward (see head)
 
-    def head(self, carry: tuple, labels=None):
+    def head_input(self, carry: tuple):
+        """The final hidden states [b, s_con, h] the LM head reads."""
         _, x, *side = carry
-        if side:
-            x = self.side_out(x, side[0])
+        return self.side_out(x, side[0]) if side else x
+
+    def lm_logits(self, x, weight):
+        """x [b, s_con, h] -> logits [b, s_con, vocab] with the LM head's (possibly copied) weight."""
+        return F.linear(x, weight)
+
+    def head(self, carry: tuple, labels=None):
+        x = self.head_input(carry)
         weight, rows = self.lm_head.weight, slice(None)
         if self.head_group is not None:
             # Each rank scores its own tokens: the replicated head weight gets partial gradients.
             g = self.head_group
             weight = copy_for_sharded_consumer(weight, g)
             rows = slice(g.token_offset, g.token_offset + g.tokens[g.rank])
-        logits = F.linear(x, weight)                                     # [b, s_con, vocab]
+        logits = self.lm_logits(x, weight)                               # [b, s_con, vocab]
         if labels is None:
             return logits, None
-        # Shift inside the model, as HF does: position t predicts token t + 1.
-        targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]      # [b, S]
+        # Causal LM: shift inside the model, as HF does (position t predicts token t + 1).
+        shift = self.label_shift
+        targets = F.pad(labels, (0, shift), value=IGNORE_INDEX)[:, shift:]     # [b, S]
         count = (targets != IGNORE_INDEX).sum().clamp_min(1)
         local = F.cross_entropy(logits.float().flatten(0, 1), targets[:, rows].flatten(),
                                 ignore_index=IGNORE_INDEX, reduction="sum") / count
@@ -53,8 +65,8 @@ class CausalLMHead:
         return logits, loss
 
     def loss_units(self, labels) -> torch.Tensor:
-        """How many terms `head`'s loss averages over: the label tokens after the shift."""
-        return (labels[:, 1:] != IGNORE_INDEX).sum()
+        """How many terms `head`'s loss averages over: the label tokens (after the shift)."""
+        return (labels[:, self.label_shift:] != IGNORE_INDEX).sum()
 
     def forward(self, input_ids, attention_mask=None, labels=None):
         # input_ids, attention_mask, labels: [b, S] on every rank; labels use IGNORE_INDEX

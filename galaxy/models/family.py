@@ -138,6 +138,9 @@ class FamilySpec:
     hf_base_prefix: str = ""                     # prefix a bare base-model checkpoint lacks
     hf_head_params: tuple[str, ...] = ()         # galaxy names a checkpoint may lack (new task head)
     hf_transposed: tuple[str, ...] = ()          # HF weights stored [in, out] (Conv1D): HF-name suffixes
+    # (head, table): HF names of a weight the config ties to another, kept apart when a checkpoint
+    # holds both with other values (as Hugging Face does: T5 v1.1's untied LM head)
+    hf_tied: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = ()           # peft's default target_modules for the family
     padding_side: str = "right"                  # the tokenizer's padding side galaxy trains with
     # The profiler's closed forms, beside the family's model (e.g. galaxy.models.bert): matmul
@@ -190,3 +193,13 @@ class FamilySpec:
             return self.tasks[task]
         except KeyError:
             raise ValueError(f"{self.name} models do not do {task}; they do {', '.join(sorted(self.tasks))}") from None
+
+
+def checked_config(config_class, raw: dict, unsupported: Callable[[object], str | None]):
+    """A family's transformers config from a config.json dict (the class's defaults for keys it
+    leaves out); ValueError with unsupported(cfg)'s line when the family cannot compute it."""
+    cfg = config_class.from_dict(raw)
+    problem = unsupported(cfg)
+    if problem:
+        raise ValueError(problem)
+    return cfg

@@ -32,7 +32,7 @@ from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
                                           decoder_matmul_flops)
-from galaxy.models.family import GalaxyModel
+from galaxy.models.family import GalaxyModel, checked_config
 from galaxy.models.weights import NameMap, pre_norm_names
 
 
@@ -154,10 +154,7 @@ def config_shape(raw: dict) -> dict:
     """The sizes galaxy.config checks, under their standard names, from a GPT-2 config.json
     (GPT2Config's defaults for keys it leaves out). Raises ValueError for what is unsupported."""
     from transformers import GPT2Config
-    cfg = GPT2Config.from_dict(raw)
-    problem = unsupported(cfg)
-    if problem:
-        raise ValueError(problem)
+    cfg = checked_config(GPT2Config, raw, unsupported)
     return {"hidden_size": cfg.n_embd, "num_attention_heads": cfg.n_head, "num_hidden_layers": cfg.n_layer,
             "max_position_embeddings": cfg.n_positions, "intermediate_size": inner_size(cfg)}
 

@@ -7,7 +7,7 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 from __future__ import annotations
 
 from galaxy.assets import packaged_minilm, tiny_llama
-from galaxy.models import bert, gpt2, llama, qwen2
+from galaxy.models import bart, bert, gpt2, llama, qwen2, t5
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
 
@@ -46,6 +46,20 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         lora_targets=("c_attn",),
         matmul_flops=gpt2.flops_of, plan_comm_bytes=gpt2.comm_of,
         config_shape=gpt2.config_shape),
+    FamilySpec(
+        name="bart", model_types=("bart",),
+        tasks={"seq2seq": bart.BartForConditionalGeneration},
+        hf_names=bart.hf_names,
+        lora_targets=("q_proj", "v_proj"),
+        config_shape=bart.config_shape,
+        random_init_class="AutoModelForSeq2SeqLM"),
+    FamilySpec(
+        name="t5", model_types=("t5",),
+        tasks={"seq2seq": t5.T5ForConditionalGeneration},
+        hf_names=t5.hf_names, hf_tied=t5.HF_TIED,
+        lora_targets=("q", "v"),
+        config_shape=t5.config_shape,
+        random_init_class="AutoModelForSeq2SeqLM"),
 )}
 
 _BY_MODEL_TYPE = {t: spec for spec in FAMILIES.values() for t in spec.model_types}

@@ -32,6 +32,7 @@ def read_model_shape(model_path) -> dict:
                           f"divide num_attention_heads {heads}")
     shape["num_key_value_heads"] = kv
     shape["model_type"] = raw.get("model_type")
+    shape["is_encoder_decoder"] = bool(raw.get("is_encoder_decoder"))
     return shape
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.transitions import Layout
-from galaxy.layers.rng import ShardedRNG
+from galaxy.layers.rng import ShardedDropout, ShardedRNG
 from galaxy.layers.sharding import block_spans, shard_offset, slice_like
 from galaxy.plan import Plan
 
@@ -64,6 +64,9 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
     """Modify `model` in place; returns the gradient rules and stores them, the plan, the group
     and the sharded RNG (None unless the group is split) in model.attached, for what is added to
     the model later (galaxy.pipeline, galaxy.peft).
+
+    A layer whose `sequence` is "target" (an encoder-decoder's decoder layer) splits the group's
+    decoder token shares; its XATT follows plan.method("xatt").
     """
     con = plan.con_layout
     con_rule = replicated_rule(con, group)
@@ -71,36 +74,17 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
     model.enter.set(Layout.R, con, sharded_consumer=False, group=group)
     rules.update(model.plan_head(con, group))
     for name in model.con_params:          # e.g. Llama's first RMSNorm, on the CON layout
-        for pname, _ in getattr(model, name).named_parameters():
-            rules[f"{name}.{pname}"] = con_rule
-
+        rules.update(_con_module_rules(name, getattr(model, name), con, group, rng))
+    for name in getattr(model, "att_params", ()):    # e.g. T5's position bias: ATT's heads or tokens
+        rules.update(_att_module_rules(name, getattr(model, name), plan, group))
     for i, layer in enumerate(model.layers):
         layer.set_overlap(plan)              # comm_chunks, kv_blocks
-        prefix = f"layers.{i}"
-        for name, shares, to, frm in (("att", group.heads, layer.to_att, layer.from_att),
-                                      ("mlp", group.columns, layer.to_mlp, layer.from_mlp)):
-            block = getattr(layer, name)
-            tp = getattr(plan, name) == "TP"
-            to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
-            frm.set(Layout.P if tp else Layout.S, con, sharded_consumer=False, group=group)
-            if tp and group.size > 1:
-                # {param: (dim, sizes) or (dim, sizes, parts)}
-                for pname, (dim, sizes, *parts) in block.shard_tp(shares, group.rank).items():
-                    rules[f"{prefix}.{name}.{pname}"] = ParamRule("sharded", dim, tuple(sizes), *parts)
-            for pname, _ in block.named_parameters():
-                rules.setdefault(f"{prefix}.{name}.{pname}", REPLICATED if tp or group.size == 1 else SUM)
-            # The output bias is added after the transition, on the CON layout.
-            rules[f"{prefix}.{name}.{block.deferred_bias}"] = con_rule
-            if name == "att" and not tp and group.size > 1:
-                block.sequence_parallel(group)       # K/V gathered, own query rows
-            if name == "att" and group.size > 1 and rng is not None:
-                block.draw_dropout_from(rng)         # own heads or own queries
-        for name in ("con1", "con2"):
-            sub = getattr(layer, name)
-            for pname, _ in sub.named_parameters():
-                rules[f"{prefix}.{name}.{pname}"] = con_rule
-            if con == Layout.S and group.size > 1 and rng is not None:
-                sub.draw_dropout_from(rng)
+        g = group.decoder() if layer.sequence == "target" else group
+        for name, to, frm in layer.parts():
+            rules.update(_plan_sub_block(f"layers.{i}.{name}", getattr(layer, name), plan.method(name), to, frm,
+                                         con, g, rng, con_rule))
+        for name in layer.cons:
+            rules.update(_con_module_rules(f"layers.{i}.{name}", getattr(layer, name), con, g, rng))
 
     for pname, _ in model.named_parameters():
         rules.setdefault(pname, REPLICATED)     # embeddings, pooler, classifier
@@ -109,3 +93,45 @@ def apply_plan(model: nn.Module, plan: Plan, group: GalaxyGroup,
     at.rules, at.plan, at.group = rules, plan, group
     at.sharded_rng = rng if group.size > 1 else None
     return rules
+
+
+def _plan_sub_block(prefix: str, block: nn.Module, method: str, to, frm, con: Layout, group: GalaxyGroup,
+                    rng, con_rule: ParamRule) -> dict[str, ParamRule]:
+    """Set a TP or SP sub-block's transitions, shard it, route its dropout; its parameters' rules."""
+    rules = {}
+    tp = method == "TP"
+    to.set(con, Layout.R if tp else Layout.S, sharded_consumer=tp, group=group)
+    frm.set(Layout.P if tp else Layout.S, con, sharded_consumer=False, group=group)
+    if tp and group.size > 1:
+        shares = group.columns if prefix.endswith(".mlp") else group.heads
+        # {param: (dim, sizes) or (dim, sizes, parts)}
+        for pname, (dim, sizes, *parts) in block.shard_tp(shares, group.rank).items():
+            rules[f"{prefix}.{pname}"] = ParamRule("sharded", dim, tuple(sizes), *parts)
+    for pname, _ in block.named_parameters():
+        rules.setdefault(f"{prefix}.{pname}", REPLICATED if tp or group.size == 1 else SUM)
+    # The output bias is added after the transition, on the CON layout.
+    rules[f"{prefix}.{block.deferred_bias}"] = con_rule
+    if not tp and group.size > 1 and hasattr(block, "sequence_parallel"):
+        block.sequence_parallel(group)       # ATT: K/V gathered, own query rows
+    if group.size > 1 and rng is not None:
+        block.draw_dropout_from(rng)         # own heads, columns or tokens
+    return rules
+
+
+def _con_module_rules(prefix: str, module: nn.Module, con: Layout, group: GalaxyGroup, rng) -> dict[str, ParamRule]:
+    """A module on the CON layout (a CON, a first norm): the CON rule; under CON SP its dropout
+    draws each rank's own mask."""
+    if con == Layout.S and group.size > 1 and rng is not None and isinstance(module, ShardedDropout):
+        module.draw_dropout_from(rng)
+    rule = replicated_rule(con, group)
+    return {f"{prefix}.{pname}": rule for pname, _ in module.named_parameters()}
+
+
+def _att_module_rules(prefix: str, module: nn.Module, plan: Plan, group: GalaxyGroup) -> dict[str, ParamRule]:
+    """A model-level module every ATT applies (T5's relative position bias): split by heads
+    like a TP ATT (shard_tp), or whole and summed like an SP ATT's parameters."""
+    if plan.att == "TP" and group.size > 1:
+        return {f"{prefix}.{pname}": ParamRule("sharded", dim, tuple(sizes))
+                for pname, (dim, sizes) in module.shard_tp(group.heads, group.rank).items()}
+    rule = SUM if group.size > 1 else REPLICATED
+    return {f"{prefix}.{pname}": rule for pname, _ in module.named_parameters()}

@@ -325,7 +325,11 @@ def link_sizes(quick: bool) -> list[int]:
 def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
                       statistic: str = "median") -> dict:
     """This rank's DEVICE entry (galaxy.planner.profiles)."""
-    import galaxy.train.trainer  # noqa: F401  (the baseline: a process holding what training imports)
+    # The baseline: a process holding what training imports, pipelines and sharded replicas too
+    # (their torch modules are imported only by runs that use them, and hold memory once imported).
+    import galaxy.parallel.sharded_dp  # noqa: F401
+    import galaxy.pipeline.runner  # noqa: F401
+    import galaxy.train.trainer  # noqa: F401
     baseline = rss_mib() if env.device.type == "cpu" else 0.0
     host = socket.gethostname()
     hosts = [None] * env.world

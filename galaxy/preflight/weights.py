@@ -133,7 +133,7 @@ def check_weights(model_dir: str, what: str, num_labels: int | None, *, reinit_h
         raise ConfigError(f"{what} {model_dir!r}: {reason}{where}; the weights do not fit its config.json "
                           "(another model's weights or config?): copy the model folder again") from None
     facts = ModelFacts(model_dir, hf_config.model_type, sum(p.numel() for p in model.parameters()),
-                       hf_config.num_hidden_layers, hf_config.hidden_size, head[0] if head else None,
+                       len(model.layers), hf_config.hidden_size, head[0] if head else None,
                        num_labels is not None and (head is None or head[0] != num_labels))
     return facts, model
 

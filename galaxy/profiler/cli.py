@@ -77,6 +77,10 @@ def prepare(cfg, opts) -> ProfileJob:
     if family.name != opts.model:
         raise ConfigError(f"--model {opts.model} but model_path holds a {shape['model_type']!r} model; "
                           f"use --model {family.name} or another config")
+    if family.matmul_flops is None:
+        profiled = sorted(name for name, spec in FAMILIES.items() if spec.matmul_flops is not None)
+        raise ConfigError(f"--model {family.name}: the profiler has no closed forms for {family.name} models yet; "
+                          f"it profiles {', '.join(profiled)}")
     if opts.compare_deepspeed and importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("--compare-deepspeed needs deepspeed, which is not installed; "
                           "pip install deepspeed or drop the flag")

@@ -7,7 +7,7 @@ from torch import nn
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.rng import ShardedRNG
-from galaxy.models.build import load_hf_config, load_hf_weights, locate_weights, model_class
+from galaxy.models.build import load_hf_config, load_hf_weights, locate_weights, model_class, tie_as_checkpoint
 from galaxy.models.registry import family_of
 from galaxy.models.weights import LazyCheckpoint
 from galaxy.parallel.plan import apply_plan
@@ -33,12 +33,13 @@ def build_model(model_path: str, plan: Plan, group: GalaxyGroup, *, num_labels: 
     cfg = load_hf_config(model_path, dropout)
     family = family_of(cfg.model_type)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = model_class(family, task)(cfg, num_labels=num_labels)
-    apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
-    for i in recompute_layers(plan.checkpoint, len(model.layers)):
-        model.layers[i].set_recompute(True, model.attached.sharded_rng)
     with LazyCheckpoint(model_path) as checkpoint:
+        cfg = tie_as_checkpoint(cfg, checkpoint, family)
+        with torch.device("meta"):
+            model = model_class(family, task)(cfg, num_labels=num_labels)
+        apply_plan(model, plan, group, ShardedRNG(seed, group.rank, device))
+        for i in recompute_layers(plan.checkpoint, len(model.layers)):
+            model.layers[i].set_recompute(True, model.attached.sharded_rng)
         # The whole model against the checkpoint's headers (no data) before pruning: a bad
         # checkpoint fails alike on every pipeline stage, with the first error the full model meets.
         locate_weights(model, checkpoint, family, group.rank)

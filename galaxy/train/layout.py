@@ -11,11 +11,14 @@ from galaxy.plan import Plan
 # The plan's fields that place shards on ranks (the rest, e.g. micro-batches or overlap options,
 # do not move a random stream).
 PLACING = ("att", "mlp", "con", "pp", "dp", "heads", "columns", "tokens")
+# An encoder-decoder's too (absent from other models' records, as from older checkpoints').
+PLACING_DECODER = ("xatt", "decoder_tokens")
 
 
 def layout_record(plan: Plan, world: int, device: str) -> dict:
     """The record of a resolved plan on `world` ranks of device type `device`."""
-    placing = {name: list(v) if isinstance(v := getattr(plan, name), tuple) else v for name in PLACING}
+    placing = {name: list(v) if isinstance(v := getattr(plan, name), tuple) else v for name in PLACING
+               + tuple(n for n in PLACING_DECODER if getattr(plan, n) is not None)}
     return {"world": world, "device": device, "plan": placing,
             "stages": [[r.start, r.stop] for r in plan.stage_layers()]}
 

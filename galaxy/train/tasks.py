@@ -1,8 +1,9 @@
 """What a training task brings to the shared trainer: data, batches, evaluation, export metadata.
 
-Two tasks share one trainer (galaxy/train/trainer.py):
+Three tasks share one trainer (galaxy/train/trainer.py):
   ClassificationTask  BERT sequence classification; mean cross-entropy over the batch's rows
   CausalLMTask        Llama causal LM; mean cross-entropy over the batch's non-ignored label tokens
+  Seq2SeqTask         BART, T5; the same over the target's label tokens (not shifted)
 """
 from __future__ import annotations
 
@@ -13,13 +14,9 @@ import torch
 from galaxy.data import ClassificationBatches, load_examples
 from galaxy.data.causal_lm import (IGNORE_INDEX, CausalLMBatches, describe_samples, encode_sample, load_lm_samples,
                                    render_samples)
+from galaxy.data.seq2seq import Seq2SeqBatches, encode_pairs, load_pairs
 from galaxy.parallel.full_state import full_sequence_logits
 from galaxy.train.evaluate import evaluate
-
-
-def _target_count(labels: torch.Tensor) -> torch.Tensor:
-    """Label tokens a causal LM is scored on: all but the first position's, not ignored."""
-    return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
 class ClassificationTask:
@@ -57,6 +54,7 @@ class CausalLMTask:
     kind = "causal_lm"
     num_labels = None
     class_names = None
+    label_shift = 1
 
     def __init__(self, cfg, tokenizer):
         self.cfg, self.tokenizer = cfg, tokenizer
@@ -76,6 +74,11 @@ class CausalLMTask:
         c = self.cfg
         return CausalLMBatches(self.train_set, self.tokenizer, c.pad_size, c.batch_size, c.shuffle, c.seed, shard)
 
+    def encode(self, samples) -> dict:
+        """Evaluation rows: input_ids, attention_mask, labels [B, pad_size]."""
+        rows = [encode_sample(self.tokenizer, s, self.cfg.pad_size) for s in samples]
+        return dict(zip(("input_ids", "attention_mask", "labels"), (torch.stack(t) for t in zip(*rows))))
+
     @torch.no_grad()
     def evaluate(self, model, samples, device, autocast=nullcontext) -> dict:
         """Token-weighted mean loss, perplexity and next-token accuracy over every sample."""
@@ -84,16 +87,14 @@ class CausalLMTask:
         loss_sum, tokens, correct = 0.0, 0, 0
         local = getattr(model, "model", model)   # a runner's own model knows the head's layout
         for start in range(0, len(samples), self.cfg.batch_size):
-            rows = [encode_sample(self.tokenizer, s, self.cfg.pad_size)
-                    for s in samples[start:start + self.cfg.batch_size]]
-            ids, mask, labels = (torch.stack(t).to(device) for t in zip(*rows))
+            batch = {k: v.to(device) for k, v in self.encode(samples[start:start + self.cfg.batch_size]).items()}
             with autocast():
-                logits, loss = model(ids, attention_mask=mask, labels=labels)
-            n = int(_target_count(labels))
+                logits, loss = model(**batch)
+            targets = batch["labels"][:, self.label_shift:]        # position t predicts label t + shift
+            n = int((targets != IGNORE_INDEX).sum())
             loss_sum += loss.item() * n
             tokens += n
-            targets = labels[:, 1:]
-            predicted = full_sequence_logits(local, logits)[:, :-1].argmax(-1)
+            predicted = full_sequence_logits(local, logits)[:, :targets.shape[1]].argmax(-1)
             correct += int(((predicted == targets) & (targets != IGNORE_INDEX)).sum())
         model.train(was_training)
         loss = loss_sum / max(tokens, 1)
@@ -101,3 +102,28 @@ class CausalLMTask:
 
     def identity(self) -> dict:
         return {"class_names": None, "train_examples": len(self.train_set)}
+
+
+class Seq2SeqTask(CausalLMTask):
+    """BART, T5: (source, target) pairs (galaxy/data/seq2seq.py); the loss and accuracy over the
+    target's label tokens, labels aligned to the decoder's positions."""
+    kind = "seq2seq"
+    label_shift = 0
+
+    def _load(self, path, split):
+        pairs = load_pairs(path, split)
+        if path is not None:
+            self.notes.append(f"{split} data {path}: {len(pairs)} source-target pairs")
+        return pairs
+
+    @property
+    def target_pad_size(self) -> int:
+        return self.cfg.target_pad_size or self.cfg.pad_size
+
+    def batches(self, shard=None):
+        c = self.cfg
+        return Seq2SeqBatches(self.train_set, self.tokenizer, c.pad_size, self.target_pad_size, c.batch_size,
+                              c.shuffle, c.seed, shard)
+
+    def encode(self, samples) -> dict:
+        return encode_pairs(self.tokenizer, samples, self.cfg.pad_size, self.target_pad_size)

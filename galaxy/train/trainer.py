@@ -46,16 +46,18 @@ from galaxy.train.rng_state import restore_rng, seed_streams
 from galaxy.train.schedule import LRSchedule
 from galaxy.train.step import autocast_for
 from galaxy.train.summary import format_summary, gather_peak_memory
-from galaxy.train.tasks import CausalLMTask, ClassificationTask
+from galaxy.train.tasks import CausalLMTask, ClassificationTask, Seq2SeqTask
 
 SCRIPTS = {"classification": "sequence classification (pretrain_*_bert.py; task: classification)",
-           "causal_lm": "causal-LM training (finetune_llama.py; task: causal_lm)"}
+           "causal_lm": "causal-LM training (finetune_llama.py; task: causal_lm)",
+           "seq2seq": "sequence-to-sequence training (finetune_bart.py, finetune_t5.py; task: seq2seq)"}
+TASKS = {"classification": ClassificationTask, "causal_lm": CausalLMTask, "seq2seq": Seq2SeqTask}
 
 
 @dataclass
 class Job:
     cfg: object
-    task: object              # ClassificationTask | CausalLMTask
+    task: object              # ClassificationTask | CausalLMTask | Seq2SeqTask
     tokenizer: object
     shape: dict
     resume: Checkpoint | None = None
@@ -84,10 +86,13 @@ def _prepare(cfg, kind: str) -> Job:
         peft = PeftOptions.from_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if peft.method.startswith("side") and shape.get("is_encoder_decoder"):
+        raise ConfigError(f"use_{peft.method}: side-tuning does not cover encoder-decoders (bart, t5) yet; "
+                          "use use_lora or use_adapter")
     tokenizer = load_tokenizer(cfg.model_path)
     if kind == "classification" and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token   # a decoder's tokenizer often has none; rows pad right
-    task = (ClassificationTask if kind == "classification" else CausalLMTask)(cfg, tokenizer)
+    task = TASKS[kind](cfg, tokenizer)
     if len(task.train_set) < cfg.batch_size:
         raise ConfigError(f"batch_size {cfg.batch_size} is larger than the {len(task.train_set)} training "
                           "examples; lower batch_size")
@@ -111,6 +116,10 @@ def prepare_classifier(cfg) -> Job:
 
 def prepare_causal_lm(cfg) -> Job:
     return _prepare(cfg, "causal_lm")
+
+
+def prepare_seq2seq(cfg) -> Job:
+    return _prepare(cfg, "seq2seq")
 
 
 class Trainer:

@@ -51,6 +51,8 @@ def worst_param_error(galaxy_full: dict, hf_model, grads: bool, family: str = "b
     spec = family_of(family)
     to_hf = spec.hf_names(hf_model.config)
     ref = {n: (p.grad if grads else p.detach()) for n, p in hf_model.named_parameters()}
+    if not grads:     # weights Hugging Face keeps as buffers (BART's final_logits_bias)
+        ref.update({n: b for n, b in hf_model.named_buffers() if n in ref or n.endswith("logits_bias")})
     floor = 1e-3 * max(t.abs().max().item() for t in ref.values())
     worst, where = 0.0, ""
     for name, t in galaxy_full.items():
@@ -82,8 +84,18 @@ def hf_llama_classifier(model_dir):
     return LlamaForSequenceClassification.from_pretrained(model_dir).train()
 
 
+def hf_bart(model_dir):
+    from transformers import BartForConditionalGeneration
+    return BartForConditionalGeneration.from_pretrained(model_dir).train()
+
+
+def hf_t5(model_dir):
+    from transformers import T5ForConditionalGeneration
+    return T5ForConditionalGeneration.from_pretrained(model_dir).train()
+
+
 HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2,
-              "llama/classification": hf_llama_classifier}
+              "llama/classification": hf_llama_classifier, "bart": hf_bart, "t5": hf_t5}
 
 
 def check_report(report, rank, tol=1e-5):

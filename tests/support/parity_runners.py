@@ -60,11 +60,13 @@ def hf_forward(ref):
 
 
 def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
-    """The resolved plan a test runs: `plan`'s methods, the shares given (heads, columns, tokens),
-    and the mesh, stages, micro-batches and options of o (DEFAULTS' keys)."""
-    heads, columns, tokens = shares
+    """The resolved plan a test runs: `plan`'s methods, the shares given (heads, columns, tokens
+    and, for an encoder-decoder, its decoder's tokens), and the mesh, stages, micro-batches and
+    options of o (DEFAULTS' keys)."""
+    heads, columns, tokens, *decoder = shares
     pp, layers = o["pp"], read_model_shape(model_dir)["num_hidden_layers"]
     return replace(plan, pp=pp, dp=o["dp"], heads=tuple(heads), columns=tuple(columns), tokens=tuple(tokens),
+                   decoder_tokens=tuple(decoder[0]) if decoder else None,
                    stages=tuple(o["stage_layers"] or even_split(layers, pp)),
                    microbatches=o["num_microbatches"] if pp > 1 else o["grad_accum_steps"], schedule=o["schedule"],
                    checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
@@ -156,3 +158,9 @@ def train_plan_and_compare(family: str, model_dir, plan, shares, batch_fn, steps
     build: more keywords (a dict): activation_checkpointing, task, comm_chunks, kv_blocks."""
     return train_runner_and_compare(family, model_dir, plan, 1, 1, shares, batch_fn,
                                     {"global_batch": None, "steps": steps, "lr": lr, **(build or {})})
+
+
+def train_plans_and_compare(family: str, model_dir, plans, shares, batch_fn, build=None) -> list:
+    """train_plan_and_compare (build: its keywords) for each plan in turn, in one call to the pool
+    (a process launch's worth of cases); returns [(plan, report)]."""
+    return [(plan, train_plan_and_compare(family, model_dir, plan, shares, batch_fn, build=build)) for plan in plans]

@@ -140,3 +140,94 @@ def write_sharp_lm(family: str, path: str) -> str:
     state[head] *= 8
     save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
     return path
+
+
+# Encoder-decoders: 2 encoder and 2 decoder layers, 4 heads of 12 (d_model 48), MLP 96; source
+# rows of TINY_SEQ tokens, target rows of TINY_TARGET (unequal, so that the two stacks' token
+# shares differ).
+TINY_TARGET = 9
+TINY_BART = dict(vocab_size=128, d_model=48, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                 decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                 dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+
+
+def make_tiny_bart(path: str, seed: int = 0, **overrides) -> str:
+    """BartForConditionalGeneration, LM head tied to the shared table, a non-zero final_logits_bias."""
+    from transformers import BartConfig, BartForConditionalGeneration
+    torch.manual_seed(seed)
+    model = BartForConditionalGeneration(BartConfig(**{**TINY_BART, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+        model.final_logits_bias.normal_(0.0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_seq2seq_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, target: int = TINY_TARGET, vocab: int = 128):
+    """Right-padded source rows (row i keeps seq - 4*i tokens) and target rows (row i keeps
+    target - 3*i tokens): labels ignore the target's padding, the decoder's inputs are the labels
+    shifted right (start token 2), and its mask keeps the real targets."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    tgt = torch.randint(3, vocab, (batch, target), generator=g)
+    tgt_mask = torch.ones(batch, target, dtype=torch.long)
+    for i in range(batch):
+        mask[i, max(2, seq - 4 * i):] = 0
+        tgt_mask[i, max(2, target - 3 * i):] = 0
+    ids[mask == 0] = 0
+    labels = tgt.masked_fill(tgt_mask == 0, -100)
+    decoder_input_ids = torch.cat((torch.full((batch, 1), 2), tgt[:, :-1].masked_fill(tgt_mask[:, :-1] == 0, 0)), 1)
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_input_ids,
+                decoder_attention_mask=tgt_mask, labels=labels)
+
+
+def tiny_seq2seq_unmasked(seed: int, batch: int = 3):
+    """tiny_seq2seq_batch without decoder_attention_mask: the decoder attends causally over the
+    whole target, as Hugging Face's does without one. (The decoder's inputs stay: the fidelity
+    loop's logits call leaves the labels out. Labels alone are the trainer's batches.)"""
+    return {k: v for k, v in tiny_seq2seq_batch(seed, batch).items() if k != "decoder_attention_mask"}
+
+
+MAKE_TINY_LM["bart"] = make_tiny_bart
+
+
+TINY_T5 = dict(vocab_size=128, d_model=48, d_kv=8, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+               relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+               feed_forward_proj="relu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=2)
+
+
+def make_tiny_t5(path: str, seed: int = 0, v1_1: bool = False, **overrides) -> str:
+    """T5ForConditionalGeneration, 4 heads of 8 (inner width 32, not d_model 48), buckets 8 up to
+    distance 16 (so that log-spaced buckets occur in 12 tokens). v1_1: gated-GELU MLP and an LM
+    head of its own (a checkpoint holding lm_head.weight apart, untied, unscaled: flan-T5's form)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+    torch.manual_seed(seed)
+    keys = {**TINY_T5, **({"feed_forward_proj": "gated-gelu"} if v1_1 else {}), **overrides}
+    model = T5ForConditionalGeneration(T5Config(**keys, tie_word_embeddings=not v1_1))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if v1_1:
+        weights = os.path.join(path, "model.safetensors")
+        state = load_file(weights)
+        state["lm_head.weight"] = 0.05 * torch.randn_like(state["shared.weight"])
+        save_file(state, weights, metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["tie_word_embeddings"] = False
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+    return path
+
+
+MAKE_TINY_LM["t5"] = make_tiny_t5

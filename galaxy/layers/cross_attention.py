@@ -1,0 +1,48 @@
+"""XATT, the cross-attention sub-block of an encoder-decoder's decoder layer.
+
+Queries come from the decoder's tokens, keys and values from the encoder's output (`memory`,
+[b, S_src, h]). The memory reaches every decoder layer whole, on every rank of the Galaxy group:
+the model gathers it once per step (galaxy.models.seq2seq), so no layer gathers anything.
+
+  TP   this rank's heads: Q from the decoder's tokens (R, all of them), K and V projected from
+       the whole memory for its heads only; the output is a partial sum (P), like ATT's
+  SP   this rank's decoder tokens (S): all heads, K and V projected from the whole memory
+
+Either way each rank's use of the memory covers only its heads or its queries, so the memory's
+gradient is partial on every rank: the model's gather is one for a sharded consumer (its backward
+sums the layers' contributions over the group once, not once per layer).
+
+Everything else is SelfAttention's (projections under the family's names, shard_tp by heads, the
+attention core, dropout's stream): only where K and V come from differs, and that under SP
+nothing is gathered.
+"""
+from __future__ import annotations
+
+from galaxy.distributed.group import GalaxyGroup
+from galaxy.layers.self_attention import SelfAttention
+
+
+class CrossAttention(SelfAttention):
+    """SelfAttention's arguments (separate q, k, v projections); forward(x, memory, **context)
+    with context the cross-attention's layer context (the encoder's padding mask over keys)."""
+
+    def __init__(self, hidden: int, heads: int, **kwargs):
+        if len(kwargs["qkv"]) != 3:
+            raise ValueError("cross-attention projects Q and K/V from different inputs: name q, k and v apart")
+        super().__init__(hidden, heads, **kwargs)
+
+    def sequence_parallel(self, group: GalaxyGroup) -> None:
+        """SP: this rank's queries are its own decoder tokens; K and V come from the whole memory,
+        so nothing is gathered (only query-indexed context is cut to this rank's rows)."""
+        self.local_rows = slice(group.token_offset, group.token_offset + group.tokens[group.rank])
+
+    def project(self, x, memory):
+        """x [b, s, h] (decoder tokens), memory [b, S_src, h] -> (q [b, s, heads*d], k, v [b, S_src, heads*d])."""
+        q, k, v = (getattr(self, name) for name in self.qkv_names)
+        return q(x), k(memory), v(memory)
+
+    def forward(self, x, memory, **context):
+        # x: [b, s, h] (this rank's decoder tokens under SP); memory: [b, S_src, h] on every rank
+        if self.local_rows is not None:
+            context = self._own_rows(context)
+        return self.finish(self.attend(*self.project(x, memory), **context))

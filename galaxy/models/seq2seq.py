@@ -1,0 +1,167 @@
+"""What the encoder-decoder families (BART, T5) share: one layer list over two stacks, the
+encoder's output gathered once for every cross-attention, and the LM head on the decoder.
+
+    layers      the encoder's layers (TransformerBlock, sequence "source"), then the decoder's
+                (DecoderBlock, sequence "target"): layer i < encoder_layers is the encoder's
+                layer i, the others the decoder's layer i - encoder_layers. One list, so that
+                pipeline stages, recomputation and checkpoints index them like any family's
+                (a stage may hold encoder and decoder layers).
+    carry       (the encoder's carry_size tensors [b, s_src, h], the decoder's [b, s_tgt, h]):
+                both stacks' streams in the CON layout, each split by its own token shares
+                (seq_scatter_list, decoder_seq_scatter_list). Both are embedded on the first
+                stage; the decoder's waits in the carry until the first decoder layer.
+    memory      the encoder's output, moved once per forward of a stage (not once per layer)
+                from the CON layout to R by `self.memory`, a gather for a sharded consumer:
+                every XATT reads it whole and uses only its heads (TP) or its queries (SP), so
+                its gradient is partial on every rank, summed over the layers locally and then
+                over the group once by the gather's backward (reduce-scatter under CON SP,
+                all-reduce under CON None), back to the encoder's ranks exactly.
+    context     {"source": the encoder's ATT context, "target": the decoder's ATT context,
+                 "cross": XATT's}, from the source mask [b, S] and the target mask [b, T].
+
+The head is the causal LMs' (galaxy.models.causal_lm_head) on the decoder's output, with labels
+aligned to positions (Hugging Face's seq2seq loss: the decoder's inputs are the labels shifted
+right, the loss the token mean over labels that are not -100).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from galaxy.distributed.transitions import Layout, Transition
+from galaxy.models.causal_lm_head import IGNORE_INDEX, CausalLMHead, causal_padding_mask
+from galaxy.models.family import GalaxyModel
+
+
+def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
+    """Hugging Face's decoder inputs from labels [b, T]: the start token, then labels[:, :-1],
+    ignored labels (-100) as padding."""
+    out = torch.full_like(labels, start_id)
+    out[:, 1:] = labels[:, :-1]
+    return out.masked_fill(out == IGNORE_INDEX, pad_id)
+
+
+class EncoderDecoder(GalaxyModel):
+    """The backbone of both stacks. A family's subclass builds `layers` (encoder first), sets
+    `encoder_layers`, and implements source_embeddings / target_embeddings ([b, S] ids -> [b, S,
+    h], replicated) and, pre-norm, `start_stack` (the first layer's input norm)."""
+    # Batch keys beyond input_ids / attention_mask / labels that the forward takes; a pipeline
+    # gives them to every stage (the first embeds decoder_input_ids, all mask with the target mask).
+    extra_inputs = ("decoder_input_ids", "decoder_attention_mask")
+    encoder_layers = 0
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.enter = Transition()             # source embeddings (R) -> the CON layout
+        self.enter_decoder = Transition()     # target embeddings (R) -> the decoder's CON layout
+        self.memory = Transition()            # the encoder's output (CON layout) -> R, once
+        self.encoder_output = nn.Identity()   # on the gathered memory (T5: its dropout)
+
+    def plan_memory(self, con_layout, group):
+        """The decoder's entry on the decoder's token shares, the memory's gather on the encoder's;
+        returns the decoder's group."""
+        decoder = group.decoder()
+        self.enter_decoder.set(Layout.R, con_layout, sharded_consumer=False, group=decoder)
+        self.memory.set(con_layout, Layout.R, sharded_consumer=True, group=group)
+        return decoder
+
+    # -- the forward pass in stage-sized pieces ------------------------------------------------
+
+    def start_stack(self, h, which: str) -> tuple:
+        """A stack's carry from its entered embeddings [b, s_con, h]: (h,) post-norm."""
+        return (h,)
+
+    def decoder_inputs(self, input_ids, decoder_input_ids=None, labels=None):
+        """The decoder's ids: given, or the labels shifted right, or (a classifier) the source
+        shifted right, as Hugging Face does."""
+        if decoder_input_ids is not None:
+            return decoder_input_ids
+        cfg = self.config
+        return shift_right(labels if labels is not None else input_ids, cfg.decoder_start_token_id,
+                           cfg.pad_token_id)
+
+    def embed(self, input_ids, token_type_ids=None, decoder_input_ids=None, **_) -> tuple:
+        # input_ids [b, S], decoder_input_ids [b, T] on every rank -> (source carry, target carry)
+        decoder_input_ids = self.decoder_inputs(input_ids, decoder_input_ids)
+        with self.backbone_grad():
+            source = self.start_stack(self.enter(self.source_embeddings(input_ids)), "source")
+            target = self.start_stack(self.enter_decoder(self.target_embeddings(decoder_input_ids)), "target")
+        return (*source, *target)
+
+    def layer_context(self, attention_mask, decoder_attention_mask=None, **_) -> dict:
+        """Each stack's context from the source mask [b, S] and the target mask [b, T] (None: no
+        target padding, the target as long as the source: a classifier's decoder)."""
+        keep = attention_mask.bool()
+        target = keep.new_ones(keep.shape) if decoder_attention_mask is None else decoder_attention_mask.bool()
+        keys = keep[:, None, None, :]                                     # [b, 1, 1, S]
+        return {"source": {"mask": self.source_mask(keys)}, "target": {"mask": self.target_mask(target)},
+                "cross": {"mask": keys}}
+
+    def source_mask(self, keys):
+        """The encoder's ATT mask from the source keys' [b, 1, 1, S]."""
+        return keys
+
+    def target_mask(self, keep):
+        """The decoder's ATT mask from the target's [b, T]: causal and padding, [b, 1, T, T]."""
+        return causal_padding_mask(keep)
+
+    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
+        n = self.carry_size
+        source, target, side = carry[:n], carry[n:2 * n], carry[2 * n:]
+        memory = None
+        for layer in layers:
+            with self.backbone_grad():
+                if layer.sequence == "source":
+                    source = layer(source[0], source[-1], **context["source"])[:n]
+                    continue
+                if memory is None:       # once per stage: the encoder's last output, whole
+                    memory = self.encoder_output(self.memory(source[-1]))
+                target = layer(target[0], target[-1], memory=memory, cross=context["cross"],
+                               **context["target"])[:n]
+        return (*source, *target, *side)
+
+    def decoder_carry(self, carry: tuple) -> tuple:
+        return carry[self.carry_size:2 * self.carry_size]
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                labels=None, token_type_ids=None):
+        # input_ids, attention_mask [b, S]; decoder_input_ids, decoder_attention_mask, labels [b, T]
+        # (a classifier's labels [b]); every rank gets the whole rows
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        decoder_input_ids = self.decoder_inputs(input_ids, decoder_input_ids,
+                                                labels if self.task == "seq2seq" else None)
+        if decoder_attention_mask is None:        # as Hugging Face: no target padding, causal only
+            decoder_attention_mask = torch.ones_like(decoder_input_ids)
+        carry = self.embed(input_ids, decoder_input_ids=decoder_input_ids)
+        carry = self.run_layers(carry, self.layer_context(attention_mask, decoder_attention_mask), self.layers)
+        return self.head(carry, labels)
+
+
+class Seq2SeqLMHead(CausalLMHead):
+    """The LM head of an EncoderDecoder: the causal LMs' head on the decoder's output, labels
+    aligned to the decoder's positions (Hugging Face's ...ForConditionalGeneration loss)."""
+    task, peft_task_type = "seq2seq", "SEQ_2_SEQ_LM"
+    label_shift = 0
+    forward = EncoderDecoder.forward      # not the causal LM's
+
+    def plan_head(self, con_layout, group) -> dict:
+        return super().plan_head(con_layout, self.plan_memory(con_layout, group))
+
+    def head_input(self, carry: tuple):
+        x = self.decoder_carry(carry)[-1]
+        side = carry[2 * self.carry_size:]
+        return self.side_out(x, side[0]) if side else x
+
+
+def stack_names(encoder, decoder, encoder_layers: int):
+    """galaxy name -> Hugging Face name of an encoder-decoder: a name under "layers.{i}" goes to
+    encoder(name) with i < encoder_layers, else to decoder(name with the decoder's own index);
+    every other name to encoder (the encoder's map holds the model-level names)."""
+    def to_hf(name: str) -> str:
+        parts = name.split(".")
+        if parts[0] == "layers" and int(parts[1]) >= encoder_layers:
+            return decoder(".".join(["layers", str(int(parts[1]) - encoder_layers), *parts[2:]]))
+        return encoder(name)
+    return to_hf

@@ -1,0 +1,138 @@
+"""finetune_bart.py and finetune_t5.py, run as users run them, report Hugging Face's losses; the
+sequence-to-sequence data formats read the same pairs.
+
+A tiny T5 and a tiny BART (galaxy.assets.tiny_t5 / tiny_bart, on a byte-level BPE trained here on
+the training lines, so that no test waits for the full tokenizer) train 3 SGD steps of 8 pairs
+(source 24 tokens, target 8): T5 under the Galaxy plan at world 2 (heads 3 / 1, MLP columns 80 /
+48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file, dropout
+off. The losses in metrics_file must equal HF's ...ForConditionalGeneration trained on the same
+batches.
+"""
+import json
+
+import pytest
+import torch
+
+from support.parity import HF_LOADERS
+from support.script_runner import run_scripts
+
+from galaxy.data import DataError
+from galaxy.data.pydoc_topics import pydoc_titles_dataset, pydoc_topics_dataset
+from galaxy.data.seq2seq import encode_pairs, read_pairs
+from galaxy.train.metrics import read_metrics
+
+STEPS, BATCH, PAD, TARGET, LR = 3, 8, 24, 8, 0.5
+GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
+              tp_num_attention_heads_list=[3, 1], tp_intermediate_size_list=[80, 48], seq_scatter_list=[13, 11],
+              decoder_seq_scatter_list=[5, 3])
+
+
+def small_bpe(lines):
+    """A byte-level BPE of ~400 tokens with tiny_llama's special tokens, trained on `lines`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from galaxy.assets.tiny_llama import SPECIAL
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from galaxy.assets.tiny_bart import write_tiny_bart
+    from galaxy.assets.tiny_t5 import write_tiny_t5
+    tmp = tmp_path_factory.mktemp("encdec_entry")
+    pairs = pydoc_titles_dataset("train")[:BATCH * STEPS]
+    lines = [text for pair in pairs for text in pair]
+    (tmp / "train.jsonl").write_text("".join(json.dumps({"source": s, "target": t}) + "\n" for s, t in pairs))
+    (tmp / "train.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
+    return dict(tmp=tmp, pairs=pairs, t5=write_tiny_t5(str(tmp / "t5"), bpe=small_bpe(lines), seed=1),
+                bart=write_tiny_bart(str(tmp / "bart"), bpe=small_bpe(lines), seed=1))
+
+
+def write_config(work, family, data, **extra):
+    cfg = dict(model_path=work[family], train_path=str(work["tmp"] / data), pad_size=PAD, target_pad_size=TARGET,
+               batch_size=BATCH, learning_rate=LR, optimizer="sgd", max_steps=STEPS, shuffle=False, timeout_s=60,
+               dropout=0.0, metrics_file=str(work["tmp"] / f"{family}.jsonl"), **extra)
+    path = work["tmp"] / f"{family}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path), cfg["metrics_file"]
+
+
+def hf_losses(work, family):
+    """HF's model (eval mode: no dropout) trained with SGD on the scripts' batches."""
+    from transformers import AutoTokenizer
+    model = HF_LOADERS[family](work[family]).eval()
+    tok = AutoTokenizer.from_pretrained(work[family])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**encode_pairs(tok, work["pairs"][step * BATCH:(step + 1) * BATCH], PAD, TARGET)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_scripts_report_hf_losses(work):
+    runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {})]
+    configs = [write_config(work, family, data, **extra) for family, _, _, data, extra in runs]
+    results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)])
+    for (family, *_), (_, metrics_file), outcome in zip(runs, configs, results):
+        for rank, (code, out, err) in enumerate(outcome):
+            assert code == 0, f"{family} rank {rank} exited {code}:\n{out}\n{err}"
+        steps = [r for r in read_metrics(metrics_file) if "event" not in r]
+        assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+        for r, ref in zip(steps, hf_losses(work, family)):
+            assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (family, r["loss"], ref)
+
+
+def test_seq2seq_formats_read_the_same_pairs(tmp_path):
+    (tmp_path / "a.tsv").write_text("def f(): pass\tfunction\nx = 1\twith\ttabs\tassignment\n")
+    (tmp_path / "b.jsonl").write_text('{"source": "def f(): pass", "target": "function"}\n\n'
+                                      '{"input": "x = 1\\twith\\ttabs", "output": "assignment"}\n')
+    (tmp_path / "c.json").write_text('[{"instruction": "Name it", "input": "def f(): pass", "output": "function"},'
+                                     ' {"instruction": "x = 1\\twith\\ttabs", "output": "assignment"}]')
+    want = [("def f(): pass", "function"), ("x = 1\twith\ttabs", "assignment")]
+    assert read_pairs(str(tmp_path / "a.tsv")) == want
+    assert read_pairs(str(tmp_path / "b.jsonl")) == want
+    assert read_pairs(str(tmp_path / "c.json")) == [("Name it\n\ndef f(): pass", "function"), want[1]]
+    (tmp_path / "d.jsonl").write_text('{"source": "a", "target": "b"}\n{"text": "a"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: a record with fields \['text'\] fits no format"):
+        read_pairs(str(tmp_path / "d.jsonl"))
+    (tmp_path / "e.tsv").write_text("no tab here\n")
+    with pytest.raises(DataError, match="e.tsv:1: missing tab between source and target"):
+        read_pairs(str(tmp_path / "e.tsv"))
+
+
+def test_pydoc_titles_are_the_topics_passages():
+    for split in ("train", "dev", "test"):
+        titles, topics = pydoc_titles_dataset(split), pydoc_topics_dataset(split)[0]
+        assert [s for s, _ in titles] == [s for s, _ in topics]
+    assert {t for _, t in pydoc_titles_dataset("train")} >= {"assert", "string methods", "for"}
+
+
+def test_pipelines_of_encoder_decoders_are_refused():
+    from galaxy.plan import Plan, Workload
+    work = Workload(heads=4, kv_heads=4, columns=128, layers=4, tokens=24, target_tokens=8)
+    assert ("pp_deg 2: encoder-decoder models (bart, t5) do not run as pipelines yet; set pp_deg to 1 "
+            "(dp_deg and every Galaxy plan work)") in Plan(pp=2).problems(2, work)
+    assert not Plan(dp=2).problems(2, work)
+
+
+def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
+    """One line, exit 2, before any process group (--check)."""
+    from galaxy import launch
+    from galaxy.train.trainer import prepare_seq2seq, train
+    config, _ = write_config(work, "t5", "train.jsonl", use_side=True)
+    with pytest.raises(SystemExit) as e:
+        launch.main(preset="galaxy", train_fn=train, script="finetune_t5.py", prepare_fn=prepare_seq2seq,
+                    argv=["--config_file", config, "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("finetune_t5.py: error: use_side: side-tuning does not cover encoder-decoders (bart, t5) yet; "
+                   "use use_lora or use_adapter"), err
