@@ -325,11 +325,8 @@ def link_sizes(quick: bool) -> list[int]:
 def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
                       statistic: str = "median") -> dict:
     """This rank's DEVICE entry (galaxy.planner.profiles)."""
-    # The baseline: a process holding what training imports, pipelines and sharded replicas too
-    # (their torch modules are imported only by runs that use them, and hold memory once imported).
-    import galaxy.parallel.sharded_dp  # noqa: F401
-    import galaxy.pipeline.runner  # noqa: F401
-    import galaxy.train.trainer  # noqa: F401
+    # The baseline: a process holding what training imports (pipelines' and FSDP's modules too).
+    import galaxy.parallel.sharded_dp, galaxy.pipeline.runner, galaxy.train.trainer  # noqa: F401,E401
     baseline = rss_mib() if env.device.type == "cpu" else 0.0
     host = socket.gethostname()
     hosts = [None] * env.world
