@@ -6,22 +6,15 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
-from support.dist_pool import DistPool  # noqa: E402
+from support.dist_pool import close_pools, pool_of  # noqa: E402
 from support.tiny_models import MAKE_TINY_LM, make_tiny_bert, write_sharp_lm  # noqa: E402
-
-_pools: dict[int, DistPool] = {}
 
 
 @pytest.fixture(scope="session")
 def dist_pool():
-    """dist_pool(world) -> a DistPool of that size, started once per test session."""
-    def get(world: int) -> DistPool:
-        if world not in _pools:
-            _pools[world] = DistPool(world)
-        return _pools[world]
-    yield get
-    for pool in _pools.values():
-        pool.close()
+    """dist_pool(world) -> the session's DistPool of that size (support.dist_pool.pool_of)."""
+    yield pool_of
+    close_pools()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from support.dist_pool import close_pools
 from support.edge_launcher import (PROBE, device, edge, leftovers, requires_testbed, run_name, start_edge,
                            write_cluster)
 
@@ -21,6 +22,7 @@ pytestmark = requires_testbed
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     """One 3-device run: links of 300, 300 and 100 Mbit/s; cpus 1.0, 0.5 and 0.4."""
+    close_pools()       # their idle workers would take CPU the devices' shares are measured against
     tmp = tmp_path_factory.mktemp("edge_probe")
     cluster = write_cluster(tmp / "probe.json", device("fast", 1.0, link_mbit=300), device("half", 0.5, link_mbit=300),
                             device("slow", 0.4, link_mbit=100, threads=2))

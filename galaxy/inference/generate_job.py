@@ -25,7 +25,7 @@ from galaxy.inference.model import eos_ids, inference_model
 from galaxy.inference.prompts import Prompt, prompt_ids, read_prompts
 from galaxy.inference.replicas import cache_mib_per_rank, generate_all
 from galaxy.inference.requests import Completion, Request
-from galaxy.inference.setup import InferenceSetup, add_sampling_arguments, prepare_inference, sampling_of
+from galaxy.inference.setup import FromSetup, InferenceSetup, add_sampling_arguments, prepare_inference, sampling_of
 from galaxy.preflight.paths import check_writable
 from galaxy.runtime.runners import plan_and_mesh
 
@@ -40,28 +40,11 @@ def add_generate_arguments(p) -> None:
 
 
 @dataclass
-class GenerateJob:
+class GenerateJob(FromSetup):
     setup: InferenceSetup
     requests: list[Request]
     out: str | None
     echo: bool = False          # finetune_llama.py --generate's output: the text and the token ids
-
-    # What the launcher's checks read off a job (galaxy.preflight, galaxy.distributed.agreement).
-    @property
-    def cfg(self):
-        return self.setup.cfg
-
-    @property
-    def tokenizer(self):
-        return self.setup.tokenizer
-
-    @property
-    def resume(self):
-        return self.setup.resume
-
-    @property
-    def peft(self):
-        return self.setup.peft
 
     @property
     def what(self) -> str:

@@ -31,7 +31,7 @@ from galaxy.inference.engine import Engine
 from galaxy.inference.model import eos_ids, inference_model
 from galaxy.inference.replicas import generate_all
 from galaxy.inference.server import Front
-from galaxy.inference.setup import InferenceSetup, prepare_inference
+from galaxy.inference.setup import FromSetup, InferenceSetup, prepare_inference
 from galaxy.runtime.runners import plan_and_mesh
 
 
@@ -43,27 +43,11 @@ def add_serve_arguments(p) -> None:
 
 
 @dataclass
-class ServeJob:
+class ServeJob(FromSetup):
     setup: InferenceSetup
     host: str
     port: int
     model_name: str
-
-    @property
-    def cfg(self):
-        return self.setup.cfg
-
-    @property
-    def tokenizer(self):
-        return self.setup.tokenizer
-
-    @property
-    def resume(self):
-        return self.setup.resume
-
-    @property
-    def peft(self):
-        return self.setup.peft
 
     @property
     def what(self) -> str:

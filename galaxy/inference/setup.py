@@ -26,6 +26,29 @@ class InferenceSetup:
     limits: Limits
 
 
+
+class FromSetup:
+    """What the launcher's checks read off a job (galaxy.preflight, galaxy.distributed.agreement),
+    taken from the job's InferenceSetup: generate.py's and serve.py's jobs both hold one."""
+    setup: InferenceSetup
+
+    @property
+    def cfg(self):
+        return self.setup.cfg
+
+    @property
+    def tokenizer(self):
+        return self.setup.tokenizer
+
+    @property
+    def resume(self):
+        return self.setup.resume
+
+    @property
+    def peft(self):
+        return self.setup.peft
+
+
 def prepare_inference(cfg, world: int) -> InferenceSetup:
     shape = read_model_shape(cfg.model_path)
     check_task(shape["model_type"], "causal_lm")

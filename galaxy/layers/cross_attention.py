@@ -44,5 +44,5 @@ class CrossAttention(SelfAttention):
     def forward(self, x, memory, **context):
         # x: [b, s, h] (this rank's decoder tokens under SP); memory: [b, S_src, h] on every rank
         if self.local_rows is not None:
-            context = self._own_rows(context)
+            context = self.own_rows(context)
         return self.finish(self.attend(*self.project(x, memory), **context))

@@ -137,3 +137,22 @@ class DistPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def pool_of(world: int) -> DistPool:
+    """The session's pool of that size (conftest's dist_pool fixture), started when first asked."""
+    if world not in _POOLS:
+        _POOLS[world] = DistPool(world)
+    return _POOLS[world]
+
+
+def close_pools() -> None:
+    """Stop every pool's workers; pool_of starts them again when next asked (in about a second:
+    they fork from the preloaded forkserver). Their gloo groups' socket loops keep idle workers busy
+    for a few percent of a core each: timing tests call this first to have the host quiet."""
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
