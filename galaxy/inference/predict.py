@@ -23,14 +23,14 @@ from galaxy.config import ConfigError
 from galaxy.data import load_examples
 from galaxy.data.readers import read_inputs
 from galaxy.files import write_text_atomic
-from galaxy.models.shape import read_model_shape
+from galaxy.inference.setup import checked_model
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.peft import PeftOptions, apply_peft
 from galaxy.preflight.paths import check_writable
 from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.runtime.runners import build_runner, plan_and_mesh
 from galaxy.train.checkpoint import Checkpoint, resolve_resume
-from galaxy.train.trainer import check_task, prepare_classifier, train_classifier
+from galaxy.train.trainer import prepare_classifier, train_classifier
 
 
 def add_predict_arguments(p) -> None:
@@ -78,12 +78,7 @@ def prepare_predict(cfg, args, script_task: str = "classification") -> PredictJo
     if (cfg.task or script_task) != "classification":
         raise ConfigError(f"train false and --predict classify, but this run's task is {cfg.task or script_task}: "
                           "set task to classification, or run generate.py for a causal LM")
-    shape = read_model_shape(cfg.model_path)
-    check_task(shape["model_type"], "classification")
-    try:
-        peft = PeftOptions.from_config(cfg)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    shape, peft = checked_model(cfg, "classification")
     tokenizer = load_tokenizer(cfg.model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token      # as training pads a decoder's rows

@@ -49,13 +49,18 @@ class FromSetup:
         return self.setup.peft
 
 
-def prepare_inference(cfg, world: int) -> InferenceSetup:
+def checked_model(cfg, task: str) -> tuple[dict, PeftOptions]:
+    """(model_path's shape, the PEFT options) of a model asked to do `task`; ConfigError otherwise."""
     shape = read_model_shape(cfg.model_path)
-    check_task(shape["model_type"], "causal_lm")
+    check_task(shape["model_type"], task)
     try:
-        peft = PeftOptions.from_config(cfg)
+        return shape, PeftOptions.from_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def prepare_inference(cfg, world: int) -> InferenceSetup:
+    shape, peft = checked_model(cfg, "causal_lm")
     if peft.method in ("side", "side_only"):
         raise ConfigError(f"{peft.method.replace('_', '-')}-tuning runs its side network over whole sequences "
                           "and has no KV cache; generate with use_lora, use_adapter or full weights")
