@@ -32,7 +32,7 @@ class GalaxyGroup:
         if self.size == 1:
             return self
         if self.decoder_tokens is None:
-            raise ValueError("this Galaxy group has no decoder token shares (decoder_seq_scatter_list)")
+            raise ValueError("this Galaxy group has no decoder token shares (the plan's decoder_tokens)")
         return replace(self, tokens=self.decoder_tokens)
 
     @property

@@ -37,10 +37,11 @@ def unsupported(cfg) -> str | None:
     """What of BartConfig this definition does not compute, or None."""
     if cfg.encoder_attention_heads != cfg.decoder_attention_heads:
         return (f"encoder_attention_heads {cfg.encoder_attention_heads} and decoder_attention_heads "
-                f"{cfg.decoder_attention_heads} differ; galaxy splits one head count (tp_num_attention_heads_list)")
+                f"{cfg.decoder_attention_heads} differ; galaxy splits one head count "
+                "(the plan's heads) over both stacks")
     if cfg.encoder_ffn_dim != cfg.decoder_ffn_dim:
         return (f"encoder_ffn_dim {cfg.encoder_ffn_dim} and decoder_ffn_dim {cfg.decoder_ffn_dim} differ; galaxy "
-                f"splits one MLP width (tp_intermediate_size_list)")
+                f"splits one MLP width (the plan's columns) over both stacks")
     if cfg.encoder_layerdrop or cfg.decoder_layerdrop:
         return "encoder_layerdrop / decoder_layerdrop (skipping layers at random) is not supported"
     return None

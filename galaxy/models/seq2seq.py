@@ -8,7 +8,7 @@ encoder's output gathered once for every cross-attention, and the LM head on the
                 (a stage may hold encoder and decoder layers).
     carry       (the encoder's carry_size tensors [b, s_src, h], the decoder's [b, s_tgt, h]):
                 both stacks' streams in the CON layout, each split by its own token shares
-                (seq_scatter_list, decoder_seq_scatter_list). Both are embedded on the first
+                (the plan's tokens and decoder_tokens). Both are embedded on the first
                 stage; the decoder's waits in the carry until the first decoder layer.
     memory      the encoder's output, moved once per forward of a stage (not once per layer)
                 from the CON layout to R by `self.memory`, a gather for a sharded consumer:
