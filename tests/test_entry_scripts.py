@@ -8,16 +8,14 @@ hand. The losses in metrics_file (global-batch means) must equal HF
 BertForSequenceClassification trained on the same batches.
 """
 import json
-import os
 
 import pytest
 import torch
 
 from support.script_runner import run_script
-from support.tiny_models import make_tiny_bert
+from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 
 from galaxy.data import pydoc_topics_dataset
-from galaxy.assets.packaged_minilm import packaged_minilm_dir
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, LR = 3, 8, 16, 0.2
@@ -28,10 +26,7 @@ CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical"
 def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("entry")
     model_dir = str(tmp / "model")
-    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
-    tokenizer_dir = packaged_minilm_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        os.symlink(os.path.join(tokenizer_dir, name), os.path.join(model_dir, name))
+    make_tiny_bert_with_minilm_tokenizer(model_dir, len(CLASSES))
     examples, names = pydoc_topics_dataset("train")
     train = tmp / "train.tsv"
     train.write_text("".join(f"{text}\t{names[label]}\n" for text, label in examples[: BATCH * STEPS + 5]))

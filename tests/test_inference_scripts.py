@@ -7,16 +7,14 @@ pretrain_galaxy.py --predict at world 2 writes Hugging Face's class probabilitie
 accuracy; "train": false predicts the test set with pretrain_bert.py.
 """
 import json
-import os
 
 import pytest
 import torch
 
 from support.generation_runners import hf_generate
 from support.script_runner import run_script, run_scripts
-from support.tiny_models import make_tiny_bert
+from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 
-from galaxy.assets.packaged_minilm import packaged_minilm_dir
 
 PAD, NEW = 24, 8
 PROMPTS = ["The for statement is used to", "Lists", "A class definition defines"]
@@ -95,9 +93,7 @@ def test_bad_input_is_one_line_exit_2(lm):
 def bert(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("predict")
     model_dir = str(tmp / "model")
-    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
+    make_tiny_bert_with_minilm_tokenizer(model_dir, len(CLASSES))
     rows = [("for loops iterate over items", "a"), ("the class statement defines", "b"), ("names bind", "c"),
             ("an expression is evaluated", "b"), ("lambda", "a")]
     inputs = tmp / "inputs.tsv"

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from support.script_runner import launch, run_script
-from support.tiny_models import make_tiny_bert
+from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 
 from galaxy.data import pydoc_topics_dataset
-from galaxy.assets.packaged_minilm import packaged_minilm_dir
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD = 3, 8, 16
@@ -20,12 +19,9 @@ LORA = dict(use_lora=True, lora_dim=4, lora_alpha=8, lora_target_modules=["query
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    import os
     tmp = tmp_path_factory.mktemp("peft_entry")
     model_dir = str(tmp / "model")
-    make_tiny_bert(model_dir, vocab_size=30522, num_labels=len(CLASSES))
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
+    make_tiny_bert_with_minilm_tokenizer(model_dir, len(CLASSES))
     examples, names = pydoc_topics_dataset("train")
     train = tmp / "train.tsv"
     train.write_text("".join(f"{t}\t{names[y]}\n" for t, y in examples[: BATCH * STEPS]))

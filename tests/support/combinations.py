@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from support.tiny_models import make_tiny_bert
+from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 
 FACTORS = {
     "family": ["bert", "llama", "qwen2", "gpt2"],
@@ -122,13 +122,10 @@ def make_models(folder: str) -> dict:
 
 def _bert(folder: str) -> dict:
     from galaxy.data import pydoc_topics_dataset
-    from galaxy.assets.packaged_minilm import packaged_minilm_dir
     examples, names = pydoc_topics_dataset("train")
     by_class = [[text for text, label in examples if label == c] for c in range(len(names))]
     rows = [(by_class[i % len(names)][i // len(names)], i % len(names)) for i in range(BATCH * STEPS)]
-    model_dir = make_tiny_bert(os.path.join(folder, "model"), vocab_size=30522, num_labels=len(names))
-    for file in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        os.symlink(os.path.join(packaged_minilm_dir(), file), os.path.join(model_dir, file))
+    model_dir = make_tiny_bert_with_minilm_tokenizer(os.path.join(folder, "model"), len(names))
     train = os.path.join(folder, "train.tsv")
     with open(train, "w") as f:
         f.write("".join(f"{text}\t{names[label]}\n" for text, label in rows))

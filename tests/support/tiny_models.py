@@ -22,6 +22,21 @@ def make_tiny_bert(path: str, seed: int = 0, **overrides) -> str:
     return path
 
 
+MINILM_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+
+def make_tiny_bert_with_minilm_tokenizer(path: str, num_labels: int, **overrides) -> str:
+    """A tiny BERT classifier over all-MiniLM-L6-v2's vocabulary (30522 tokens), with the packaged
+    MiniLM tokenizer's files linked into its folder: what the entry scripts read real text with."""
+    import os
+
+    from galaxy.assets.packaged_minilm import packaged_minilm_dir
+    make_tiny_bert(path, **{"vocab_size": 30522, **overrides, "num_labels": num_labels})
+    for name in MINILM_TOKENIZER_FILES:
+        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(path, name))
+    return path
+
+
 def tiny_batch(seed: int, batch: int = 4, seq: int = TINY_SEQ, vocab: int = 120, num_labels: int = 3):
     """A batch with padding: row i keeps seq - 3*i tokens (at least 2)."""
     g = torch.Generator().manual_seed(seed)

@@ -11,10 +11,10 @@ import os
 
 import torch.distributed as dist
 
-from support.tiny_models import make_tiny_bert
+from support.tiny_models import MINILM_TOKENIZER_FILES, make_tiny_bert_with_minilm_tokenizer
 
 CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+TOKENIZER_FILES = MINILM_TOKENIZER_FILES
 GALAXY_W2 = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
                  tp_num_attention_heads_list=[4, 2], tp_intermediate_size_list=[60, 36],
                  seq_scatter_list=[9, 7])
@@ -25,12 +25,9 @@ def make_workspace(root, n_train: int = 64, n_held_out: int = 12, **model) -> di
 
     model: BertConfig overrides (e.g. num_hidden_layers=4 for uneven pipeline stages)."""
     from galaxy.data import pydoc_topics_dataset
-    from galaxy.assets.packaged_minilm import packaged_minilm_dir
     root = str(root)
     model_dir = os.path.join(root, "model")
-    make_tiny_bert(model_dir, **{"vocab_size": 30522, **model, "num_labels": len(CLASSES)})
-    for name in TOKENIZER_FILES:
-        os.symlink(os.path.join(packaged_minilm_dir(), name), os.path.join(model_dir, name))
+    make_tiny_bert_with_minilm_tokenizer(model_dir, len(CLASSES), **model)
     paths = {"root": root, "model_dir": model_dir}
     for split, n in (("train", n_train), ("dev", n_held_out), ("test", n_held_out)):
         examples, names = pydoc_topics_dataset(split)
