@@ -18,14 +18,13 @@ in alternating order (each run's median step after the first; the least disturbe
 the bench prints, per method, the other's choice measured against its own (target: > 1 for both),
 with the predicted step and bytes per step that explain it.
 
-For a link like separate machines' (where DDP's 90 MB decides), limit the loopback for the whole
-run, profiles included (root; it slows every process on the host that uses lo), and remove the
-limit after:
-
-    tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 100ms     # tc qdisc del dev lo root
+For a link like separate machines' (where DDP's 90 MB decides), run it on the edge testbed
+(`--cluster FILE`, root): profile-devices and every training run start through `python -m
+galaxy.edge run`, one rank per emulated device with its shaped link and CPU share, so the link
+profile the search reads is the link the runs use.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_peft.py --pin [--batch_size 8] [--pad_size 64] [--steps 8]
-        [--rounds 3] [--profiles DIR] [--out runs/bench/plan_peft]
+        [--rounds 3] [--profiles DIR] [--cluster clusters/two_equal_100m.json] [--out runs/bench/plan_peft]
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ import sys
 from pathlib import Path
 
 from plan_accuracy import method_keys, method_of
-from planning_runs import ROOT, env, profile, train, write_base
+from planning_runs import ROOT, env, profile, train, use_cluster, write_base
 
 sys.path.insert(0, str(ROOT))
 
@@ -79,8 +78,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pin", action="store_true")
     p.add_argument("--profiles", help="a folder holding model.json and devices.json taken under the LoRA config")
+    p.add_argument("--cluster", help="run profiles and training on the edge testbed's cluster FILE (two devices)")
     p.add_argument("--out", default="runs/bench/plan_peft")
     args = p.parse_args()
+    use_cluster(args.cluster)
     out = ROOT / args.out
     cores = [0, 1] if args.pin else [None, None]
     bases = {"lora": write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -55,20 +56,49 @@ def write_base(folder: Path, *, pad_size: int, batch_size: int, steps: int, **ex
     return str(path)
 
 
-def run_ranks(argv: list[str], world: int, cores: list[int | None], timeout: float = 1200) -> list[str]:
-    """Start `python *argv --world W --rank R --init_method ...` per rank; every rank's stdout."""
+# A cluster file (clusters/*.json) to run every multi-rank command on: `python -m galaxy.edge run`
+# then starts one rank per emulated device (its namespace, shaped link, CPU share and memory limit)
+# instead of one process per rank over loopback; the device count must equal the world.
+CLUSTER: str | None = None
+
+
+def use_cluster(path: str | None) -> None:
+    global CLUSTER
+    CLUSTER = str(Path(path).resolve()) if path else None
+
+
+def _rank_commands(argv: list[str], world: int, cores: list[int | None]) -> list[list[str]]:
+    if CLUSTER:     # the testbed adds --world, --rank and --init_method itself
+        return [[sys.executable, "-m", "galaxy.edge", "run", "--cluster", CLUSTER, "--", sys.executable, *argv]]
     port = free_port()
-    procs = [subprocess.Popen([*pin(cores[r]), sys.executable, *argv, "--world", str(world), "--rank", str(r),
-                               "--init_method", f"tcp://127.0.0.1:{port}"],
-                              cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    outs = []
-    for r, p in enumerate(procs):
-        out, err = p.communicate(timeout=timeout)
-        if p.returncode:
-            raise RuntimeError(f"rank {r} of {' '.join(argv)} exited {p.returncode}:\n{err[-3000:]}")
-        outs.append(out)
-    return outs
+    return [[*pin(cores[r]), sys.executable, *argv, "--world", str(world), "--rank", str(r),
+             "--init_method", f"tcp://127.0.0.1:{port}"] for r in range(world)]
+
+
+def run_ranks(argv: list[str], world: int, cores: list[int | None], timeout: float = 1200) -> list[str]:
+    """Start `python *argv --world W --rank R --init_method ...` per rank (or the testbed's launcher
+    once, under CLUSTER); every process's stdout. A failed or timed-out rank stops them all: a peer
+    left waiting in a collective would hold its port and cores for the next run."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+             for cmd in _rank_commands(argv, world, cores)]
+    try:
+        outs = []
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode:
+                raise RuntimeError(f"rank {r} of {' '.join(argv)} exited {p.returncode}:\n{(err or out)[-3000:]}")
+            outs.append(out)
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)     # the launcher passes it on to its ranks
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
 
 
 def profile(folder: Path, base: str, world: int, cores: list[int | None], repeats: int = 3,
