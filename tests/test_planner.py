@@ -2,12 +2,12 @@
 is known by hand, the profile files, the CLI end to end on tiny models, a searched config training
 under pretrain_galaxy.py with HF's losses, and profile-devices on a real 2-process gloo group."""
 import json
-import time
 from dataclasses import replace
 
 import pytest
 
 from support.script_runner import launch, run_script
+from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 from test_entry_scripts import hf_losses, job, write_config  # noqa: F401  (job: the module fixture)
 
 from galaxy.config import apply_preset, load_config, validate_for_world
@@ -275,15 +275,16 @@ def test_llama_heads_stay_in_whole_kv_groups():
             assert all(h % 4 == 0 and h > 0 for h in est.plan.heads), est.plan.heads
 
 
-def test_24_layers_at_world_8_search_within_10_s():
+def test_24_layers_at_world_8_search_estimates_a_bounded_number_of_plans():
+    """The search's cost is the plans it estimates (about 1 ms each, 10 s at this size on a loaded
+    2-core host: a wall-clock bound here would time the host, so the work is bounded instead; plan.py
+    prints the seconds). 7,136 today; the bound leaves room for moves, not for enumeration."""
     model = synthetic_model(layers=24, heads=16, intermediate=4096, seq=128)
     model["hf_config"]["hidden_size"] = 1024
     devices = [device(r) for r in (4e10, 2e10, 2e10, 1e10, 4e10, 2e10, 3e10, 1e10)]
     cost = CostModel(model, devices, check_link({"latency_s": 5e-5, "bytes_per_s": 1e9}, "link"), batch_size=16)
-    start = time.perf_counter()
     res = search(cost, [d["memory_mib"] for d in devices])
-    assert time.perf_counter() - start <= 10.0
-    assert res.ranked and res.tried > 100
+    assert res.ranked and 100 < res.tried <= 10_000
 
 
 def test_proportional_split_in_whole_units():
@@ -426,7 +427,7 @@ def test_nothing_fits_exits_2_with_one_line(tmp_path, tiny_bert_dir, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith("plan.py search: error: no plan fits the memory budgets")
-    assert "rank 0" in err[0] and "short by" in err[0] and "its budget is 0.2 MiB" in err[0]
+    assert "rank 0" in err[0] and "short by" in err[0] and "its budget is 0.19 MiB after 5% headroom" in err[0]
     assert not (tmp_path / "planned.json").exists()
 
 
@@ -524,8 +525,10 @@ def test_mean_profile_times_each_point_over_a_window_of_slices(statistic):
 
 # --- profile-devices on a real process group ------------------------------------------------------------
 
-def test_profile_devices_on_two_gloo_ranks(tmp_path, tiny_bert_dir):
-    base = _base(tmp_path, tiny_bert_dir, class_list=["a", "b", "c"], distributed_backend="gloo",
+def test_profile_devices_on_two_gloo_ranks(tmp_path):
+    # with a tokenizer: the baseline is a process holding training's modules and tokenizer
+    model_dir = make_tiny_bert_with_minilm_tokenizer(str(tmp_path / "model"), 3)
+    base = _base(tmp_path, model_dir, class_list=["a", "b", "c"], distributed_backend="gloo",
                  tp_num_attention_heads_list=[1, 2, 3])               # a plan for world 3: profiling drops it
     out = tmp_path / "devices.json"
     results = launch(["plan.py", "profile-devices"], base, 2, "--out", str(out), "--quick", timeout=240)

@@ -6,13 +6,13 @@ time (so that ranks sharing a host contend as they will in training):
 
   compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
               of shares (heads, columns, tokens) and rows, and again as the config's PEFT method
-              runs them (frozen weights, LoRA, adapters, the side block); one GEMM at the model's largest shape
-              (the fallback rate); the optimizer's step per parameter (AdamW, SGD); adding a
-              gradient into .grad per parameter (every micro-batch after the first does)
+              runs them (frozen weights, LoRA, adapters, the side block); one GEMM at the model's
+              largest shape (the fallback rate); the optimizer's step per parameter (AdamW, SGD);
+              adding a gradient into .grad per parameter (every micro-batch after the first does)
   memory      what a rank may use (CPU: its cgroup's memory limit where one applies, as on a device
               of the edge testbed or in a container, else MemAvailable; shared by the ranks on the
-              host; CUDA: the free device memory) and the process's RSS before any model exists
-              (the baseline every training process pays)
+              host; CUDA: the free device memory) and the RSS of a process holding training's
+              modules and tokenizer, before any model exists (what every training process pays)
 
 then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
 with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
@@ -22,7 +22,6 @@ Rank 0 writes the cluster description (galaxy.planner.profiles) to --out.
 """
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import time
@@ -37,32 +36,10 @@ from galaxy.peft import PeftOptions
 from galaxy.planner.harness import KINDS, SubBlockBench
 from galaxy.planner.method import costed_options, method_signature
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
+from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.runtime import cgroup, cpu_allocator
+from galaxy.runtime.host_memory import available_mib, rss_mib
 from galaxy.train.optim import build_optimizer, step_kind
-
-
-def rss_mib() -> float:
-    """The process's resident memory now (Linux /proc; 0 where it cannot be read)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def available_mib() -> float:
-    """Memory the system can give new work (Linux MemAvailable; else physical memory)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 20
 
 
 def unit_grid(total: int, step: int, points: int) -> list[int]:
@@ -325,9 +302,12 @@ def link_sizes(quick: bool) -> list[int]:
 def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
                       statistic: str = "median") -> dict:
     """This rank's DEVICE entry (galaxy.planner.profiles)."""
-    # The baseline: a process holding what training imports (pipelines' and FSDP's modules too).
+    # The baseline: a process holding what training imports (pipelines' and FSDP's modules too)
+    # and the tokenizer it keeps (MiniLM's: 45 MiB; bench/results/plan_accuracy.md).
     import galaxy.parallel.sharded_dp, galaxy.pipeline.runner, galaxy.train.trainer  # noqa: F401,E401
+    tokenizer = load_tokenizer(cfg.model_path)
     baseline = rss_mib() if env.device.type == "cpu" else 0.0
+    del tokenizer
     host = socket.gethostname()
     hosts = [None] * env.world
     dist.all_gather_object(hosts, (host, env.device.type, env.device.index))

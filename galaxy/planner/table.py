@@ -36,14 +36,16 @@ def mib(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
 
 
-def no_fit_line(result, devices) -> str:
+def no_fit_line(result, devices, headroom: float = 0.0) -> str:
+    """headroom: the percent of every budget kept free (the budgets in result are what is left)."""
     lean = result.leanest
     if lean is None:
         return "no plan can be formed for this world and batch (check batch_size, the devices and --pp / --dp)"
     short = lean.shortfall(result.budgets)
     worst = [r for r in range(len(short)) if short[r] > 0]
+    kept = f" after {headroom:g}% headroom" if headroom else ""
     parts = [f"rank {r} ({devices[r].get('name', 'device')}) needs {mib(lean.memory_mib[r])} MiB, its budget is "
-             f"{mib(result.budgets[r])} MiB: short by {mib(short[r])} MiB" for r in worst[:4]]
+             f"{mib(result.budgets[r])} MiB{kept}: short by {mib(short[r])} MiB" for r in worst[:4]]
     more = f" and {len(worst) - 4} more ranks" if len(worst) > 4 else ""
     d = describe(lean.plan)
     methods = f"ATT MLP CON {d['methods']}, " if lean.plan.group > 1 else ""
