@@ -74,6 +74,7 @@ class Limits:
     """The longest prompt and prompt + completion this run takes."""
     positions: int                       # the model's max_position_embeddings
     prompt: int | None = None            # pad_size where the plan splits tokens, else None
+    separate: bool = False               # an encoder-decoder: prompt and completion each have the positions
 
     def problem(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why a prompt of this many tokens cannot get max_new_tokens more, or None."""
@@ -82,6 +83,13 @@ class Limits:
         if self.prompt is not None and prompt_tokens > self.prompt:
             return (f"the prompt has {prompt_tokens} tokens, more than the {self.prompt} of pad_size, for which the "
                     f"plan's token shares are made; shorten it or raise pad_size")
+        if self.separate:
+            longest = max(prompt_tokens, max_new_tokens)
+            if longest > self.positions:
+                what = "prompt's" if longest == prompt_tokens else "completion's"
+                return (f"the {what} {longest} tokens exceed the model's {self.positions} positions "
+                        f"(max_position_embeddings); shorten the prompt or ask for fewer new tokens")
+            return None
         if prompt_tokens + max_new_tokens > self.positions:
             return (f"the prompt's {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the model's "
                     f"{self.positions} positions (max_position_embeddings); shorten the prompt or ask for fewer")
