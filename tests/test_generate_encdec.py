@@ -79,6 +79,7 @@ def test_a_single_prompt_with_a_stop_string(dist_pool, seq2seq, family):
     text = tok.decode(row, skip_special_tokens=True)
     stop = text[len(tok.decode(row[:3], skip_special_tokens=True)):][:2]
     ends = next(k for k in range(1, len(row) + 1) if stop in tok.decode(row[:k], skip_special_tokens=True))
+    assert ends < len(row)
     single = Request(PROMPTS[2], tuple(tok(PROMPTS[2])["input_ids"]), NEW)
     stopped = Request(PROMPTS[2], single.ids, NEW, stop=(stop,))
     for plan in (plan_of(2, "SP", "TP", "SP", "TP"), plan_of(2, "TP", "SP", "None", "SP")):
@@ -96,12 +97,12 @@ def test_each_rank_caches_its_share(dist_pool, seq2seq):
     def mib(att_heads, att_slots, xatt_heads, slots=PAD):    # 2 decoder layers
         return 2 * (2 * 3 * 16 * 4 * (att_heads * att_slots + xatt_heads * slots) + 3 * (att_slots + slots)) / 2 ** 20
     longest = max(len(r.ids) for r in requests)         # serial: the prompts padded to the longest
-    serial, tp, sp = dist_pool(1).run(galaxy_generate_plans, model_dir, [plan_of(1)], requests)[0][0][1], \
-        *dist_pool(2).run(galaxy_generate_plans, model_dir, [plan_of(2, "TP", "TP", "SP", "TP"),
-                                                              plan_of(2, "SP", "TP", "SP", "SP")], requests)[0]
+    serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of(1), requests)[0][1]
+    tp, sp = (cache for _, cache in dist_pool(2).run(galaxy_generate_plans, model_dir, [
+        plan_of(2, "TP", "TP", "SP", "TP"), plan_of(2, "SP", "TP", "SP", "SP")], requests)[0])
     assert serial == pytest.approx([mib(4, NEW, 4, longest)])
-    assert tp[1] == pytest.approx([mib(3, NEW, 3), mib(1, NEW, 1)])
-    assert sp[1] == pytest.approx([mib(4, NEW // 2, 4)] * 2)
+    assert tp == pytest.approx([mib(3, NEW, 3), mib(1, NEW, 1)])
+    assert sp == pytest.approx([mib(4, NEW // 2, 4)] * 2)
 
 
 def test_seeded_sampling_under_plans_equals_serial(dist_pool, seq2seq):
@@ -121,7 +122,9 @@ def test_lora_on_self_and_cross_attention_equals_peft(dist_pool, seq2seq, tmp_pa
     from galaxy.peft import PeftOptions
     model_dir, _ = seq2seq(family)
     adapter = write_peft_adapter(family, model_dir, str(tmp_path / "adapter"), targets)
+    model_dir, base = seq2seq(family)
     want = hf_seq2seq_generate(model_dir, PROMPTS, NEW, adapter=adapter)
+    assert want != base, "the adapter should change the greedy tokens"
     lora = (PeftOptions("lora", lora_path=adapter), 0)
     requests = requests_for(model_dir, PROMPTS, NEW)
     for fold in (False, True):

@@ -3,7 +3,9 @@
 galaxy.assets' tiny encoder-decoders with a 512-token BPE (seed 3), every matrix but BART's
 learned positions scaled by 25: at the default init (std 0.02) their outputs barely depend on
 the prompt and every row repeats one token; scaled, the rows differ and the smallest gap between
-the two best logits stays above 1e-2, a thousand times fp32's rounding under any plan.
+the two best logits stays above 1e-2, a thousand times fp32's rounding under any plan. T5's
+relative position tables are scaled by 100 more: beside the scaled scores the bias would
+otherwise change no greedy pick, and a wrong bias for a cached position would go unseen.
 `eos_token_id` is set to a token the model picks inside some rows (config.json only), so rows
 of one batch stop at different steps, as Hugging Face's generate stops them too.
 """
@@ -15,7 +17,8 @@ import os
 import torch
 
 SCALE = 25.0
-EOS = {"bart": 121, "t5": 213}       # a token the greedy rows of PROMPTS pick at step 2 or 4 of one row
+BIAS_SCALE = 100.0       # T5's relative_attention_bias, on top of SCALE
+EOS = {"bart": 121, "t5": 434}       # a token the greedy rows of PROMPTS pick at step 2 or 3 of one row
 
 
 def write_sharp_seq2seq(family: str, path: str) -> str:
@@ -28,7 +31,7 @@ def write_sharp_seq2seq(family: str, path: str) -> str:
     state = load_file(weights)
     for name, t in state.items():
         if t.ndim == 2 and "embed_positions" not in name:
-            state[name] = t * SCALE
+            state[name] = t * SCALE * (BIAS_SCALE if "relative_attention_bias" in name else 1.0)
     save_file(state, weights, metadata={"format": "pt"})
     for name in ("config.json", "generation_config.json"):
         with open(os.path.join(path, name)) as f:
