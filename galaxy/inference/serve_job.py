@@ -1,4 +1,5 @@
-"""serve.py: an OpenAI-compatible server of a causal LM under any plan, started like training.
+"""serve.py: an OpenAI-compatible server of a causal LM or an encoder-decoder under any plan, started
+like training.
 
     python serve.py --config_file C --world N --rank R [--host 127.0.0.1] [--port 8000] [--model_name NAME]
 
