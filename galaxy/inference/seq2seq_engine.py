@@ -31,36 +31,51 @@ from galaxy.pipeline.stage import carry_dtype
 
 
 class Seq2SeqEngine(Engine):
+    """Engine's batches, sampler, stops and broadcast; the encoder once, then the decoder alone."""
+
     @torch.no_grad()
     def generate(self, requests: list[Request], on_token=None) -> list[Completion]:
         """Every row's completion (the tokens after the start token); on_token as Engine's."""
         m = self.model
         progress = Progress(list(requests), self.tokenizer, self.eos, self.pad)
         ids, mask = self._right_padded(requests)
-        rows, length = ids.shape
-        new = max(r.max_new_tokens for r in requests)
-        caches = open_caches(m, rows, length, new, carry_dtype(m), self.device)
+        caches = open_caches(m, *ids.shape, max(r.max_new_tokens for r in requests), carry_dtype(m), self.device)
         self.cache_bytes = caches.nbytes
-        ones = torch.ones(rows, 1, dtype=torch.bool, device=self.device)
-        tokens = torch.full((rows, 1), m.config.decoder_start_token_id, dtype=torch.long, device=self.device)
         try:
             with decode_layouts(m):
-                context = m.decoding_context(mask, 0, CacheStep(True, ones, 0))
-                carry = m.run_layers(m.embed(ids, decoder_input_ids=tokens), context, m.layers)
-                source = carry[:m.carry_size]          # the encoder's carry: kept for the head's carry shape
-                decoder = [layer for layer in m.layers if layer.sequence == "target"]
-                self._advance(progress, self._logits(carry), on_token)
+                source = self._first_pass(ids, mask, progress, on_token)
                 position = 1
                 while not progress.done:
-                    tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]
-                    step = CacheStep(True, ones, position % self.group.size)
-                    target = m.embed_target(tokens, position)
-                    carry = m.run_layers((*source, *target), m.decoding_context(mask, position, step), decoder)
-                    self._advance(progress, self._logits(carry), on_token)
+                    self._decode_step(source, mask, position, progress, on_token)
                     position += 1
         finally:
             caches.close()
         return progress.completions()
+
+    def _first_pass(self, ids, mask, progress: Progress, on_token) -> tuple:
+        """The encoder on ids, mask [b, S] under the plan, and the start token through the decoder
+        (each XATT filling its cache); returns the encoder's carry (kept for the head's carry)."""
+        m = self.model
+        rows = ids.shape[0]
+        start = torch.full((rows, 1), m.config.decoder_start_token_id, dtype=torch.long, device=self.device)
+        context = m.decoding_context(mask, 0, CacheStep(True, self._every_row(rows), 0))
+        carry = m.run_layers(m.embed(ids, decoder_input_ids=start), context, m.layers)
+        self._advance(progress, self._logits(carry), on_token)
+        return carry[:m.carry_size]
+
+    def _decode_step(self, source: tuple, mask, position: int, progress: Progress, on_token) -> None:
+        """Each row's last token at `position` through the decoder layers alone; the SP ATT's
+        owner of the step is position mod N (round-robin)."""
+        m = self.model
+        tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]     # [b, 1]
+        step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size)
+        decoder = [layer for layer in m.layers if layer.sequence == "target"]
+        carry = m.run_layers((*source, *m.embed_target(tokens, position)), m.decoding_context(mask, position, step),
+                             decoder)
+        self._advance(progress, self._logits(carry), on_token)
+
+    def _every_row(self, rows: int):
+        return torch.ones(rows, 1, dtype=torch.bool, device=self.device)      # [b, 1]: every new token is real
 
     def _right_padded(self, requests):
         """ids, mask [b, S]: prompts from the left, padding after (the encoder's mask hides it)."""

@@ -142,14 +142,15 @@ class EncoderDecoder(GalaxyModel):
 
     def decoding_context(self, attention_mask, position: int, step) -> dict:
         """The layer context of a pass whose decoder runs one token per row at `position` (step:
-        its CacheStep): the encoder's as layer_context makes it (used by the first pass only),
-        the decoder's ATT reading its cache, XATT the source's padding mask [b, 1, 1, S]."""
+        its CacheStep): at position 0, the first pass, the encoder's too (layer_context's); the
+        decoder's ATT reads its cache, XATT the source's padding mask [b, 1, 1, S]."""
         keys = attention_mask.bool()[:, None, None, :]
         target = {STEP_KEY: step}
         bias = self.decoder_key_bias(position)
         if bias is not None:
             target[KEY_BIAS] = bias
-        return {"source": {"mask": self.source_mask(keys)}, "target": target, "cross": {"mask": keys}}
+        context = {"target": target, "cross": {"mask": keys}}
+        return {"source": {"mask": self.source_mask(keys)}, **context} if position == 0 else context
 
     def decoder_key_bias(self, position: int):
         """An additive bias over the decoded keys 0..position for the query at `position`
