@@ -1,5 +1,6 @@
 """generate.py: complete prompts under the config's plan, started like training (one process per
-device, or torchrun); finetune_llama.py --generate runs through it too.
+device, or torchrun), with a causal LM's or an encoder-decoder's engine as model_path holds;
+finetune_llama.py, finetune_bart.py and finetune_t5.py --generate run through it too.
 
     python generate.py --config_file C [--world N --rank R] (--prompt TEXT | --prompts FILE)
         [--out FILE.jsonl] [--max_new_tokens K] [--temperature T --top_k K --top_p P --seed S]
