@@ -54,8 +54,8 @@ def check_plans(pool, family, seq2seq, plans):
     results = pool.run(galaxy_generate_plans, model_dir, plans, requests_for(model_dir, PROMPTS, NEW))
     for rank, per_plan in enumerate(results):
         for plan, (got, _) in zip(plans, per_plan):
-            assert [tokens for tokens, _ in got] == want, \
-                f"{family} att {plan.att} mlp {plan.mlp} con {plan.con} xatt {plan.xatt} rank {rank}: {got} != HF {want}"
+            where = f"{family} att {plan.att} mlp {plan.mlp} con {plan.con} xatt {plan.xatt} rank {rank}"
+            assert [tokens for tokens, _ in got] == want, f"{where}: {got} != HF {want}"
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
