@@ -1,10 +1,12 @@
-"""BART sequence-to-sequence fine-tuning (serial, any Galaxy plan, dp_deg mesh) from the config.
+"""BART sequence-to-sequence fine-tuning (serial, any Galaxy plan, dp_deg mesh) from the config,
+or --generate.
 
 See README.md (docs/models.md); run with --help for the arguments.
 """
+from galaxy.inference.finetune_generate import add_greedy_arguments, prepare_encoder_decoder, run_encoder_decoder
 from galaxy.launch import main
-from galaxy.train.trainer import prepare_seq2seq, train
 
 if __name__ == "__main__":
-    main(preset="galaxy", prepare_fn=prepare_seq2seq, train_fn=train, script="finetune_bart.py",
+    main(preset="galaxy", prepare_fn=prepare_encoder_decoder, train_fn=run_encoder_decoder,
+         add_arguments=add_greedy_arguments, script="finetune_bart.py",
          default_config="train_config/bart/full.json", model_type="bart")

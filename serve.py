@@ -1,6 +1,6 @@
-"""Serve a causal LM (Llama, Qwen2, GPT-2) under any plan of the config over an OpenAI-compatible
-HTTP API on rank 0 (/v1/completions, /v1/chat/completions, /v1/models). See docs/inference.md; run
-with --help for the arguments."""
+"""Serve a causal LM (Llama, Qwen2, GPT-2) or an encoder-decoder (BART, T5) under any plan of the
+config over an OpenAI-compatible HTTP API on rank 0 (/v1/completions, /v1/chat/completions,
+/v1/models). See docs/inference.md; run with --help for the arguments."""
 from galaxy.inference.serve_job import add_serve_arguments, prepare_serve, run_serve
 from galaxy.launch import main
 

@@ -6,7 +6,8 @@ the training lines, so that no test waits for the full tokenizer) train 3 SGD st
 (source 24 tokens, target 8): T5 under the Galaxy plan at world 2 (heads 3 / 1, MLP columns 80 /
 48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file, dropout
 off. The losses in metrics_file must equal HF's ...ForConditionalGeneration trained on the same
-batches.
+batches. In the same call, generate.py completes two prompts with the T5 under that plan and
+finetune_bart.py --generate one with the BART, serially: Hugging Face generate's greedy tokens.
 """
 import json
 
@@ -15,6 +16,7 @@ import torch
 
 from support.parity import HF_LOADERS
 from support.script_runner import run_scripts
+from support.sharp_seq2seq import hf_seq2seq_generate
 
 from galaxy.data import DataError
 from galaxy.data.pydoc_topics import pydoc_titles_dataset, pydoc_topics_dataset
@@ -22,6 +24,7 @@ from galaxy.data.seq2seq import encode_pairs, read_pairs
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, TARGET, LR = 3, 8, 24, 8, 0.5
+PROMPTS, NEW = ["The for statement", "def f(): return x"], 6
 GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
               tp_num_attention_heads_list=[3, 1], tp_intermediate_size_list=[80, 48], seq_scatter_list=[13, 11],
               decoder_seq_scatter_list=[5, 3])
@@ -78,13 +81,24 @@ def hf_losses(work, family):
     return losses
 
 
-def test_scripts_report_hf_losses(work):
+def test_scripts_report_hf_losses_and_generate_hf_tokens(work):
     runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {})]
     configs = [write_config(work, family, data, **extra) for family, _, _, data, extra in runs]
-    results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)])
-    for (family, *_), (_, metrics_file), outcome in zip(runs, configs, results):
+    prompts, completions = work["tmp"] / "prompts.jsonl", work["tmp"] / "completions.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    generating = [("generate.py", configs[0][0], 2, "--prompts", str(prompts), "--out", str(completions),
+                   "--max_new_tokens", str(NEW)),
+                  ("finetune_bart.py", configs[1][0], 1, "--generate", PROMPTS[1], "--max_new_tokens", str(NEW))]
+    results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)]
+                          + generating)
+    for what, outcome in zip([r[0] for r in runs] + [g[0] for g in generating], results):
         for rank, (code, out, err) in enumerate(outcome):
-            assert code == 0, f"{family} rank {rank} exited {code}:\n{out}\n{err}"
+            assert code == 0, f"{what} rank {rank} exited {code}:\n{out}\n{err}"
+    written = [json.loads(line)["completion_tokens"] for line in completions.read_text().splitlines()]
+    assert written == [hf_seq2seq_generate(work["t5"], [p], NEW)[0] for p in PROMPTS]
+    printed = results[3][0][1].splitlines()[-1]
+    assert printed == f"generated token ids: {hf_seq2seq_generate(work['bart'], PROMPTS[1:], NEW)[0]}", printed
+    for (family, *_), (_, metrics_file) in zip(runs, configs):
         steps = [r for r in read_metrics(metrics_file) if "event" not in r]
         assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
         for r, ref in zip(steps, hf_losses(work, family)):
@@ -122,6 +136,21 @@ def test_pipelines_of_encoder_decoders_are_refused():
     assert ("pp_deg 2: encoder-decoder models (bart, t5) do not run as pipelines yet; set pp_deg to 1 "
             "(dp_deg and every Galaxy plan work)") in Plan(pp=2).problems(2, work)
     assert not Plan(dp=2).problems(2, work)
+
+
+def test_generating_with_an_encoder_decoder_pipeline_is_refused(work, capsys):
+    """One line, exit 2, before any process group (--check)."""
+    from galaxy import launch
+    from galaxy.inference.generate_job import add_generate_arguments, prepare_generate, run_generate
+    config, _ = write_config(work, "t5", "train.jsonl", pp_deg=2)
+    with pytest.raises(SystemExit) as e:
+        launch.main(preset="galaxy", train_fn=run_generate, script="generate.py", prepare_fn=prepare_generate,
+                    add_arguments=add_generate_arguments, argv=["--config_file", config, "--world", "2", "--rank", "0",
+                                                                "--prompt", "x", "--check"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("generate.py: error: pp_deg 2: encoder-decoder models (bart, t5) do not") and \
+        "set pp_deg" in err and len(err.splitlines()) == 1, err
 
 
 def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):

@@ -1,5 +1,6 @@
 """generate.py: complete prompts under the config's plan, started like training (one process per
-device, or torchrun); finetune_llama.py --generate runs through it too.
+device, or torchrun), with a causal LM's or an encoder-decoder's engine as model_path holds;
+finetune_llama.py, finetune_bart.py and finetune_t5.py --generate run through it too.
 
     python generate.py --config_file C [--world N --rank R] (--prompt TEXT | --prompts FILE)
         [--out FILE.jsonl] [--max_new_tokens K] [--temperature T --top_k K --top_p P --seed S]
@@ -20,8 +21,7 @@ from dataclasses import dataclass, replace
 
 from galaxy.config import ConfigError
 from galaxy.files import write_text_atomic
-from galaxy.inference.engine import Engine
-from galaxy.inference.model import eos_ids, inference_model
+from galaxy.inference.model import generation_engine, generation_task, inference_model
 from galaxy.inference.prompts import Prompt, prompt_ids, read_prompts
 from galaxy.inference.replicas import cache_mib_per_rank, generate_all
 from galaxy.inference.requests import Completion, Request
@@ -84,8 +84,9 @@ def requests_job(cfg, args, prompts: list[Prompt]) -> tuple[InferenceSetup, list
 def run_generate(job: GenerateJob, env) -> list[Completion]:
     cfg = job.cfg
     plan, mesh = plan_and_mesh(cfg, env.world, job.setup.shape)
-    model = inference_model(cfg, plan, mesh, resume=job.resume, peft=job.peft, device=env.device)
-    engine = Engine(model, plan, mesh, job.tokenizer, eos_ids=eos_ids(model.config, job.tokenizer), device=env.device)
+    model = inference_model(cfg, plan, mesh, resume=job.resume, peft=job.peft, device=env.device,
+                            task=generation_task(job.setup.shape))
+    engine = generation_engine(model, plan, mesh, job.tokenizer, env.device)
     start = time.perf_counter()
     done = generate_all(engine, job.requests, max(1, cfg.batch_size // plan.dp))
     seconds = time.perf_counter() - start

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from galaxy.inference.engine import Engine
+from galaxy.inference.seq2seq_engine import Seq2SeqEngine
 from galaxy.models.weights import read_hf_state_dict
 from galaxy.peft import apply_peft
 from galaxy.peft.lora import fold_into_weights
@@ -37,3 +39,15 @@ def eos_ids(model_config, tokenizer) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def generation_task(shape: dict) -> str:
+    """The task a generating job builds a model of that shape for (galaxy.models.shape)."""
+    return "seq2seq" if shape.get("is_encoder_decoder") else "causal_lm"
+
+
+def generation_engine(model, plan, mesh, tokenizer, device="cpu"):
+    """The KV-cached engine for `model`: an encoder-decoder's (galaxy.inference.seq2seq_engine)
+    or a causal LM's (galaxy.inference.engine), stopping at the model's end-of-sequence tokens."""
+    kind = Seq2SeqEngine if model.task == "seq2seq" else Engine
+    return kind(model, plan, mesh, tokenizer, eos_ids=eos_ids(model.config, tokenizer), device=device)

@@ -71,7 +71,7 @@ def parse(kind: str, raw: bytes, tokenizer, limits: Limits, model: str) -> Asked
     requests = []
     for prompt in prompts:
         ids = prompt_ids(tokenizer, prompt, chat=False)
-        budget = limits.positions - len(ids)
+        budget = limits.budget(len(ids))
         default = 16 if kind == "completions" else max(budget, 1)
         max_tokens = _integer(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                               default)

@@ -69,11 +69,23 @@ def prompt_ids(tokenizer, prompt: Prompt, chat: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
+SEQ2SEQ_BUDGET = 512
+
+
 @dataclass(frozen=True)
 class Limits:
     """The longest prompt and prompt + completion this run takes."""
     positions: int                       # the model's max_position_embeddings
     prompt: int | None = None            # pad_size where the plan splits tokens, else None
+    separate: bool = False               # an encoder-decoder: prompt and completion each have the positions
+
+    def budget(self, prompt_tokens: int) -> int:
+        """The most new tokens a prompt of this many tokens can get (the server's chat default):
+        a causal LM's positions after the prompt; an encoder-decoder's decoder positions, at most
+        SEQ2SEQ_BUDGET (T5 has no limit, and the cache is preallocated for them)."""
+        if self.separate:
+            return min(self.positions, SEQ2SEQ_BUDGET)
+        return self.positions - prompt_tokens
 
     def problem(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why a prompt of this many tokens cannot get max_new_tokens more, or None."""
@@ -82,6 +94,13 @@ class Limits:
         if self.prompt is not None and prompt_tokens > self.prompt:
             return (f"the prompt has {prompt_tokens} tokens, more than the {self.prompt} of pad_size, for which the "
                     f"plan's token shares are made; shorten it or raise pad_size")
+        if self.separate:
+            longest = max(prompt_tokens, max_new_tokens)
+            if longest > self.positions:
+                what = "prompt's" if longest == prompt_tokens else "completion's"
+                return (f"the {what} {longest} tokens exceed the model's {self.positions} positions "
+                        f"(max_position_embeddings); shorten the prompt or ask for fewer new tokens")
+            return None
         if prompt_tokens + max_new_tokens > self.positions:
             return (f"the prompt's {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the model's "
                     f"{self.positions} positions (max_position_embeddings); shorten the prompt or ask for fewer")

@@ -1,4 +1,5 @@
-"""serve.py: an OpenAI-compatible server of a causal LM under any plan, started like training.
+"""serve.py: an OpenAI-compatible server of a causal LM or an encoder-decoder under any plan, started
+like training.
 
     python serve.py --config_file C --world N --rank R [--host 127.0.0.1] [--port 8000] [--model_name NAME]
 
@@ -27,8 +28,7 @@ import torch.distributed as dist
 
 from galaxy.config import ConfigError
 from galaxy.distributed.failures import first_line
-from galaxy.inference.engine import Engine
-from galaxy.inference.model import eos_ids, inference_model
+from galaxy.inference.model import generation_engine, generation_task, inference_model
 from galaxy.inference.replicas import generate_all
 from galaxy.inference.server import Front
 from galaxy.inference.setup import FromSetup, InferenceSetup, prepare_inference
@@ -76,8 +76,9 @@ def _check_port(host: str, port: int) -> None:
 def run_serve(job: ServeJob, env) -> None:
     cfg = job.cfg
     plan, mesh = plan_and_mesh(cfg, env.world, job.setup.shape)
-    model = inference_model(cfg, plan, mesh, resume=job.resume, peft=job.peft, device=env.device)
-    engine = Engine(model, plan, mesh, job.tokenizer, eos_ids=eos_ids(model.config, job.tokenizer), device=env.device)
+    model = inference_model(cfg, plan, mesh, resume=job.resume, peft=job.peft, device=env.device,
+                            task=generation_task(job.setup.shape))
+    engine = generation_engine(model, plan, mesh, job.tokenizer, env.device)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))   # the schedule's objects
     rows = max(1, cfg.batch_size // plan.dp)
     if env.rank == 0:

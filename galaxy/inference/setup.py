@@ -1,12 +1,14 @@
 """What every generating job reads and checks before any process group starts (generate.py,
-finetune_llama.py --generate, serve.py), so that a mistake is one line and exit status 2: the
-model is a causal LM, its tokenizer, the checkpoint `resume` names, the PEFT method (side-tuning
-has no cache: refused), and the limits a prompt must respect under the plan."""
+finetune_llama.py / finetune_bart.py / finetune_t5.py --generate, serve.py), so that a mistake is
+one line and exit status 2: the model is a causal LM or an encoder-decoder (not as a pipeline),
+its tokenizer, the checkpoint `resume` names, the PEFT method (side-tuning has no cache:
+refused), and the limits a prompt must respect under the plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from galaxy.config import ConfigError, resolved_plan
+from galaxy.inference.model import generation_task
 from galaxy.inference.prompts import Limits
 from galaxy.inference.sampling import Sampling
 from galaxy.models.shape import read_model_shape
@@ -60,13 +62,19 @@ def checked_model(cfg, task: str) -> tuple[dict, PeftOptions]:
 
 
 def prepare_inference(cfg, world: int) -> InferenceSetup:
-    shape, peft = checked_model(cfg, "causal_lm")
+    """A causal LM's or an encoder-decoder's (its model_path decides) generating job."""
+    task = generation_task(read_model_shape(cfg.model_path))
+    shape, peft = checked_model(cfg, task)
     if peft.method in ("side", "side_only"):
         raise ConfigError(f"{peft.method.replace('_', '-')}-tuning runs its side network over whole sequences "
                           "and has no KV cache; generate with use_lora, use_adapter or full weights")
     plan = resolved_plan(cfg, world, shape)
+    if task == "seq2seq" and plan.pp > 1:
+        raise ConfigError(f"pp_deg {plan.pp}: encoder-decoder models (bart, t5) do not generate as pipelines yet; "
+                          "set pp_deg 1 (a Galaxy group or dp_deg replicas generate)")
     splits = plan.group > 1 and plan.uses("tokens")
-    limits = Limits(shape["max_position_embeddings"], cfg.pad_size if splits else None)
+    limits = Limits(shape["max_position_embeddings"], cfg.pad_size if splits else None,
+                    separate=task == "seq2seq")
     return InferenceSetup(cfg, load_tokenizer(cfg.model_path), shape, resolve_resume(cfg.resume, cfg.save_dir),
                           peft, limits)
 

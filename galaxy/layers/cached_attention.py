@@ -18,6 +18,11 @@ a decode step projects one token per row and attends to the cache:
                         lse = logaddexp_r lse_r,   o = sum_r exp(lse_r - lse) o_r
                     give every rank the attention over all keys (flash-decoding's merge across
                     ranks), so no cached key ever travels.
+
+A decoder without prefill (an encoder-decoder's: galaxy.models.seq2seq) starts with an empty cache
+(prompt 0) and may add a bias to the scores (KEY_BIAS, T5's relative positions): column t for the
+t-th decoded token, so a rank takes the columns of the tokens it caches (all of them serially
+and under TP; t = r, r + N, ... under SP, the round-robin owner's).
 """
 from __future__ import annotations
 
@@ -28,20 +33,20 @@ import torch.nn.functional as F
 
 from galaxy.distributed.collectives import all_gather_sequence
 from galaxy.layers.attention import attention, split_heads
-from galaxy.layers.kv_cache import STEP_KEY, KVCache
+from galaxy.layers.kv_cache import KEY_BIAS, STEP_KEY, KVCache
 
 
 def start_cache(att, rows: int, prompt: int, new: int, dtype, device) -> KVCache:
     """att's cache: every slot of the prompt and the new tokens (serial, TP), or under SP its own
-    prompt tokens plus its round-robin share of the decoded ones."""
+    prompt tokens (none without prefill: prompt 0) plus its round-robin share of the decoded ones."""
     if att.kv_gather is None:
         slots = prompt + new
     else:
         g = att.kv_gather.group
-        if prompt != sum(g.tokens):
-            raise ValueError(f"an SP attention's prefill must be the {sum(g.tokens)} tokens its shares split, "
-                             f"got {prompt}")
-        slots = g.tokens[g.rank] + math.ceil(new / g.size)
+        if prompt not in (0, sum(g.tokens)):
+            raise ValueError(f"an SP attention's prefill must be the {sum(g.tokens)} tokens its shares split "
+                             f"(or none), got {prompt}")
+        slots = (g.tokens[g.rank] if prompt else 0) + math.ceil(new / g.size)
     return KVCache(rows, att.num_kv_heads, slots, att.head_dim, dtype, device)
 
 
@@ -71,9 +76,18 @@ def _every_token(att, x, context: dict, step):
     if not step.decoding:      # the prompt attends to itself, as in training
         return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1)
     k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
-    ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=keep[:, None, None, :],
+    mask = decode_mask(keep, context.get(KEY_BIAS), torch.arange(keep.shape[1], device=keep.device), q.dtype)
+    ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                          scale=att.scale, enable_gqa=att.group > 1)    # [b, heads, 1, d]
     return ctx.transpose(1, 2).flatten(2)
+
+
+def decode_mask(keep, bias, columns, dtype):
+    """A decode step's mask over cached keys, keep [b, T]: bool [b, 1, 1, T], or, with a key bias
+    [1 | b, heads, 1, T_all], the bias at these keys' `columns` [T] with hidden keys at -inf."""
+    if bias is None:
+        return keep[:, None, None, :]
+    return bias[..., columns].to(dtype).masked_fill(~keep[:, None, None, :], float("-inf"))
 
 
 def _decode_across_ranks(att, x, context: dict, step):
@@ -83,7 +97,10 @@ def _decode_across_ranks(att, x, context: dict, step):
     if g.rank == step.owner:
         att.kv_cache.write(k.transpose(1, 2), v.transpose(1, 2), step.keep)
     k, v, keep = att.kv_cache.filled()
-    o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale)   # [b, heads, 1, d], [b, heads, 1]
+    bias = context.get(KEY_BIAS)
+    if bias is not None:       # no prefill: this rank's slot j holds decoded token rank + N * j
+        bias = bias[..., g.rank + g.size * torch.arange(keep.shape[1], device=keep.device)]
+    o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale, bias)   # [b, heads, 1, d], [b, heads, 1]
     parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2)       # [b, 1, heads, d + 1]
     every = all_gather_sequence(parts.contiguous(), (1,) * g.size, g.pg)    # [b, N, heads, d + 1]
     o_all, lse_all = every[..., :-1], every[..., -1]
@@ -92,17 +109,37 @@ def _decode_across_ranks(att, x, context: dict, step):
     return merged.to(q.dtype).flatten(1).unsqueeze(1)                    # [b, 1, heads*d]
 
 
-def partial_attention(q, k, v, keep, scale=None):
+def partial_attention(q, k, v, keep, scale=None, bias=None):
     """Attention of q [b, heads, s, d] over some keys k, v [b, kv_heads, T, d] (keep [b, T]: real
-    keys) -> (o [b, heads, s, d], lse [b, heads, s]), in fp32. A row with no real key among them
-    gets o = 0 and lse = -inf, i.e. no weight in a log-sum-exp merge."""
+    keys; bias: added to the scores, [1 | b, heads, s, T]) -> (o [b, heads, s, d], lse [b, heads, s]),
+    in fp32. A row with no real key among them gets o = 0 and lse = -inf, i.e. no weight in a
+    log-sum-exp merge."""
     b, heads, s, d = q.shape
     g = heads // k.shape[1]                                              # query heads per K/V head
     qg = q.float().unflatten(1, (k.shape[1], g))                         # [b, kv_heads, g, s, d]
     scores = qg @ k.float().unsqueeze(2).transpose(-1, -2)               # [b, kv_heads, g, s, T]
     scores = scores * (scale if scale is not None else d ** -0.5)
+    if bias is not None:
+        scores = scores + bias.float().unflatten(1, (k.shape[1], g))
     scores = scores.masked_fill(~keep[:, None, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)                                # [b, kv_heads, g, s]
     weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
     o = weights @ v.float().unsqueeze(2)                                 # [b, kv_heads, g, s, d]
     return o.flatten(1, 2), lse.flatten(1, 2)
+
+
+def attend_memory(att, x, memory, keys):
+    """A cross-attention's decode step: x [b, 1, h] (a decoder token per row, replicated) over the
+    K/V of the encoder's output in att's cache, which the first pass (the prefill, memory
+    [b, S, h] given) fills for the rank's heads; later passes need no memory (None). keys: the
+    encoder's padding mask [b, 1, 1, S]. -> context [b, 1, heads*d]."""
+    cache = att.kv_cache
+    q_name, k_name, v_name = att.qkv_names
+    if cache.length == 0:
+        k, v = (split_heads(getattr(att, n)(memory), att.head_dim).transpose(1, 2) for n in (k_name, v_name))
+        cache.write(k, v, keys[:, 0, 0])                                 # [b, kv_heads, S, d], [b, S]
+    q = split_heads(getattr(att, q_name)(x), att.head_dim).transpose(1, 2)   # [b, heads, 1, d]
+    k, v, keep = cache.filled()
+    ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], scale=att.scale,
+                                         enable_gqa=att.group > 1)
+    return ctx.transpose(1, 2).flatten(2)

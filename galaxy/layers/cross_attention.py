@@ -15,10 +15,17 @@ sums the layers' contributions over the group once, not once per layer).
 Everything else is SelfAttention's (projections under the family's names, shard_tp by heads, the
 attention core, dropout's stream): only where K and V come from differs, and that under SP
 nothing is gathered.
+
+Generation (galaxy.inference.seq2seq_engine): the cache holds the memory's K/V, projected once by
+the first decode pass, for the rank's heads under TP and for all heads under SP (as in training,
+every rank holds the whole memory); every decode step's token, replicated, attends to it
+(galaxy.layers.cached_attention.attend_memory).
 """
 from __future__ import annotations
 
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.layers import cached_attention
+from galaxy.layers.kv_cache import KVCache
 from galaxy.layers.self_attention import SelfAttention
 
 
@@ -41,8 +48,20 @@ class CrossAttention(SelfAttention):
         q, k, v = (getattr(self, name) for name in self.qkv_names)
         return q(x), k(memory), v(memory)
 
+    def start_cache(self, rows: int, prompt: int, new: int, dtype, device) -> KVCache:
+        """The memory's K/V (`prompt`: the source length S) of this rank's heads; decoding adds
+        nothing to it, so `new` takes no slot."""
+        return KVCache(rows, self.num_kv_heads, prompt, self.head_dim, dtype, device)
+
+    @property
+    def memory_cached(self) -> bool:
+        """Whether the cache holds the memory's K/V already (a decode pass needs no memory then)."""
+        return self.kv_cache is not None and self.kv_cache.length > 0
+
     def forward(self, x, memory, **context):
         # x: [b, s, h] (this rank's decoder tokens under SP); memory: [b, S_src, h] on every rank
+        if self.kv_cache is not None:
+            return self.finish(cached_attention.attend_memory(self, x, memory, context["mask"]))
         if self.local_rows is not None:
             context = self.own_rows(context)
         return self.finish(self.attend(*self.project(x, memory), **context))

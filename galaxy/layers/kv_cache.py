@@ -13,9 +13,11 @@ A cache is preallocated for the prompt and max_new_tokens when generation starts
 (left padding of a shorter prompt does not).
 
 Any module with a `start_cache(rows, prompt, new, dtype, device)` method that returns a cache and a
-`kv_cache` attribute takes part: the shared SelfAttention does (galaxy.layers.cached_attention);
-a cross-attention of an encoder-decoder would return a cache filled once, at the prefill, from
-the encoder's output, and join the same walk.
+`kv_cache` attribute takes part: the shared SelfAttention does (galaxy.layers.cached_attention).
+An encoder-decoder names its caching modules itself (`cached_prefills`, galaxy.models.seq2seq):
+each decoder ATT, with no prefill (the decoder starts from one start token), and each XATT,
+whose cache holds the K/V of the encoder's output, projected once at the prefill
+(galaxy.layers.cross_attention); the encoder's ATTs run once and cache nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from torch import nn
 
 # The layer_context key under which the engine hands every ATT the current step (CacheStep).
 STEP_KEY = "kv_step"
+# The decode step's layer_context key for an additive bias over the keys, [1 | b, heads, 1, T]:
+# column t for the t-th decoded token (T5's relative position bias of a decoder without prefill).
+KEY_BIAS = "key_bias"
 
 
 @dataclass(frozen=True)
@@ -90,8 +95,11 @@ class Caches:
 
 def open_caches(model: nn.Module, rows: int, prompt: int, new: int, dtype, device) -> Caches:
     """Give every caching module of `model` a cache for `rows` rows of `prompt` tokens (padded) and
-    `new` decoded tokens. Until Caches.close() the modules read and write them."""
-    modules = [m for m in model.modules() if callable(getattr(m, "start_cache", None))]
-    for m in modules:
-        m.kv_cache = m.start_cache(rows, prompt, new, dtype, device)
-    return Caches(model, modules)
+    `new` decoded tokens. Until Caches.close() the modules read and write them. A model with
+    `cached_prefills(prompt)` -> [(module, its prefill length)] names its caching modules itself."""
+    named = getattr(model, "cached_prefills", None)
+    pairs = named(prompt) if callable(named) else \
+        [(m, prompt) for m in model.modules() if callable(getattr(m, "start_cache", None))]
+    for m, prefill in pairs:
+        m.kv_cache = m.start_cache(rows, prefill, new, dtype, device)
+    return Caches(model, [m for m, _ in pairs])

@@ -46,9 +46,11 @@ class RelativePositionBias(nn.Module):
         keep_slice(self.relative_attention_bias, "weight", 1, shard_offset(shares, rank), shares[rank])
         return {"relative_attention_bias.weight": (1, tuple(shares))}
 
-    def forward(self, queries: int, keys: int):
-        """-> [1, heads, queries, keys]: the bias of key j for query i (positions from 0)."""
+    def forward(self, queries: int, keys: int, query_start: int = 0):
+        """-> [1, heads, queries, keys]: the bias of key j (positions from 0) for the query at
+        position query_start + i (a decode step's one query: query_start = its position)."""
         device = self.relative_attention_bias.weight.device
-        distance = torch.arange(keys, device=device)[None, :] - torch.arange(queries, device=device)[:, None]
+        query_positions = torch.arange(query_start, query_start + queries, device=device)
+        distance = torch.arange(keys, device=device)[None, :] - query_positions[:, None]
         bucket = relative_buckets(distance, self.bidirectional, self.buckets, self.max_distance)
         return self.relative_attention_bias(bucket).permute(2, 0, 1).unsqueeze(0)

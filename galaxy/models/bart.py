@@ -99,17 +99,18 @@ class BartForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
         if self.config.tie_word_embeddings and hasattr(self, "shared") and hasattr(self, "lm_head"):
             self.lm_head.weight = self.shared.weight
 
-    def _embeddings(self, ids, stack: str):
-        # ids [b, S] -> [b, S, h], replicated: every rank draws the same dropout mask
-        positions = torch.arange(ids.shape[1], device=ids.device) + POSITION_OFFSET
+    def _embeddings(self, ids, stack: str, start: int = 0):
+        # ids [b, S] at positions start.. -> [b, S, h], replicated: every rank draws the same dropout mask
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device) + POSITION_OFFSET
         h = self.shared(ids) * self.embed_scale + getattr(self, f"{stack}_positions")(positions)
         return F.dropout(getattr(self, f"{stack}_norm")(h), self.config.dropout, self.training)
 
     def source_embeddings(self, input_ids):
         return self._embeddings(input_ids, "encoder")
 
-    def target_embeddings(self, decoder_input_ids):
-        return self._embeddings(decoder_input_ids, "decoder")
+    def target_embeddings(self, decoder_input_ids, start: int = 0):
+        """start: the first id's position (a decode step's, generating with a cache)."""
+        return self._embeddings(decoder_input_ids, "decoder", start)
 
     def lm_logits(self, x, weight):
         return F.linear(x, weight) + self.final_logits_bias.bias

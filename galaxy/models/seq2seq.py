@@ -22,6 +22,12 @@ encoder's output gathered once for every cross-attention, and the LM head on the
 The head is the causal LMs' (galaxy.models.causal_lm_head) on the decoder's output, with labels
 aligned to positions (Hugging Face's seq2seq loss: the decoder's inputs are the labels shifted
 right, the loss the token mean over labels that are not -100).
+
+Generation (galaxy.inference.seq2seq_engine) runs the encoder once under the plan and the decoder
+one token per row per step from the start token: `cached_prefills` names the caches (each
+decoder ATT's, empty at first, and each XATT's, the memory's K/V), `decoding_context` is a step's
+layer context, `embed_target` a step's entered embeddings at its position. A pass whose XATTs
+hold the memory already skips the memory's gather (run_layers).
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import torch
 from torch import nn
 
 from galaxy.distributed.transitions import Layout, Transition
+from galaxy.layers.kv_cache import KEY_BIAS, STEP_KEY
 from galaxy.models.causal_lm_head import IGNORE_INDEX, CausalLMHead, causal_padding_mask
 from galaxy.models.family import GalaxyModel
 
@@ -115,11 +122,40 @@ class EncoderDecoder(GalaxyModel):
                 if layer.sequence == "source":
                     source = layer(source[0], source[-1], **context["source"])[:n]
                     continue
-                if memory is None:       # once per stage: the encoder's last output, whole
+                if memory is None and not layer.xatt.memory_cached:   # once per stage: the encoder's output, whole
                     memory = self.encoder_output(self.memory(source[-1]))
                 target = layer(target[0], target[-1], memory=memory, cross=context["cross"],
                                **context["target"])[:n]
         return (*source, *target, *side)
+
+    # -- generation: the encoder once, then one decoder token per row and step ------------------
+
+    def cached_prefills(self, source_length: int) -> list:
+        """(module, prefill length) of every cache generation keeps (galaxy.layers.kv_cache): each
+        decoder ATT starts empty (no prefill), each XATT holds the memory's source_length keys."""
+        decoder = [layer for layer in self.layers if layer.sequence == "target"]
+        return [(layer.att, 0) for layer in decoder] + [(layer.xatt, source_length) for layer in decoder]
+
+    def embed_target(self, ids, start: int) -> tuple:
+        """A decode step's target carry: ids [b, 1] at position `start`, entered into the decoder."""
+        return self.start_stack(self.enter_decoder(self.target_embeddings(ids, start)), "target")
+
+    def decoding_context(self, attention_mask, position: int, step) -> dict:
+        """The layer context of a pass whose decoder runs one token per row at `position` (step:
+        its CacheStep): at position 0, the first pass, the encoder's too (layer_context's); the
+        decoder's ATT reads its cache, XATT the source's padding mask [b, 1, 1, S]."""
+        keys = attention_mask.bool()[:, None, None, :]
+        target = {STEP_KEY: step}
+        bias = self.decoder_key_bias(position)
+        if bias is not None:
+            target[KEY_BIAS] = bias
+        context = {"target": target, "cross": {"mask": keys}}
+        return {"source": {"mask": self.source_mask(keys)}, **context} if position == 0 else context
+
+    def decoder_key_bias(self, position: int):
+        """An additive bias over the decoded keys 0..position for the query at `position`
+        ([1, heads, 1, position + 1]), or None (a family with absolute positions)."""
+        return None
 
     def decoder_carry(self, carry: tuple) -> tuple:
         return carry[self.carry_size:2 * self.carry_size]

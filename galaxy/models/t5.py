@@ -99,7 +99,8 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
     def source_embeddings(self, input_ids):
         return F.dropout(self.shared(input_ids), self.config.dropout_rate, self.training)
 
-    target_embeddings = source_embeddings
+    def target_embeddings(self, decoder_input_ids, start: int = 0):
+        return self.source_embeddings(decoder_input_ids)       # positions enter as the attention's bias
 
     def start_stack(self, h, which: str) -> tuple:
         norm = self.encoder_first_norm if which == "source" else self.decoder_first_norm
@@ -113,6 +114,11 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
     def target_mask(self, keep):
         mask = super().target_mask(keep)                                   # [b, 1, T, T] causal, padding
         return self.decoder_bias(mask.shape[-1], mask.shape[-1]).masked_fill(~mask, HIDDEN)
+
+    def decoder_key_bias(self, position: int):
+        # the decoder's bias of keys 0..position for the query at position, as Hugging Face's
+        # cached decoder computes it: [1, heads (the rank's under TP), 1, position + 1]
+        return self.decoder_bias(1, position + 1, query_start=position)
 
     def head_input(self, carry: tuple):
         return self.decoder_output(super().head_input(carry))

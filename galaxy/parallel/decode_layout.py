@@ -15,6 +15,11 @@ the CON layout is R on every rank and each sub-block keeps its method where one 
   embeddings  R -> CON layout             R -> R
 
 So a decode step costs one all-reduce per TP sub-block and one small all-gather per SP ATT.
+
+An encoder-decoder (a model with `enter_decoder`) decodes only with its decoder: the encoder runs
+once, at the first pass, under the plan's layouts (its entry, its layers and the memory's
+gather keep them); the decoder's entry and layers take the decode layouts, XATT as ATT (TP: its
+heads, P -> R out; SP: every rank attends the token with all heads to the whole memory's K/V).
 """
 from __future__ import annotations
 
@@ -28,11 +33,15 @@ def decode_layouts(model):
     """Inside: the model's transitions as the decode phase wants them; the plan's again after."""
     saved = [(t, t.fn, t.label) for t in model.modules() if isinstance(t, Transition)]
     plan, group = model.attached.plan, model.attached.group
+    encoder_decoder = hasattr(model, "enter_decoder")
     try:
-        model.enter.set(Layout.R, Layout.R, sharded_consumer=False, group=group)
+        (model.enter_decoder if encoder_decoder else model.enter).set(Layout.R, Layout.R, sharded_consumer=False,
+                                                                      group=group)
         for layer in model.layers:
-            for name, into, out in (("att", layer.to_att, layer.from_att), ("mlp", layer.to_mlp, layer.from_mlp)):
-                tp = getattr(plan, name) == "TP"
+            if encoder_decoder and layer.sequence == "source":
+                continue
+            for name, into, out in layer.parts():
+                tp = plan.method(name) == "TP"
                 into.set(Layout.R, Layout.R, sharded_consumer=tp, group=group)
                 out.set(Layout.P if tp else Layout.R, Layout.R, sharded_consumer=False, group=group)
         yield

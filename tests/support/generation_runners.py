@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from galaxy.distributed.mesh import make_mesh
-from galaxy.inference.engine import Engine
-from galaxy.inference.model import eos_ids
+from galaxy.inference.model import eos_ids, generation_engine, generation_task
 from galaxy.inference.replicas import cache_mib_per_rank, generate_all
 from galaxy.inference.requests import Request
 from galaxy.inference.sampling import Sampling
+from galaxy.models.shape import read_model_shape
 from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
 from galaxy.runtime.runners import stage_of
@@ -29,7 +29,8 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lo
     """[(tokens, finish_reason)] of every request on this rank, and this rank's cache MiB, under
     `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build."""
     mesh = make_mesh(plan)
-    model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh))
+    model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh),
+                        task=generation_task(read_model_shape(model_dir)))
     if lora is not None:
         from galaxy.peft import apply_peft
         from galaxy.peft.lora import fold_into_weights
@@ -37,9 +38,14 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lo
         if fold:
             fold_into_weights(model)
     tok = tokenizer_of(model_dir)
-    engine = Engine(model, plan, mesh, tok, eos_ids=eos_ids(model.config, tok))
+    engine = generation_engine(model, plan, mesh, tok)
     out = generate_all(engine, requests, rows_per_batch)
     return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+
+
+def galaxy_generate_plans(model_dir, plans, requests, rows_per_batch: int = 8):
+    """galaxy_generate under each of `plans` in one pool call: [its result per plan]."""
+    return [galaxy_generate(model_dir, plan, requests, rows_per_batch) for plan in plans]
 
 
 def hf_generate(family, model_dir, prompts, max_new: int) -> list[list[int]]:

@@ -1,0 +1,96 @@
+"""KV-cached generation for an encoder-decoder (BART, T5) under any Galaxy plan.
+
+One batch of rows at a time, every rank of the group in lockstep, the same sampler and [b, 2]
+broadcast as the causal LMs' Engine (galaxy.inference.engine):
+
+  first pass  the prompts, right-padded to one length S (the encoder's token shares' pad_size
+              where the plan splits tokens; BART's learned positions count from the left, as
+              Hugging Face's tokenizers pad them), run once through the encoder under the plan;
+              the memory, gathered whole as in training, feeds every decoder layer's XATT,
+              which projects its K/V once into its cache (its heads under XATT TP, all heads
+              under SP). The decoder runs the start token (decoder_start_token_id) of every row
+              at position 0 in the decode layouts (galaxy.parallel.decode_layout).
+  decode      the chosen token of each row at the next position through the decoder alone: its
+              ATT appends to its cache (per rank as the decoder-only ATT, without a prefill),
+              XATT reads its cache, no encoder and no memory.
+
+The caches (galaxy.models.seq2seq.cached_prefills): per decoder layer, ATT [b, kv_heads_r,
+max_new_tokens, d] (SP: max_new_tokens / N slots, round-robin) and XATT [b, heads_r, S, d] (SP:
+all heads), preallocated when the batch starts. Pipelines are refused up front
+(galaxy.inference.setup).
+"""
+from __future__ import annotations
+
+import torch
+
+from galaxy.inference.engine import Engine
+from galaxy.inference.requests import Completion, Progress, Request
+from galaxy.layers.kv_cache import CacheStep, open_caches
+from galaxy.parallel.decode_layout import decode_layouts
+from galaxy.pipeline.stage import carry_dtype
+
+
+class Seq2SeqEngine(Engine):
+    """Engine's batches, sampler, stops and broadcast; the encoder once, then the decoder alone."""
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], on_token=None) -> list[Completion]:
+        """Every row's completion (the tokens after the start token); on_token as Engine's."""
+        m = self.model
+        progress = Progress(list(requests), self.tokenizer, self.eos, self.pad)
+        ids, mask = self._right_padded(requests)
+        caches = open_caches(m, *ids.shape, max(r.max_new_tokens for r in requests), carry_dtype(m), self.device)
+        self.cache_bytes = caches.nbytes
+        try:
+            with decode_layouts(m):
+                source = self._first_pass(ids, mask, progress, on_token)
+                position = 1
+                while not progress.done:
+                    self._decode_step(source, mask, position, progress, on_token)
+                    position += 1
+        finally:
+            caches.close()
+        return progress.completions()
+
+    def _first_pass(self, ids, mask, progress: Progress, on_token) -> tuple:
+        """The encoder on ids, mask [b, S] under the plan, and the start token through the decoder
+        (each XATT filling its cache); returns the encoder's carry (kept for the head's carry)."""
+        m = self.model
+        rows = ids.shape[0]
+        start = torch.full((rows, 1), m.config.decoder_start_token_id, dtype=torch.long, device=self.device)
+        context = m.decoding_context(mask, 0, CacheStep(True, self._every_row(rows), 0))
+        carry = m.run_layers(m.embed(ids, decoder_input_ids=start), context, m.layers)
+        self._advance(progress, self._logits(carry), on_token)
+        return carry[:m.carry_size]
+
+    def _decode_step(self, source: tuple, mask, position: int, progress: Progress, on_token) -> None:
+        """Each row's last token at `position` through the decoder layers alone; the SP ATT's
+        owner of the step is position mod N (round-robin)."""
+        m = self.model
+        tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]     # [b, 1]
+        step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size)
+        decoder = [layer for layer in m.layers if layer.sequence == "target"]
+        carry = m.run_layers((*source, *m.embed_target(tokens, position)), m.decoding_context(mask, position, step),
+                             decoder)
+        self._advance(progress, self._logits(carry), on_token)
+
+    def _every_row(self, rows: int):
+        return torch.ones(rows, 1, dtype=torch.bool, device=self.device)      # [b, 1]: every new token is real
+
+    def _right_padded(self, requests):
+        """ids, mask [b, S]: prompts from the left, padding after (the encoder's mask hides it)."""
+        length = self.prefill_length(max(len(r.ids) for r in requests))
+        ids = torch.full((len(requests), length), self.pad, dtype=torch.long)
+        mask = torch.zeros(len(requests), length, dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, :len(r.ids)] = torch.tensor(r.ids)
+            mask[i, :len(r.ids)] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _logits(self, carry):
+        """On the sampler, the decoder's token's logits [b, vocab] (fp32); None elsewhere."""
+        if not self.is_sampler:
+            return None
+        n = self.model.carry_size
+        logits, _ = self.model.head((*carry[:n], *(t[:, -1:] for t in carry[n:2 * n])))    # [b, 1, vocab]
+        return logits[:, -1].float()
