@@ -24,8 +24,14 @@ Prints the table, the Spearman rank correlation of predicted vs measured step ti
 absolute error of step time and of peak memory (every rank), writes JSON and a predicted-vs-measured
 chart.
 
+With --cluster FILE every run (profile-devices included) starts through `python -m galaxy.edge
+run`: one rank per emulated device, its link shaped and its CPU share and memory held by cgroups
+(the testbed's cgroup outweighs everything else on the host, so other work on it disturbs the
+timings less than it does pinned processes on loopback); serial runs take the first device.
+
     HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_accuracy.py [--pin] [--steps 6] [--rounds 3]
-        [--pad_size 64] [--batch_size 8] [--only N] [--peft lora] [--out runs/bench/plan_accuracy]
+        [--pad_size 64] [--batch_size 8] [--only N] [--peft lora] [--cluster clusters/two_equal_1g.json]
+        [--out runs/bench/plan_accuracy]
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from planning_runs import ROOT, profile, spearman, train, write_base
+from planning_runs import ROOT, profile, spearman, train, use_cluster, write_base
 
 sys.path.insert(0, str(ROOT))
 
@@ -134,8 +140,11 @@ def main() -> None:
                    help="of profile rounds and of measured steps alike: min on a machine shared with other work")
     p.add_argument("--peft", choices=sorted(PEFT_FLAGS), help="train and cost this PEFT method (default: full)")
     p.add_argument("--lora_dim", type=int, default=8)
+    p.add_argument("--cluster", help="profile and train on the edge testbed's cluster FILE (two devices; serial "
+                                     "runs on its first)")
     p.add_argument("--out", help="default: runs/bench/plan_accuracy[_METHOD]")
     args = p.parse_args()
+    use_cluster(args.cluster)
     out = ROOT / (args.out or "runs/bench/plan_accuracy" + (f"_{args.peft}" if args.peft else ""))
     cores = [0, 1] if args.pin else [None, None]
     base = write_base(out, pad_size=args.pad_size, batch_size=args.batch_size, steps=args.steps,

@@ -11,6 +11,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,9 +68,22 @@ def use_cluster(path: str | None) -> None:
     CLUSTER = str(Path(path).resolve()) if path else None
 
 
+def _cluster_of(world: int) -> str:
+    """CLUSTER, or its first `world` devices (a serial run takes the first device alone)."""
+    doc = json.loads(Path(CLUSTER).read_text())
+    if len(doc["devices"]) == world:
+        return CLUSTER
+    if len(doc["devices"]) < world:
+        raise ValueError(f"{CLUSTER} has {len(doc['devices'])} devices, the run wants {world}")
+    path = Path(tempfile.gettempdir()) / f"{Path(CLUSTER).stem}-first{world}.json"
+    path.write_text(json.dumps({**doc, "devices": doc["devices"][:world]}, indent=1))
+    return str(path)
+
+
 def _rank_commands(argv: list[str], world: int, cores: list[int | None]) -> list[list[str]]:
     if CLUSTER:     # the testbed adds --world, --rank and --init_method itself
-        return [[sys.executable, "-m", "galaxy.edge", "run", "--cluster", CLUSTER, "--", sys.executable, *argv]]
+        return [[sys.executable, "-m", "galaxy.edge", "run", "--cluster", _cluster_of(world), "--", sys.executable,
+                 *argv]]
     port = free_port()
     return [[*pin(cores[r]), sys.executable, *argv, "--world", str(world), "--rank", str(r),
              "--init_method", f"tcp://127.0.0.1:{port}"] for r in range(world)]
