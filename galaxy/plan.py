@@ -252,9 +252,6 @@ class Plan:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
         problems += self._pipeline_problems(work)
-        if self.pp > 1 and work.target_tokens is not None:
-            problems.append(f"pp_deg {self.pp}: encoder-decoder models (bart, t5) do not run as pipelines yet; "
-                            "set pp_deg to 1 (dp_deg and every Galaxy plan work)")
         try:
             recompute_layers(self.checkpoint, work.layers)
         except PlanError as e:
