@@ -1,12 +1,13 @@
-"""finetune_bart.py and finetune_t5.py, run as users run them, report Hugging Face's losses; the
-sequence-to-sequence data formats read the same pairs.
+"""finetune_bart.py, finetune_t5.py and their pipeline and data-parallel siblings, run as users run
+them, report Hugging Face's losses; the sequence-to-sequence data formats read the same pairs.
 
 A tiny T5 and a tiny BART (galaxy.assets.tiny_t5 / tiny_bart, on a byte-level BPE trained here on
 the training lines, so that no test waits for the full tokenizer) train 3 SGD steps of 8 pairs
 (source 24 tokens, target 8): T5 under the Galaxy plan at world 2 (heads 3 / 1, MLP columns 80 /
-48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file, dropout
-off. The losses in metrics_file must equal HF's ...ForConditionalGeneration trained on the same
-batches.
+48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file,
+finetune_pp_t5.py (stages [1, 3]: a boundary inside the encoder) and finetune_pp_bart.py ([3, 1]:
+inside the decoder) with 2 micro-batches, finetune_dp_t5.py (dp 2), dropout off. The losses in
+metrics_file must equal HF's ...ForConditionalGeneration trained on the same batches.
 """
 import json
 
@@ -22,6 +23,8 @@ from galaxy.data.seq2seq import encode_pairs, read_pairs
 from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, TARGET, LR = 3, 8, 24, 8, 0.5
+# finetune_pp_*.py: 2 stages (pp_deg = world), T5's boundary inside the encoder, 2 micro-batches (GPipe).
+PIPELINE = dict(stage_num_hidden_layers_list=[1, 3], num_microbatches=2)
 GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
               tp_num_attention_heads_list=[3, 1], tp_intermediate_size_list=[80, 48], seq_scatter_list=[13, 11],
               decoder_seq_scatter_list=[5, 3])
@@ -53,11 +56,12 @@ def work(tmp_path_factory):
                 bart=write_tiny_bart(str(tmp / "bart"), bpe=small_bpe(lines), seed=1))
 
 
-def write_config(work, family, data, **extra):
+def write_config(work, family, data, name=None, **extra):
+    name = name or family
     cfg = dict(model_path=work[family], train_path=str(work["tmp"] / data), pad_size=PAD, target_pad_size=TARGET,
                batch_size=BATCH, learning_rate=LR, optimizer="sgd", max_steps=STEPS, shuffle=False, timeout_s=60,
-               dropout=0.0, metrics_file=str(work["tmp"] / f"{family}.jsonl"), **extra)
-    path = work["tmp"] / f"{family}.json"
+               dropout=0.0, metrics_file=str(work["tmp"] / f"{name}.jsonl"), **extra)
+    path = work["tmp"] / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return str(path), cfg["metrics_file"]
 
@@ -79,8 +83,12 @@ def hf_losses(work, family):
 
 
 def test_scripts_report_hf_losses(work):
-    runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {})]
-    configs = [write_config(work, family, data, **extra) for family, _, _, data, extra in runs]
+    runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {}),
+            ("t5", "finetune_pp_t5.py", 2, "train.tsv", PIPELINE), ("bart", "finetune_pp_bart.py", 2, "train.jsonl",
+                                                                    {**PIPELINE, "stage_num_hidden_layers_list": [3, 1]}),
+            ("t5", "finetune_dp_t5.py", 2, "train.jsonl", {})]
+    configs = [write_config(work, family, data, f"{family}-{script}", **extra)
+               for family, script, _, data, extra in runs]
     results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)])
     for (family, *_), (_, metrics_file), outcome in zip(runs, configs, results):
         for rank, (code, out, err) in enumerate(outcome):
@@ -114,14 +122,6 @@ def test_pydoc_titles_are_the_topics_passages():
         titles, topics = pydoc_titles_dataset(split), pydoc_topics_dataset(split)[0]
         assert [s for s, _ in titles] == [s for s, _ in topics]
     assert {t for _, t in pydoc_titles_dataset("train")} >= {"assert", "string methods", "for"}
-
-
-def test_pipelines_of_encoder_decoders_are_refused():
-    from galaxy.plan import Plan, Workload
-    work = Workload(heads=4, kv_heads=4, columns=128, layers=4, tokens=24, target_tokens=8)
-    assert ("pp_deg 2: encoder-decoder models (bart, t5) do not run as pipelines yet; set pp_deg to 1 "
-            "(dp_deg and every Galaxy plan work)") in Plan(pp=2).problems(2, work)
-    assert not Plan(dp=2).problems(2, work)
 
 
 def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
