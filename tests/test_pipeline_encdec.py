@@ -90,9 +90,12 @@ def test_pp2_x_galaxy2_and_pp2_x_dp2_match_hf(dist_pool, tiny_lm_dir):
     output crosses in its CON layout, own tokens only), and stages replicated by DDP."""
     tp_sp = Plan("TP", "SP", "SP", xatt="TP")
     sp_none = Plan("SP", "TP", "None", xatt="SP")
-    run(dist_pool(4), [pp_case("t5", tiny_lm_dir("t5"), [1, 3], "1f1b", 2, plan=tp_sp, shares=UNEVEN_2),
-                       pp_case("bart", tiny_lm_dir("bart"), [2, 2], "gpipe", 2, plan=sp_none, shares=UNEVEN_2),
-                       pp_case("t5", tiny_lm_dir("t5"), [1, 3], "1f1b", 2, dp=2)])
+    cases = [pp_case("t5", tiny_lm_dir("t5"), [1, 3], "1f1b", 2, plan=tp_sp, shares=UNEVEN_2, tag="-galaxy2"),
+             pp_case("bart", tiny_lm_dir("bart"), [2, 2], "gpipe", 2, plan=sp_none, shares=UNEVEN_2, tag="-galaxy2"),
+             pp_case("t5", tiny_lm_dir("t5"), [1, 3], "1f1b", 2, dp=2)]
+    ranks = run(dist_pool(4), cases)
+    # ranks 0, 1: stage 0 (a Galaxy group of 2, or two replicas); ranks 2, 3: stage 1
+    assert [reports[0]["stage"] for reports in ranks] == [[0], [0], [1, 2, 3], [1, 2, 3]]
 
 
 def test_sharded_dp2_matches_hf(dist_pool, tiny_lm_dir):
