@@ -321,8 +321,9 @@ class Plan:
                 problems.append(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
                                 f"{stages}; give one layer count per stage")
             elif sum(given) != work.layers:
+                both = "" if work.target_tokens is None else " (the encoder's, then the decoder's)"
                 problems.append(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
-                                f"{work.layers} layers; make the entries add up to {work.layers}")
+                                f"{work.layers} layers{both}; make the entries add up to {work.layers}")
             if given and min(given) < 1:
                 problems.append("stage_num_hidden_layers_list entries must be at least 1")
         elif stages > work.layers:

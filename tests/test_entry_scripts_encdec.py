@@ -124,6 +124,15 @@ def test_pydoc_titles_are_the_topics_passages():
     assert {t for _, t in pydoc_titles_dataset("train")} >= {"assert", "string methods", "for"}
 
 
+def test_an_encoder_decoder_stage_split_counts_both_stacks():
+    from galaxy.plan import Plan, Workload
+    work = Workload(heads=4, kv_heads=4, columns=128, layers=4, tokens=24, target_tokens=8)
+    assert Plan(pp=2, microbatches=2, stages=(1, 3)).problems(2, work) == []
+    assert Plan(pp=2, microbatches=2, stages=(2, 3)).problems(2, work) == [
+        "stage_num_hidden_layers_list sums to 5 but the model has 4 layers (the encoder's, then the decoder's); "
+        "make the entries add up to 4"]
+
+
 def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
     """One line, exit 2, before any process group (--check)."""
     from galaxy import launch
