@@ -252,9 +252,6 @@ class Plan:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
         problems += self._pipeline_problems(work)
-        if self.pp > 1 and work.target_tokens is not None:
-            problems.append(f"pp_deg {self.pp}: encoder-decoder models (bart, t5) do not run as pipelines yet; "
-                            "set pp_deg to 1 (dp_deg and every Galaxy plan work)")
         try:
             recompute_layers(self.checkpoint, work.layers)
         except PlanError as e:
@@ -324,8 +321,9 @@ class Plan:
                 problems.append(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
                                 f"{stages}; give one layer count per stage")
             elif sum(given) != work.layers:
+                both = "" if work.target_tokens is None else " (the encoder's, then the decoder's)"
                 problems.append(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
-                                f"{work.layers} layers; make the entries add up to {work.layers}")
+                                f"{work.layers} layers{both}; make the entries add up to {work.layers}")
             if given and min(given) < 1:
                 problems.append("stage_num_hidden_layers_list entries must be at least 1")
         elif stages > work.layers:

@@ -1,13 +1,15 @@
-"""finetune_bart.py and finetune_t5.py, run as users run them, report Hugging Face's losses; the
-sequence-to-sequence data formats read the same pairs.
+"""finetune_bart.py, finetune_t5.py and their pipeline and data-parallel siblings, run as users run
+them, report Hugging Face's losses; the sequence-to-sequence data formats read the same pairs.
 
 A tiny T5 and a tiny BART (galaxy.assets.tiny_t5 / tiny_bart, on a byte-level BPE trained here on
 the training lines, so that no test waits for the full tokenizer) train 3 SGD steps of 8 pairs
 (source 24 tokens, target 8): T5 under the Galaxy plan at world 2 (heads 3 / 1, MLP columns 80 /
-48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file, dropout
-off. The losses in metrics_file must equal HF's ...ForConditionalGeneration trained on the same
-batches. In the same call, generate.py completes two prompts with the T5 under that plan and
-finetune_bart.py --generate one with the BART, serially: Hugging Face generate's greedy tokens.
+48, source tokens 13 / 11, target tokens 5 / 3) on a JSONL file, BART serially on a TSV file,
+finetune_pp_t5.py (stages [1, 3]: a boundary inside the encoder) and finetune_pp_bart.py ([3, 1]:
+inside the decoder) with 2 micro-batches, finetune_dp_t5.py (dp 2), dropout off. The losses in
+metrics_file must equal HF's ...ForConditionalGeneration trained on the same batches. In the same
+call, generate.py completes two prompts with the T5 under the Galaxy plan and finetune_bart.py
+--generate one with the BART, serially: Hugging Face generate's greedy tokens.
 """
 import json
 
@@ -25,6 +27,8 @@ from galaxy.train.metrics import read_metrics
 
 STEPS, BATCH, PAD, TARGET, LR = 3, 8, 24, 8, 0.5
 PROMPTS, NEW = ["The for statement", "def f(): return x"], 6
+# finetune_pp_*.py: 2 stages (pp_deg = world), T5's boundary inside the encoder, 2 micro-batches (GPipe).
+PIPELINE = dict(stage_num_hidden_layers_list=[1, 3], num_microbatches=2)
 GALAXY = dict(att_parallel_method="TP", con_parallel_method="SP", mlp_parallel_method="TP",
               tp_num_attention_heads_list=[3, 1], tp_intermediate_size_list=[80, 48], seq_scatter_list=[13, 11],
               decoder_seq_scatter_list=[5, 3])
@@ -56,11 +60,12 @@ def work(tmp_path_factory):
                 bart=write_tiny_bart(str(tmp / "bart"), bpe=small_bpe(lines), seed=1))
 
 
-def write_config(work, family, data, **extra):
+def write_config(work, family, data, name=None, **extra):
+    name = name or family
     cfg = dict(model_path=work[family], train_path=str(work["tmp"] / data), pad_size=PAD, target_pad_size=TARGET,
                batch_size=BATCH, learning_rate=LR, optimizer="sgd", max_steps=STEPS, shuffle=False, timeout_s=60,
-               dropout=0.0, metrics_file=str(work["tmp"] / f"{family}.jsonl"), **extra)
-    path = work["tmp"] / f"{family}.json"
+               dropout=0.0, metrics_file=str(work["tmp"] / f"{name}.jsonl"), **extra)
+    path = work["tmp"] / f"{name}.json"
     path.write_text(json.dumps(cfg))
     return str(path), cfg["metrics_file"]
 
@@ -82,8 +87,12 @@ def hf_losses(work, family):
 
 
 def test_scripts_report_hf_losses_and_generate_hf_tokens(work):
-    runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {})]
-    configs = [write_config(work, family, data, **extra) for family, _, _, data, extra in runs]
+    runs = [("t5", "finetune_t5.py", 2, "train.jsonl", GALAXY), ("bart", "finetune_bart.py", 1, "train.tsv", {}),
+            ("t5", "finetune_pp_t5.py", 2, "train.tsv", PIPELINE), ("bart", "finetune_pp_bart.py", 2, "train.jsonl",
+                                                                    {**PIPELINE, "stage_num_hidden_layers_list": [3, 1]}),
+            ("t5", "finetune_dp_t5.py", 2, "train.jsonl", {})]
+    configs = [write_config(work, family, data, f"{family}-{script}", **extra)
+               for family, script, _, data, extra in runs]
     prompts, completions = work["tmp"] / "prompts.jsonl", work["tmp"] / "completions.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     generating = [("generate.py", configs[0][0], 2, "--prompts", str(prompts), "--out", str(completions),
@@ -91,12 +100,12 @@ def test_scripts_report_hf_losses_and_generate_hf_tokens(work):
                   ("finetune_bart.py", configs[1][0], 1, "--generate", PROMPTS[1], "--max_new_tokens", str(NEW))]
     results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)]
                           + generating)
-    for what, outcome in zip([r[0] for r in runs] + [g[0] for g in generating], results):
+    for what, outcome in zip([r[1] for r in runs] + [g[0] for g in generating], results):
         for rank, (code, out, err) in enumerate(outcome):
             assert code == 0, f"{what} rank {rank} exited {code}:\n{out}\n{err}"
     written = [json.loads(line)["completion_tokens"] for line in completions.read_text().splitlines()]
     assert written == [hf_seq2seq_generate(work["t5"], [p], NEW)[0] for p in PROMPTS]
-    printed = results[3][0][1].splitlines()[-1]
+    printed = results[len(runs) + 1][0][1].splitlines()[-1]
     assert printed == f"generated token ids: {hf_seq2seq_generate(work['bart'], PROMPTS[1:], NEW)[0]}", printed
     for (family, *_), (_, metrics_file) in zip(runs, configs):
         steps = [r for r in read_metrics(metrics_file) if "event" not in r]
@@ -130,12 +139,13 @@ def test_pydoc_titles_are_the_topics_passages():
     assert {t for _, t in pydoc_titles_dataset("train")} >= {"assert", "string methods", "for"}
 
 
-def test_pipelines_of_encoder_decoders_are_refused():
+def test_an_encoder_decoder_stage_split_counts_both_stacks():
     from galaxy.plan import Plan, Workload
     work = Workload(heads=4, kv_heads=4, columns=128, layers=4, tokens=24, target_tokens=8)
-    assert ("pp_deg 2: encoder-decoder models (bart, t5) do not run as pipelines yet; set pp_deg to 1 "
-            "(dp_deg and every Galaxy plan work)") in Plan(pp=2).problems(2, work)
-    assert not Plan(dp=2).problems(2, work)
+    assert Plan(pp=2, microbatches=2, stages=(1, 3)).problems(2, work) == []
+    assert Plan(pp=2, microbatches=2, stages=(2, 3)).problems(2, work) == [
+        "stage_num_hidden_layers_list sums to 5 but the model has 4 layers (the encoder's, then the decoder's); "
+        "make the entries add up to 4"]
 
 
 def test_generating_with_an_encoder_decoder_pipeline_is_refused(work, capsys):

@@ -2,15 +2,19 @@
 model_path; small shapes) map to this project's keys, with one note line for what was mapped and
 one warning line naming the keys ignored; a config with several mistakes reports them all."""
 import json
+import os
 from argparse import Namespace
 
 import pytest
 
-from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
+from support.galaxy_lm_style import (BART_PP_FULL, BERT_FULL, BERT_GALAXY_LORA, BERT_LORA, BERT_PP_SIDE, LLAMA_FULL,
+                                     LLAMA_PP_FULL, T5_PP_FULL)
 
 from galaxy.config import ConfigError, apply_preset, load_config, validate_for_world
 from galaxy.launch import load_run_config, main
 from galaxy.models.shape import read_model_shape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(tmp_path, name, keys) -> str:
@@ -52,6 +56,33 @@ def test_llama_configs(tmp_path, keys):
     assert (cfg.model_type, cfg.lora_dim, cfg.vocab_size, cfg.type_vocab_size) == ("llama", 4, 2048, 2)
     assert "lora_att_dim -> lora_dim" in cfg._notes[0] and "device cuda" in cfg._notes[0]
     assert cfg._ignored == ("fan_in_fan_out", "merge_weights")
+
+
+def test_t5_pp_maps_hugging_face_sizes_and_counts_both_stacks(tmp_path, monkeypatch):
+    """Its T5 pipeline file: T5's size keys become shape keys, the stage split counts 2 + 2 layers,
+    T5's other keys (model_path's config.json has them) and its THUCNews files are ignored."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(write(tmp_path, "t5_pp", T5_PP_FULL))
+    note = cfg._notes[0]
+    for phrase in ("d_model -> hidden_size", "d_ff -> intermediate_size", "num_heads -> num_attention_heads",
+                   "dropout_rate -> dropout", "num_layers + num_decoder_layers -> num_hidden_layers 4"):
+        assert phrase in note, note
+    assert {"d_kv", "relative_attention_num_buckets", "vocab_path", "class_list_path", "use_cache"} <= set(cfg._ignored)
+    assert "hidden_size" in cfg._ignored      # T5's config.json says d_model: model_path decides
+    cfg = apply_preset(cfg, "pp", "finetune_pp_t5.py", world=2)
+    assert (cfg.pp_deg, cfg.stage_num_hidden_layers_list, cfg.num_microbatches, cfg.max_steps) == (2, [2, 2], 4, 1)
+    validate_for_world(cfg, 2, 0, read_model_shape(cfg.model_path))
+
+
+def test_bart_pp_counts_encoder_and_decoder_layers(tmp_path):
+    cfg = load_config(write(tmp_path, "bart_pp", BART_PP_FULL))
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (64, 128, 4, 6)
+    assert "encoder_layers + decoder_layers -> num_hidden_layers 6" in cfg._notes[0]
+    problems = pytest.raises(ConfigError, load_config, write(tmp_path, "bad", {
+        **BART_PP_FULL, "decoder_attention_heads": 8, "num_hidden_layers": 2})).value.problems
+    assert problems[:2] == ["decoder_attention_heads 8 differs from encoder_attention_heads 4; galaxy splits one "
+                            "size over both stacks: make them equal",
+                            "num_hidden_layers 2 and encoder_layers 3 differ; remove num_hidden_layers"]
 
 
 def test_shape_keys_must_agree_with_model_path(tmp_path):

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 from support.dist_pool import free_port
-from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL
+from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL, T5_PP_FULL
 
 from galaxy.train.metrics import read_metrics
 
@@ -37,7 +37,7 @@ SERIAL = [
     *[f"python finetune_llama.py --config train_config/llama/{m}.json" for m in ("adapter", "side", "classification")],
     "python finetune_llama.py --config train_config/gpt2/full.json",
     *[f"python finetune_{m}.py" for m in ("t5", "bart")],
-    *[f"python finetune_{m}.py --config_file train_config/{m}/lora.json" for m in ("t5", "bart")],
+    *[f"python finetune_{m}.py --config_file train_config/{m}/{c}.json" for m in ("t5", "bart") for c in ("lora", "adapter")],
 ]
 PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
 WORLD2 = [   # {r}: the rank
@@ -60,15 +60,26 @@ WORLD2 = [   # {r}: the rank
     "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/gpt2/pp/full.json",
     *[f"python finetune_{m}.py --config_file train_config/{m}/galaxy/full.json --world 2 --rank {{r}}"
       for m in ("t5", "bart")],
+    "python finetune_pp_t5.py --rank {r} --world 2",
+    *[f"python finetune_pp_t5.py --rank {{r}} --world 2 --config_file train_config/t5/pp/{m}.json"
+      for m in ("lora", "adapter")],
+    "python finetune_pp_bart.py --rank {r} --world 2",
+    "python finetune_pp_bart.py --rank {r} --world 2 --config_file train_config/bart/pp/adapter.json",
+    "python finetune_dp_t5.py --rank {r} --world 2",
+    *[f"python finetune_dp_t5.py --rank {{r}} --world 2 --config_file train_config/t5/dp/{m}.json"
+      for m in ("lora", "adapter")],
 ]
 # Galaxy-LM's own style: its keys, no model_path (written to the scratch directory's galaxy_lm/).
 GALAXY_LM_CONFIGS = {"bert_full": BERT_FULL, "bert_galaxy_lora": BERT_GALAXY_LORA, "bert_pp_side": BERT_PP_SIDE,
-                     "llama_full": LLAMA_FULL, "llama_pp_full": LLAMA_PP_FULL}
+                     "llama_full": LLAMA_FULL, "llama_pp_full": LLAMA_PP_FULL, "t5_pp_full": T5_PP_FULL}
 GALAXY_LM_SERIAL = ["python pretrain_bert.py --config_file galaxy_lm/bert_full.json",
                     "python finetune_llama.py --config galaxy_lm/llama_full.json"]
 GALAXY_LM_WORLD2 = ["python pretrain_galaxy.py --rank {r} --world 2 --config galaxy_lm/bert_galaxy_lora.json",
                     "python pretrain_pp_bert.py --rank {r} --world 2 --config galaxy_lm/bert_pp_side.json",
-                    "python finetune_pp_llama.py --rank {r} --world 2 --config galaxy_lm/llama_pp_full.json"]
+                    "python finetune_pp_llama.py --rank {r} --world 2 --config galaxy_lm/llama_pp_full.json",
+                    "python finetune_pp_t5.py --rank {r} --world 2 --config galaxy_lm/t5_pp_full.json"]
+# Those that give no model_path (a random model of their shape); the T5 one names the tiny T5.
+RANDOM_MODELS = len(GALAXY_LM_SERIAL + GALAXY_LM_WORLD2) - 1
 # Data Galaxy-LM users have: openassistant-guanaco's {"text"} records (and chat records) train finetune_llama.py.
 GUANACO = [{"text": f"### Human: What does statement {i} do?### Assistant: It runs step {i}."} for i in range(6)] + [
     {"messages": [{"role": "user", "content": "Name a loop."}, {"role": "assistant", "content": "for"}]}] * 2
@@ -80,7 +91,9 @@ DEFAULT_CONFIGS = {"pretrain_bert.py": "bert/full.json", "pretrain_tp_bert.py": 
                    "pretrain_sp_bert.py": "bert/sp/full.json", "pretrain_dp_bert.py": "bert/dp/full.json",
                    "pretrain_pp_bert.py": "bert/pp/full.json", "pretrain_galaxy.py": "bert/galaxy/full.json",
                    "finetune_llama.py": "llama/full.json", "finetune_pp_llama.py": "llama/pp/full.json",
-                   "finetune_bart.py": "bart/full.json", "finetune_t5.py": "t5/full.json"}
+                   "finetune_bart.py": "bart/full.json", "finetune_t5.py": "t5/full.json",
+                   "finetune_pp_bart.py": "bart/pp/full.json", "finetune_pp_t5.py": "t5/pp/full.json",
+                   "finetune_dp_t5.py": "t5/dp/full.json"}
 DOCUMENTED = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 GALAXY_LM_PAGE = os.path.join(ROOT, "docs", "galaxy_lm.md")
 
@@ -180,7 +193,7 @@ def test_documented_commands_run_and_finish(tmp_path):
     # random models' note lines say what was built.
     out, err = outputs["rank0"][0] + outputs["serial"][0], outputs["rank0"][1] + outputs["serial"][1]
     assert out.count("done: 1 steps") == len(SERIAL + WORLD2 + GALAXY_LM_SERIAL + GALAXY_LM_WORLD2 + DATA_SERIAL)
-    assert out.count("note: no model_path: a randomly initialised") == len(GALAXY_LM_SERIAL + GALAXY_LM_WORLD2)
+    assert out.count("note: no model_path: a randomly initialised") == RANDOM_MODELS
     assert "warning: ignoring keys with no meaning here: fan_in_fan_out, merge_weights" in err
     assert ("guanaco.jsonl: 6 text records (loss on every token); 2 chat records (loss on the assistant turns, "
             "rendered with galaxy's ### Human / ### Assistant template)") in out

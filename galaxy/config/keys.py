@@ -94,7 +94,8 @@ class PlanKeys:
     dp_sharding: Literal["none", "full", "no_reshard"] = key("none", "shard the replicas' parameters, "
                                                              "gradients and optimizer state (FSDP2); "
                                                              "needs dp_deg > 1")
-    stage_num_hidden_layers_list: list[int] | None = key(None, "layers per pipeline stage; null: even")
+    stage_num_hidden_layers_list: list[int] | None = key(None, "layers per pipeline stage (an encoder-decoder's: "
+                                                         "the encoder's, then the decoder's); null: even")
     num_microbatches: int = key(1, "pipeline micro-batches per step (pp_deg > 1)", at_least=1)
     pipeline_schedule: Literal["gpipe", "1f1b"] = key("1f1b", "pipeline schedule; 1f1b needs num_microbatches "
                                                       ">= pp_deg")

@@ -85,19 +85,28 @@ def make_mesh(plan: Plan, device_type: str | None = None, timeout: timedelta | N
 def pipeline_ends_group(mesh: Mesh) -> dist.ProcessGroup | None:
     """This rank's group with its counterpart at the other end of the pipeline: the first and the
     last stage's ranks of the same data-parallel replica and Galaxy rank (for weights tied across
-    the ends); None on a middle stage, or without a pipeline.
+    the ends); None on a middle stage, or without a pipeline. Collective (stages_group)."""
+    return stages_group(mesh, (0, mesh.pp_size - 1))
 
-    Collective over the world: every rank calls it. pp 2: the pp group is that pair already;
-    deeper pipelines build one pair group per (replica, Galaxy rank), in the same order everywhere.
+
+def stages_group(mesh: Mesh, stages) -> dist.ProcessGroup | None:
+    """This rank's group with the ranks of the same data-parallel replica and Galaxy rank on the
+    pipeline stages `stages` (indices; for a weight those stages each hold a copy of); None when
+    this rank's stage is not one of them, or they are fewer than two.
+
+    Collective over the world: every rank calls it with the same stages. All stages: the pp
+    group itself; otherwise one group per (replica, Galaxy rank), built in the same order everywhere.
     """
-    if mesh.pp_size <= 2:
+    stages = sorted(set(stages))
+    if len(stages) < 2:
+        return None
+    if len(stages) == mesh.pp_size:
         return mesh.pp_pg
     size, mine = mesh.galaxy.size, None
     for dp_index in range(mesh.dp_size):
         for g in range(size):
-            pair = [global_rank(0, dp_index, g, mesh.dp_size, size),
-                    global_rank(mesh.pp_size - 1, dp_index, g, mesh.dp_size, size)]
-            pg = dist.new_group(pair, timeout=mesh.timeout)
-            if dist.get_rank() in pair:
+            ranks = [global_rank(p, dp_index, g, mesh.dp_size, size) for p in stages]
+            pg = dist.new_group(ranks, timeout=mesh.timeout)
+            if dist.get_rank() in ranks:
                 mine = pg
     return mine

@@ -17,6 +17,14 @@ class StageInfo:
     layers: range        # global indices of its layers
     first: bool          # holds the embeddings
     last: bool           # holds the head
+    # The whole model's layers of each stack ({layer.sequence: range}; one stack but for
+    # encoder-decoders), so every stage knows every stack's extent.
+    stacks: dict = field(default_factory=dict)
+
+    @property
+    def model_layers(self) -> int:
+        """How many layers the whole model has."""
+        return max((r.stop for r in self.stacks.values()), default=self.layers.stop)
 
 
 @dataclass
@@ -31,6 +39,9 @@ class Attached:
     # {last-stage copy: first-stage original} of weights tied across the pipeline's ends (the
     # same on every stage; empty when the ends are one stage).
     tied_across_stages: dict = field(default_factory=dict)
+    # Parameters this stage holds that another stage holds too and writes (a stack module whose
+    # stack spans several stages: the stage with the stack's first layer writes it).
+    stage_copies: frozenset = frozenset()
     # Set by apply_peft (galaxy.peft.apply.PeftState); None before it runs.
     peft: object = None
 
@@ -54,6 +65,7 @@ class Attached:
 
 def written_names(model, names=None) -> set[str]:
     """The parameters (all, or those in `names`) that this rank's part contributes to a written
-    state: every one but a last-stage copy of a tied weight (the first stage writes the original)."""
-    copies = model.attached.tied_across_stages
+    state: every one but a last-stage copy of a tied weight (the first stage writes the original)
+    and a stack module another stage writes (galaxy.pipeline.stage.keep_stage)."""
+    copies = model.attached.tied_across_stages.keys() | model.attached.stage_copies
     return {n for n, _ in model.named_parameters() if n not in copies and (names is None or n in names)}

@@ -50,6 +50,12 @@ class GalaxyModel(nn.Module):
     first_stage_modules: tuple[str, ...] = ()   # kept by the first pipeline stage only
     last_stage_modules: tuple[str, ...] = ()    # kept by the last pipeline stage only
     carry_size: int = 1               # backbone tensors in the carry (1 post-norm, 2 pre-norm)
+    # An encoder-decoder's encoder layers: layers[:encoder_layers] are the encoder's ("source"
+    # layers), the rest the decoder's ("target"); 0: one stack (galaxy.models.seq2seq).
+    encoder_layers: int = 0
+    # Modules that layer_context uses for the layers of one stack only ({layer.sequence: module
+    # names}, T5's relative position bias tables): a pipeline stage keeps those of its layers' stacks.
+    stack_modules: dict = {}
     # The group whose tokens the head scores one share per rank (a plan sets it when the head
     # runs on sequence shards); None: the head's logits are whole on every rank.
     head_group = None

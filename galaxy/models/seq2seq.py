@@ -98,12 +98,18 @@ class EncoderDecoder(GalaxyModel):
 
     def layer_context(self, attention_mask, decoder_attention_mask=None, **_) -> dict:
         """Each stack's context from the source mask [b, S] and the target mask [b, T] (None: no
-        target padding, the target as long as the source: a classifier's decoder)."""
+        target padding, the target as long as the source: a classifier's decoder). Only the
+        stacks whose layers this model holds (a pipeline stage may hold one of them)."""
         keep = attention_mask.bool()
         target = keep.new_ones(keep.shape) if decoder_attention_mask is None else decoder_attention_mask.bool()
         keys = keep[:, None, None, :]                                     # [b, 1, 1, S]
-        return {"source": {"mask": self.source_mask(keys)}, "target": {"mask": self.target_mask(target)},
-                "cross": {"mask": keys}}
+        held = {layer.sequence for layer in self.layers}
+        context = {"cross": {"mask": keys}}
+        if "source" in held:
+            context["source"] = {"mask": self.source_mask(keys)}
+        if "target" in held:
+            context["target"] = {"mask": self.target_mask(target)}
+        return context
 
     def source_mask(self, keys):
         """The encoder's ATT mask from the source keys' [b, 1, 1, S]."""

@@ -70,6 +70,7 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
     carry_size = 2           # (stream, normalised input of the next sub-block), per stack
     con_params = ("encoder_first_norm", "decoder_first_norm", "decoder_output")
     att_params = ("encoder_bias", "decoder_bias")      # split by heads like ATT
+    stack_modules = {"source": ("encoder_bias",), "target": ("decoder_bias",)}   # kept where their stack is
     first_stage_modules = ("shared", "encoder_first_norm", "decoder_first_norm")
     last_stage_modules = ("lm_head",)
 

@@ -13,14 +13,15 @@ corresponding ranks have identical shapes, so every send has a matching receive)
      With dp_sharding the stage module is the FSDP2 root instead, one unit per layer
      (galaxy.parallel.sharded_dp); pipelining accumulates the micro-batches' gradients whole and
      reduce-scatters them once, after the last backward;
-  4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight tied across
-     the first and last stage gets the sum of both ends' gradients (galaxy.pipeline.tied);
+  4. Galaxy's "sum" rule (GradientSync) within the stage's Galaxy group; a weight several stages
+     hold copies of (tied across the ends, T5's position bias over a stack split between
+     stages) gets the sum of the copies' gradients (galaxy.pipeline.tied);
   5. the loss: summed on the last stage, averaged over replicas, broadcast to every stage (with
      the counts riding along with it, galaxy.parallel.loss_scale.riding_with_the_loss).
 
 Send/receive buffers are static: shapes follow from the plan and the batch ([rows / n, s_con,
-width] per travelling carry tensor, galaxy.pipeline.stage.carry_slots), so no metadata exchange
-or trial forward runs; one schedule is kept per batch shape. Under ladder side-tuning the
+width] per travelling carry tensor, galaxy.pipeline.carry: an encoder-decoder's depend on the
+boundary), so no metadata exchange or trial forward runs; one schedule is kept per batch shape. Under ladder side-tuning the
 backbone's tensors travel without gradients (the backbone runs without autograd) and only the
 side state's gradient comes back; under side-only only the side state travels.
 """
@@ -37,7 +38,8 @@ from galaxy.parallel.grad_sync import GradientSync
 from galaxy.parallel.loss_scale import current_rider, loss_scale, mean_over_replicas, total_loss_units
 from galaxy.parallel.runner import Runner
 from galaxy.pipeline.schedule import make_schedule, schedule_class
-from galaxy.pipeline.stage import StageModule, carry_dtype, carry_shapes, carry_slots, example_carry, unpack_carry
+from galaxy.pipeline.carry import carry_dtype, carry_shapes, example_carry, stage_slots, unpack_carry
+from galaxy.pipeline.stage import StageModule
 from galaxy.pipeline.tied import TiedWeightSync
 
 
@@ -58,7 +60,7 @@ class PipelineRunner(Runner):
         # DDP writes its average back into .grad after backward and FSDP replaces .grad with its
         # shard: the Galaxy sums cannot start during backward then (galaxy.parallel.grad_sync).
         self.sync = GradientSync(model, mesh.galaxy.pg, overlap=mesh.dp_pg is None)
-        self.tied = TiedWeightSync(model, mesh)      # tie_word_embeddings across the ends
+        self.tied = TiedWeightSync(model, mesh, plan.stage_layers())     # weights on several stages
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
         schedule_class(plan.schedule)     # an unknown name fails here, not at the first step
@@ -68,15 +70,12 @@ class PipelineRunner(Runner):
     def step(self, batch: dict) -> torch.Tensor:
         """batch: this replica's rows, on every stage (each stage uses what it needs)."""
         m, mesh = self.model, self.mesh
-        mask = batch["attention_mask"]                                   # [B, S]
-        rows, seq_len = mask.shape
+        kwargs = stage_keywords(m, batch)
+        rows, seq_len = kwargs["attention_mask"].shape                   # [B, S]
         if rows % self.n:
             raise ValueError(f"{rows} rows per replica are not divisible by num_microbatches {self.n}")
-        schedule = self._schedule_for(rows // self.n, seq_len)
+        schedule = self._schedule_for(rows // self.n, seq_len, target_length(kwargs))
         args = (batch["input_ids"],) if m.attached.is_first_stage else ()
-        kwargs = {"attention_mask": mask}
-        if m.attached.is_first_stage and batch.get("token_type_ids") is not None:
-            kwargs["token_type_ids"] = batch["token_type_ids"]
         target, losses = None, None
         if m.attached.is_last_stage:
             target, losses = batch["labels"], []
@@ -104,17 +103,18 @@ class PipelineRunner(Runner):
 
     def _loss(self, carry: tuple, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's head on one micro-batch, scaled toward the global-batch mean."""
-        _, loss = self.model.head(unpack_carry(carry, carry_slots(self.model)), labels)
+        _, loss = self.model.head(unpack_carry(carry, stage_slots(self.model)[1]), labels)
         return loss.float() * loss_scale(self.model, labels, self._total_units, self.mesh.dp_size)
 
-    def _schedule_for(self, rows: int, seq_len: int):
-        key = (rows, seq_len)
+    def _schedule_for(self, rows: int, seq_len: int, target_len: int | None):
+        key = (rows, seq_len, target_len)
         if key not in self._schedules:
-            m, mesh = self.model, self.mesh
-            carry = example_carry(m, self.plan.con_layout, rows, seq_len, carry_dtype(m))
-            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.attached.is_first_stage else carry
+            m, mesh, layers = self.model, self.mesh, self.model.attached.stage.layers
+            received, sent = (example_carry(m, self.plan.con_layout, rows, seq_len, carry_dtype(m), target_len, after)
+                              for after in (layers.start, layers.stop))
+            inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.attached.is_first_stage else received
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
-                                  input_args=inputs, output_args=carry, group=mesh.pp_pg)
+                                  input_args=inputs, output_args=sent, group=mesh.pp_pg)
             self._schedules[key] = make_schedule(self.schedule_name, stage, self.n, self._loss)
         return self._schedules[key]
 
@@ -126,35 +126,40 @@ class PipelineRunner(Runner):
     # --- evaluation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None):
+    def __call__(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None, **stack_inputs):
         """Forward only, the whole batch at once, stage after stage: (logits, loss) on every rank.
 
         Same signature and result as the model's forward (logits as the last stage's Galaxy rank
-        holds them). Every stage needs attention_mask (or input_ids, for an all-ones mask).
+        holds them; stack_inputs: an encoder-decoder's decoder_input_ids, decoder_attention_mask).
+        Every stage needs attention_mask (or input_ids, for an all-ones mask).
         """
         m, mesh = self.model, self.mesh
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids,
+                 "labels": labels, **stack_inputs}
+        kwargs = stage_keywords(m, batch)
         rows, seq_len = attention_mask.shape
         pg, prev, nxt = mesh.pp_pg, mesh.pp_rank - 1, mesh.pp_rank + 1
-        slots = carry_slots(m)
+        layers = m.attached.stage.layers
         with self.autocast():
             if m.attached.is_first_stage:
                 inputs = (input_ids,)
             else:
                 inputs = [torch.empty(shape, dtype=carry_dtype(m), device=self.device)
-                          for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len)]
+                          for shape, _ in carry_shapes(m, self.plan.con_layout, rows, seq_len,
+                                                       target_length(kwargs), layers.start)]
                 for t in inputs:
                     dist.recv(t, src=dist.get_global_rank(pg, prev), group=pg)
             # The stage module, not DDP around it (evaluation syncs nothing); under dp_sharding it
             # is the FSDP root, whose forward gathers the stage's own parameters (layers: theirs).
-            packed = self.stage_module(*inputs, attention_mask=attention_mask, token_type_ids=token_type_ids)
+            packed = self.stage_module(*inputs, **kwargs)
             if not m.attached.is_last_stage:
                 for t in packed:
                     dist.send(t.contiguous(), dst=dist.get_global_rank(pg, nxt), group=pg)
                 out = [None]
             else:
-                out = [m.head(unpack_carry(packed, slots), labels)]
+                out = [m.head(unpack_carry(packed, stage_slots(m)[1]), labels)]
         if self.sharding != "none":
             from galaxy.parallel.sharded_dp import reshard_all     # imported when sharding began
             reshard_all(self.module)     # the root keeps its parameters gathered after forward
@@ -162,3 +167,29 @@ class PipelineRunner(Runner):
                                    device=self.device if self.device.type == "cuda" else None)
         logits, loss = out[0]
         return logits.to(self.device), None if loss is None else loss.to(self.device)
+
+
+def stage_keywords(model, batch: dict) -> dict:
+    """The keyword tensors of this stage's forward ([rows, ...] each; pipelining cuts them into
+    micro-batches): the source's attention_mask on every stage, token_type_ids on the first; an
+    encoder-decoder's decoder_attention_mask [rows, T] on every stage (all ones when the batch has
+    none, as the model's forward takes it) and decoder_input_ids on the first (the batch's, or
+    what the model's forward makes: the labels shifted right)."""
+    first = model.attached.is_first_stage
+    kwargs = {"attention_mask": batch["attention_mask"]}
+    if first and batch.get("token_type_ids") is not None:
+        kwargs["token_type_ids"] = batch["token_type_ids"]
+    if model.encoder_layers:
+        labels = batch.get("labels") if model.task == "seq2seq" else None
+        ids = model.decoder_inputs(batch["input_ids"], batch.get("decoder_input_ids"), labels)
+        mask = batch.get("decoder_attention_mask")
+        kwargs["decoder_attention_mask"] = torch.ones_like(ids) if mask is None else mask
+        if first:
+            kwargs["decoder_input_ids"] = ids
+    return kwargs
+
+
+def target_length(kwargs: dict) -> int | None:
+    """An encoder-decoder's target length T (stage_keywords' target mask), else None."""
+    mask = kwargs.get("decoder_attention_mask")
+    return None if mask is None else mask.shape[1]

@@ -7,13 +7,12 @@ rules, gather_full, checkpoints and the Hugging Face name map work on a stage un
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 from torch import nn
 
-from galaxy.distributed.transitions import Layout
 from galaxy.models.attached import StageInfo
+# The carry's helpers, where the stage's users (the runner, generation) have always found them.
+from galaxy.pipeline.carry import (CarrySlot, carry_dtype, carry_shapes, carry_slots, example_carry,  # noqa: F401
+                                   pack_carry, stage_slots, unpack_carry)
 
 
 class LayerSlice(nn.Module):
@@ -44,6 +43,15 @@ def _shared_across_ends(model: nn.Module) -> dict[str, str]:
             for n, p in getattr(model, name).named_parameters(remove_duplicate=False) if id(p) in first}
 
 
+def stack_layers(layers) -> dict[str, range]:
+    """{layer.sequence: the indices of that stack's layers} of a whole model's layers (contiguous:
+    an encoder-decoder's encoder, then its decoder)."""
+    spans: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        spans.setdefault(layer.sequence, []).append(i)
+    return {sequence: range(ix[0], ix[-1] + 1) for sequence, ix in spans.items()}
+
+
 def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
     """Drop everything stage (layers, first, last) does not run; returns the same model.
 
@@ -53,104 +61,61 @@ def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
     ({last-stage name: first-stage name}, the same on every stage) tells the pipeline to sum
     their gradients (galaxy.pipeline.tied), so the two copies stay equal, and tells gathers and
     norms to count the last stage's copy as the first's.
+
+    A stack module (model.stack_modules: T5's position bias tables, read by every layer of one
+    stack through the layer context) stays on the stages holding layers of its stack; where its
+    stack spans several stages each holds an equal copy under the same name, their gradients are
+    summed the same way, and only the stage with the stack's first layer writes it
+    (model.attached.stage_copies on the others).
     """
     tied = {} if first and last else _shared_across_ends(model)
     at = model.attached
-    rules = at.rules
+    rules, stacks = at.rules, stack_layers(model.layers)
     model.layers = LayerSlice({i: model.layers[i] for i in layers})
     for name in () if first else model.first_stage_modules:
         delattr(model, name)
     for name in () if last else model.last_stage_modules:
         delattr(model, name)
+    copies = set()
+    for sequence, names in model.stack_modules.items():
+        span = stacks.get(sequence, range(0))
+        for name in names:
+            if not set(span) & set(layers):
+                delattr(model, name)
+            elif span.start not in layers:
+                copies |= {f"{name}.{n}" for n, _ in getattr(model, name).named_parameters()}
     kept = {n for n, _ in model.named_parameters()}
     at.rules = {n: r for n, r in rules.items() if n in kept}
     if last and not first:
         at.rules.update({copy: rules[original] for copy, original in tied.items()})
-    at.tied_across_stages = tied
-    at.stage = StageInfo(layers, first, last)
+    at.tied_across_stages, at.stage_copies = tied, frozenset(copies)
+    at.stage = StageInfo(layers, first, last, stacks)
     return model
 
 
-@dataclass(frozen=True)
-class CarrySlot:
-    """One tensor of the carry as it crosses a stage boundary: [rows, s_con, width]."""
-    width: int
-    trainable: bool       # False: no gradient flows back through it (a frozen backbone's stream)
-
-
-def carry_slots(model: nn.Module) -> tuple[CarrySlot | None, ...]:
-    """One entry per tensor of the model's carry, in carry order; None for one that stays home.
-
-    The carry is the backbone's model.carry_size tensors ([b, s_con, hidden] each), then the side
-    state ([b, s_con, side_width]) under side-tuning (galaxy.peft.side). Ladder side-tuning runs
-    the backbone without autograd, so its tensors travel without a gradient coming back;
-    side-only never runs the backbone's layers, so only the side state travels.
-    """
-    mode, hidden = getattr(model, "side_mode", None), model.config.hidden_size
-    if mode is None:
-        return (CarrySlot(hidden, True),) * model.carry_size
-    backbone = None if mode == "side_only" else CarrySlot(hidden, False)
-    return (backbone,) * model.carry_size + (CarrySlot(model.side_width, True),)
-
-
-def pack_carry(carry: tuple, slots) -> tuple:
-    """The tensors of `carry` that travel to the next stage."""
-    return tuple(t for t, slot in zip(carry, slots, strict=True) if slot is not None)
-
-
-def unpack_carry(tensors: tuple, slots) -> tuple:
-    """The carry from what the previous stage sent (None where a tensor stayed home)."""
-    received = iter(tensors)
-    return tuple(None if slot is None else next(received) for slot in slots)
-
-
-def carry_shapes(model: nn.Module, con_layout: Layout, rows: int, seq_len: int) -> list[tuple[tuple, bool]]:
-    """(shape, trainable) of every travelling carry tensor: [rows, s_con, width], s_con = own
-    tokens under a sequence-sharded CON layout."""
-    g = model.attached.group
-    s_con = g.tokens[g.rank] if con_layout == Layout.S and g.size > 1 else seq_len
-    return [((rows, s_con, slot.width), slot.trainable) for slot in carry_slots(model) if slot is not None]
-
-
 class StageModule(nn.Module):
-    """Runs one stage. First stage: (input_ids [b, S],) in; others: the travelling carry tensors.
+    """Runs one stage. First stage: (input_ids [b, S],) in; others: the travelling carry tensors
+    (galaxy.pipeline.carry: what crosses each boundary).
 
     Every stage gets the micro-batch's attention_mask [b, S] as a keyword argument (pipelining
-    splits keyword tensors into micro-batches for every stage), so no mask travels between stages.
-    Returns the travelling carry; the last stage's head and loss run in the schedule's loss
-    function (on unpack_carry of it).
+    splits keyword tensors into micro-batches for every stage), so no mask travels between stages;
+    an encoder-decoder's stages also get its target mask (decoder_attention_mask [b, T]), the
+    first its decoder_input_ids [b, T] (stack_inputs: what embed and layer_context take beyond the
+    source's). Returns the travelling carry; the last stage's head and loss run in the schedule's
+    loss function (on unpack_carry of it).
     """
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *inputs, attention_mask, token_type_ids=None):
+    def forward(self, *inputs, attention_mask, token_type_ids=None, **stack_inputs):
         m = self.model
-        slots = carry_slots(m)
-        carry = m.embed(inputs[0], token_type_ids) if m.attached.is_first_stage else unpack_carry(inputs, slots)
+        received, sent = stage_slots(m)
+        if m.attached.is_first_stage:
+            carry = m.embed(inputs[0], token_type_ids, **stack_inputs)
+        else:
+            carry = unpack_carry(inputs, received)
+        carry = m.run_layers(tuple(carry), m.layer_context(attention_mask, **stack_inputs), m.layers)
         dtype = carry_dtype(m)
-        return tuple(t.to(dtype) for t in pack_carry(m.run_layers(tuple(carry), m.layer_context(attention_mask),
-                                                                  m.layers), slots))
-
-
-def carry_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype the travelling carry crosses a stage boundary in: the parameters'.
-
-    The receiving stage allocates its buffers before any forward runs, but under bf16 autocast
-    what a stage returns depends on the last op: the residual stream (a bf16 output added to an
-    fp32 stream) is fp32, the side network's state (a linear's output) bf16. A bf16 tensor sent
-    into an fp32 buffer does not arrive as its values: pp 2 with side-tuning under bf16 trained
-    on NaN from step 1. The cast up is exact, and the next stage's autocast casts back down.
-    """
-    return next(model.parameters()).dtype
-
-
-def example_carry(model: nn.Module, con_layout: Layout, rows: int, seq_len: int, dtype: torch.dtype) -> tuple:
-    """Meta tensors describing the travelling carry, for the stage's static send/receive buffers.
-
-    requires_grad marks a tensor as differentiable: the stage that receives it sends its gradient
-    back only if so (a frozen backbone's stream gets none).
-    """
-    return tuple(torch.empty(shape, dtype=dtype, device="meta", requires_grad=trainable)
-                 for shape, trainable in carry_shapes(model, con_layout, rows, seq_len))
+        return tuple(t.to(dtype) for t in pack_carry(carry, sent))

@@ -90,7 +90,7 @@ def stage_owns(model, name: str) -> bool:
     m = _LAYER.match(name)
     if m is not None:
         i = int(m.group(1))
-        return i in stage.layers or not 0 <= i < model.config.num_hidden_layers
+        return i in stage.layers or not 0 <= i < stage.model_layers
     # A module, not just an attribute: models keep e.g. side_out = None where none is attached.
     return isinstance(getattr(model, name.split(".", 1)[0], None), nn.Module)
 

@@ -164,3 +164,9 @@ def train_plans_and_compare(family: str, model_dir, plans, shares, batch_fn, bui
     """train_plan_and_compare (build: its keywords) for each plan in turn, in one call to the pool
     (a process launch's worth of cases); returns [(plan, report)]."""
     return [(plan, train_plan_and_compare(family, model_dir, plan, shares, batch_fn, build=build)) for plan in plans]
+
+
+def train_runners_and_compare(cases) -> list:
+    """train_runner_and_compare for each case (a tuple of its positional arguments) in turn, in
+    one call to the pool; returns the reports in case order."""
+    return [train_runner_and_compare(*case) for case in cases]

@@ -55,18 +55,19 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     """What an entry script does, on this pool rank.
 
     before / after: optional module-level functions of the trainer, called before and after fit.
-    task: "classification" (the BERT scripts) or "causal_lm" (the Llama scripts).
+    task: "classification" (the BERT scripts), "causal_lm" (the Llama scripts) or "seq2seq" (BART, T5).
     Returns (summary, before(trainer), after(trainer)), None for an absent function.
     """
     import torch
     from galaxy.config import apply_preset, load_config, validate_for_world
     from galaxy.models.shape import read_model_shape
     from galaxy.launch import DistEnv
-    from galaxy.train.trainer import ClassifierTrainer, prepare_causal_lm, prepare_classifier
+    from galaxy.train.trainer import ClassifierTrainer, prepare_causal_lm, prepare_classifier, prepare_seq2seq
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = apply_preset(load_config(config_path), preset)
     validate_for_world(cfg, world, rank, read_model_shape(cfg.model_path))
-    job = (prepare_classifier if task == "classification" else prepare_causal_lm)(cfg)
+    prepare = {"classification": prepare_classifier, "causal_lm": prepare_causal_lm, "seq2seq": prepare_seq2seq}
+    job = prepare[task](cfg)
     env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
                   timeout_s=cfg.timeout_s, local_rank=rank)
     trainer = ClassifierTrainer(job, env)
