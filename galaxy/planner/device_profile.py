@@ -305,8 +305,12 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
     # The baseline: a process holding what training imports (pipelines' and FSDP's modules too)
     # and the tokenizer it keeps (MiniLM's: 45 MiB; bench/results/plan_accuracy.md).
     import galaxy.parallel.sharded_dp, galaxy.pipeline.runner, galaxy.train.trainer  # noqa: F401,E401
+    # Under a memory cgroup the kernel counts the cgroup's charge, which the trainer reports as the
+    # peak: pages of shared libraries first loaded outside it count in RSS but not there (about
+    # 100 MiB of torch's on the edge testbed), so the baseline is the charge so far.
     tokenizer = load_tokenizer(cfg.model_path)
-    baseline = rss_mib() if env.device.type == "cpu" else 0.0
+    limited = cgroup.own_memory() if env.device.type == "cpu" else None
+    baseline = 0.0 if env.device.type != "cpu" else limited.peak / 2 ** 20 if limited and limited.peak else rss_mib()
     del tokenizer
     host = socket.gethostname()
     hosts = [None] * env.world
@@ -317,7 +321,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
         free, _ = torch.cuda.mem_get_info(env.device)
         memory = free / 2 ** 20 / sharing
     else:
-        limited = cgroup.own_memory()       # the kernel holds the rank to it, whatever the host has free
+        # the kernel holds the rank to its cgroup's limit, whatever the host has free
         memory = (limited.limit / 2 ** 20 if limited else available_mib()) / sharing
     bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
                           device=env.device, seed=cfg.seed)
