@@ -173,9 +173,10 @@ def test_conditional_generation_checkpoint_trains_a_new_head(dist_pool, tiny_lm_
         assert report["biases"] == [0.0, 0.0] and 0.01 < report["weight_std"] < 0.03, report
 
 
-def test_a_head_of_other_classes_is_refused_or_replaced(classifier_dir):
+def test_a_head_of_other_classes_is_refused_or_replaced(classifier_dir, tiny_lm_dir):
     """A checkpoint's 3-class head for a 2-class task: one line naming its out_proj, unless
-    ignore_mismatched_sizes, which keeps dense and draws a new out_proj (zero bias)."""
+    ignore_mismatched_sizes, which keeps dense and draws a new out_proj (zero bias). A
+    ...ForConditionalGeneration checkpoint has no head: a new one, no error."""
     import torch
 
     from galaxy.config import ConfigError
@@ -189,6 +190,9 @@ def test_a_head_of_other_classes_is_refused_or_replaced(classifier_dir):
            "has 2 classes" in msg, msg
     facts, _ = check_weights(model_dir, "model_path", 2, reinit_head=True, task="classification")
     assert (facts.head_rows, facts.new_head) == (3, True)
+    for family in ("bart", "t5"):
+        facts, model = check_weights(tiny_lm_dir(family), "model_path", 2, task="classification")
+        assert (facts.head_rows, facts.new_head, model.task) == (None, True, "classification")
     model = build_model(model_dir, Plan(), GalaxyGroup.serial(4, 96, TINY_SEQ), num_labels=3, task="classification")
     dense = model.classification_head.dense.weight.detach().clone()
     replace_classifier(model, 2, seed=0)

@@ -170,6 +170,7 @@ def hf_names(cfg):
         table = NameMap({
             "shared.weight": "shared.weight",
             "lm_head.weight": "lm_head.weight",
+            "classification_head.{rest}": "classification_head.{rest}",    # T5ForSequenceClassification's
             f"{name}_first_norm.weight": f"{name}.block.0.layer.0.layer_norm.weight",
             f"{name}_bias.relative_attention_bias.weight":
                 f"{name}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
