@@ -6,7 +6,7 @@ biases), on right-padded source rows of 12 tokens with two EOS tokens each, the 
 (positions 11, 7 and 3): the decoder reads the source shifted right, so its token shares split 12
 tokens too, here 5 / 7 against the encoder's 7 / 5, and under CON SP the pooled tokens sit on both
 ranks. At world 2 the 8 ATT x MLP x CON plans (XATT as in test_parity_encdec.py) with uneven heads,
-MLP columns and tokens, world 3, serial: logits, loss, every gathered gradient, 5 SGD steps'
+MLP columns and tokens, world 3, serial, DP 2: logits, loss, every gathered gradient, 5 SGD steps'
 losses and the final gathered weights within 1e-5 relative (fp32). LoRA (SEQ_CLS, the head
 trained in full) against peft; exports load in Hugging Face's classes; a ...ForConditionalGeneration
 checkpoint gets a new head, drawn from the seed, and then trains like Hugging Face's classifier
@@ -17,7 +17,7 @@ import itertools
 import pytest
 
 from support.parity import check_report
-from support.parity_runners import train_plans_and_compare
+from support.parity_runners import train_plans_and_compare, train_runner_and_compare
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
 from support.tiny_models import (TINY_SEQ, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
                                  tiny_t5_cls_batch)
@@ -78,6 +78,14 @@ def test_world2_uneven_plans_match_hf(dist_pool, classifier_dir, family):
 def test_world3_and_serial_match_hf(dist_pool, classifier_dir, family):
     run(dist_pool, 3, family, classifier_dir(family), WORLD3)
     run(dist_pool, 1, family, classifier_dir(family), [()])
+
+
+@pytest.mark.parametrize("family", ("bart", "t5"))
+def test_dp2_matches_hf(dist_pool, classifier_dir, family):
+    """Two replicas under DDP, 4 rows each, against HF on the global batch of 8."""
+    for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, classifier_dir(family), Plan(),
+                                                   1, 2, SHARES[1], BATCHES[family], CLASSIFY)):
+        check_report(report, rank)
 
 
 @pytest.mark.parametrize("family,targets,case", [("bart", ["q_proj", "v_proj"], ("TP", "TP", "SP", "SP")),
