@@ -175,3 +175,73 @@ def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("finetune_t5.py: error: use_side: side-tuning does not cover encoder-decoders (bart, t5) yet; "
                    "use use_lora or use_adapter"), err
+
+
+CLASSES = ["a", "b", "c"]
+
+
+def classifier_folder(work, family):
+    """HF's ...ForSequenceClassification of the tiny model (its backbone, a head HF draws), saved
+    with the tiny tokenizer: what both the script and the reference start from."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    path = str(work["tmp"] / f"{family}_cls")
+    torch.manual_seed(5)
+    AutoModelForSequenceClassification.from_pretrained(work[family], num_labels=len(CLASSES)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(work[family]).save_pretrained(path)
+    return path
+
+
+def hf_classifier_losses(model_dir, texts, labels):
+    """HF's classifier (eval mode) trained with SGD on the script's batches; and the model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        enc = tok(texts[rows], padding="max_length", truncation=True, max_length=PAD, return_tensors="pt")
+        loss = model(**enc, labels=torch.tensor(labels[rows])).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model, tok
+
+
+def test_classifier_scripts_report_hf_losses_and_export(work):
+    """task: classification: T5 under the Galaxy plan at world 2 (the decoder's 24 tokens split
+    11 / 13), BART serially, 3 SGD steps of 8 rows of 3 classes: the losses of HF's classifiers
+    on the same batches; the T5 export loads in T5ForSequenceClassification with HF's weights."""
+    texts = [s for s, _ in work["pairs"]]
+    labels = [i % len(CLASSES) for i in range(len(texts))]
+    (work["tmp"] / "cls.tsv").write_text("".join(f"{t}\t{CLASSES[y]}\n" for t, y in zip(texts, labels)))
+    plan = {**GALAXY, "decoder_seq_scatter_list": [11, 13]}
+    runs = [("t5", "finetune_t5.py", 2, plan), ("bart", "finetune_bart.py", 1, {})]
+    folders = {family: classifier_folder(work, family) for family, *_ in runs}
+    configs = []
+    for family, _, _, extra in runs:
+        config, _ = write_config(work, family, "cls.tsv", **extra, task="classification", class_list=CLASSES,
+                                       export_dir=str(work["tmp"] / f"{family}_cls_export"))
+        cfg = json.loads(open(config).read())
+        metrics = str(work["tmp"] / f"{family}_cls.jsonl")
+        cfg.update(model_path=folders[family], metrics_file=metrics)
+        del cfg["target_pad_size"]
+        open(config, "w").write(json.dumps(cfg))
+        configs.append((config, metrics))
+    results = run_scripts([(script, config, world) for (_, script, world, _), (config, _) in zip(runs, configs)])
+    for (family, *_), (_, metrics_file), outcome in zip(runs, configs, results):
+        for rank, (code, out, err) in enumerate(outcome):
+            assert code == 0, f"{family} rank {rank} exited {code}:\n{out}\n{err}"
+        steps = [r for r in read_metrics(metrics_file) if "event" not in r]
+        want, model, tok = hf_classifier_losses(folders[family], texts, labels)
+        for r, ref in zip(steps, want):
+            assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (family, r["loss"], ref)
+        assert len(steps) == STEPS
+        from transformers import AutoModelForSequenceClassification
+        exported = AutoModelForSequenceClassification.from_pretrained(str(work["tmp"] / f"{family}_cls_export"))
+        enc = tok(texts[:4], padding="max_length", truncation=True, max_length=PAD, return_tensors="pt")
+        with torch.no_grad():
+            got, ref = exported.eval()(**enc).logits, model(**enc).logits
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, family
+        assert exported.config.id2label == dict(enumerate(CLASSES))

@@ -62,3 +62,49 @@ def test_bad_shapes_are_one_line_errors(tmp_path, monkeypatch):
     msg = str(pytest.raises(ConfigError, ensure_model, config(tmp_path, **big), "bert").value)
     assert "B parameters: building it needs about" in msg and "lower hidden_size" in msg
     assert not [p for p in os.listdir(tmp_path / "runs" / "random_init") if not p.startswith(".")]
+
+
+BART_SHAPE = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 2, "encoder_attention_heads": 4,
+              "encoder_ffn_dim": 64}
+T5_SHAPE = {"d_model": 32, "num_layers": 1, "num_decoder_layers": 2, "num_heads": 4, "d_kv": 8, "d_ff": 64}
+
+
+@pytest.mark.parametrize("family,shape", [("bart", BART_SHAPE), ("t5", T5_SHAPE)])
+def test_encoder_decoder_shape_keys_build_hfs_seq2seq_model(tmp_path, monkeypatch, family, shape):
+    """Galaxy-LM's bart / t5 keys: the decoder's heads and MLP follow the encoder's (BART), the
+    decoder starts with the pad token (T5's <pad>), and the weights are HF's own init under the
+    seed; keys of the other family are ignored."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+    monkeypatch.chdir(tmp_path)
+    other = {"d_kv": 8} if family == "bart" else {"encoder_layers": 2}
+    cfg = ensure_model(config(tmp_path, **shape, **other, seed=3), family)
+    note = cfg._notes[-1]
+    assert f"randomly initialised {family} model" in note and f"tiny-{family} byte-level BPE" in note
+    assert cfg._ignored == tuple(other)
+    saved = json.load(open(os.path.join(cfg.model_path, "config.json")))
+    assert {k: saved[k] for k in shape} == shape and saved["vocab_size"] == 2048
+    if family == "bart":
+        assert (saved["decoder_attention_heads"], saved["decoder_ffn_dim"]) == (4, 64)
+        assert (saved["pad_token_id"], saved["eos_token_id"], saved["decoder_start_token_id"]) == (0, 2, 2)
+    else:
+        assert (saved["pad_token_id"], saved["eos_token_id"], saved["decoder_start_token_id"]) == (0, 2, 0)
+    assert len(AutoTokenizer.from_pretrained(cfg.model_path)) == 2048
+    torch.manual_seed(3)
+    want = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(cfg.model_path)).state_dict()
+    got = load_file(os.path.join(cfg.model_path, "model.safetensors"))
+    assert all(torch.equal(got[k], want[k]) for k in got) and len(got) > 10
+
+
+@pytest.mark.parametrize("key", ("decoder_start_token_id", "pad_token_id"))
+def test_t5_config_without_start_or_pad_id_is_one_line(tmp_path, key):
+    """No AttributeError at the first forward: read_model_shape names the key, before any process group."""
+    from galaxy.models.shape import read_model_shape
+    raw = {"model_type": "t5", "d_model": 32, "num_layers": 1, "num_heads": 4, "d_kv": 8, "d_ff": 64,
+           "decoder_start_token_id": 0, "pad_token_id": 0}
+    del raw[key]
+    if key == "pad_token_id":
+        raw[key] = None         # T5Config's default is 0: only an explicit null leaves it unset
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    msg = str(pytest.raises(ConfigError, read_model_shape, str(tmp_path)).value)
+    assert msg.startswith(f"model_path config '{tmp_path}/config.json': config.json has no {key}; T5 starts the "
+                          "decoder with decoder_start_token_id"), msg

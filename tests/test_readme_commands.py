@@ -21,7 +21,8 @@ import subprocess
 import sys
 
 from support.dist_pool import free_port
-from support.galaxy_lm_style import BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL, LLAMA_PP_FULL, T5_PP_FULL
+from support.galaxy_lm_style import (BART_CLASSIFY, BERT_FULL, BERT_GALAXY_LORA, BERT_PP_SIDE, LLAMA_FULL,
+                                     LLAMA_PP_FULL, T5_GALAXY_CLASSIFY, T5_PP_FULL)
 
 from galaxy.train.metrics import read_metrics
 
@@ -38,6 +39,7 @@ SERIAL = [
     "python finetune_llama.py --config train_config/gpt2/full.json",
     *[f"python finetune_{m}.py" for m in ("t5", "bart")],
     *[f"python finetune_{m}.py --config_file train_config/{m}/{c}.json" for m in ("t5", "bart") for c in ("lora", "adapter")],
+    *[f"python finetune_{m}.py --config_file train_config/{m}/classify.json" for m in ("t5", "bart")],
 ]
 PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
 WORLD2 = [   # {r}: the rank
@@ -58,8 +60,8 @@ WORLD2 = [   # {r}: the rank
     "python finetune_llama.py --config train_config/llama/galaxy/full.json --world 2 --rank {r}",
     "python finetune_llama.py --config train_config/gpt2/galaxy/full.json --world 2 --rank {r}",
     "python finetune_pp_llama.py --rank {r} --world 2 --config train_config/gpt2/pp/full.json",
-    *[f"python finetune_{m}.py --config_file train_config/{m}/galaxy/full.json --world 2 --rank {{r}}"
-      for m in ("t5", "bart")],
+    *[f"python finetune_{m}.py --config_file train_config/{m}/galaxy/{c}.json --world 2 --rank {{r}}"
+      for m in ("t5", "bart") for c in ("full", "classify")],
     "python finetune_pp_t5.py --rank {r} --world 2",
     *[f"python finetune_pp_t5.py --rank {{r}} --world 2 --config_file train_config/t5/pp/{m}.json"
       for m in ("lora", "adapter")],
@@ -71,10 +73,13 @@ WORLD2 = [   # {r}: the rank
 ]
 # Galaxy-LM's own style: its keys, no model_path (written to the scratch directory's galaxy_lm/).
 GALAXY_LM_CONFIGS = {"bert_full": BERT_FULL, "bert_galaxy_lora": BERT_GALAXY_LORA, "bert_pp_side": BERT_PP_SIDE,
-                     "llama_full": LLAMA_FULL, "llama_pp_full": LLAMA_PP_FULL, "t5_pp_full": T5_PP_FULL}
+                     "llama_full": LLAMA_FULL, "llama_pp_full": LLAMA_PP_FULL, "t5_pp_full": T5_PP_FULL,
+                     "bart_classify": BART_CLASSIFY, "t5_galaxy_classify": T5_GALAXY_CLASSIFY}
 GALAXY_LM_SERIAL = ["python pretrain_bert.py --config_file galaxy_lm/bert_full.json",
-                    "python finetune_llama.py --config galaxy_lm/llama_full.json"]
+                    "python finetune_llama.py --config galaxy_lm/llama_full.json",
+                    "python finetune_bart.py --config galaxy_lm/bart_classify.json"]
 GALAXY_LM_WORLD2 = ["python pretrain_galaxy.py --rank {r} --world 2 --config galaxy_lm/bert_galaxy_lora.json",
+                    "python finetune_t5.py --rank {r} --world 2 --config galaxy_lm/t5_galaxy_classify.json",
                     "python pretrain_pp_bert.py --rank {r} --world 2 --config galaxy_lm/bert_pp_side.json",
                     "python finetune_pp_llama.py --rank {r} --world 2 --config galaxy_lm/llama_pp_full.json",
                     "python finetune_pp_t5.py --rank {r} --world 2 --config galaxy_lm/t5_pp_full.json"]

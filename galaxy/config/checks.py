@@ -29,6 +29,9 @@ def key_problems(cfg: GalaxyConfig) -> list[str]:
     if cfg.resume == "latest" and cfg.save_dir is None:
         problems.append('resume is "latest" but save_dir is not set; add save_dir (the folder '
                         'the checkpoints are in) or give resume a checkpoint folder')
+    if cfg.task == "classification" and cfg.target_pad_size is not None:
+        problems.append("target_pad_size is set but task is classification, whose decoder (BART, T5) reads the "
+                        "source shifted right, pad_size tokens; remove target_pad_size")
     # The plan checks its own keys too: a line both give is said once.
     return list(dict.fromkeys(problems + plan_key_problems(cfg, cfg.batch_size)))
 

@@ -24,8 +24,8 @@ CHECKPOINTS = ('"none", "full", a number of leading layers or a list of layer in
 class ModelKeys:
     model_path: str | None = key(None, "Hugging Face model folder (config.json, weights, tokenizer); null: a "
                                  "random model of model_type and the shape keys", path="folder_in")
-    model_type: str | None = key(None, "the family of a random model (bert, llama, qwen2, gpt2); must match "
-                                 "model_path's")
+    model_type: str | None = key(None, "the family of a random model (bert, llama, qwen2, gpt2, bart, t5); "
+                                 "must match model_path's")
     task: Literal["classification", "causal_lm", "seq2seq"] | None = key(None, "what to train; null: the entry "
                                                                          "script's task")
     train: bool = key(True, "false: no training; a classifier predicts the test set (test_path, or the embedded "
@@ -39,6 +39,16 @@ class ModelKeys:
     vocab_size: int | None = key(None, "shape key", at_least=1)
     type_vocab_size: int | None = key(None, "shape key (BERT)", at_least=1)
     max_position_embeddings: int | None = key(None, "shape key", at_least=1)
+    d_model: int | None = key(None, "shape key (BART, T5: the width)", at_least=1)
+    encoder_layers: int | None = key(None, "shape key (BART)", at_least=1)
+    decoder_layers: int | None = key(None, "shape key (BART)", at_least=1)
+    encoder_attention_heads: int | None = key(None, "shape key (BART: both stacks' heads)", at_least=1)
+    encoder_ffn_dim: int | None = key(None, "shape key (BART: both stacks' MLP width)", at_least=1)
+    num_layers: int | None = key(None, "shape key (T5: encoder layers)", at_least=1)
+    num_decoder_layers: int | None = key(None, "shape key (T5)", at_least=1)
+    num_heads: int | None = key(None, "shape key (T5)", at_least=1)
+    d_kv: int | None = key(None, "shape key (T5: the head width)", at_least=1)
+    d_ff: int | None = key(None, "shape key (T5: the MLP width)", at_least=1)
     dropout: float | None = key(None, "every dropout probability of the model; null: the model config's",
                                 at_least=0, below=1)
     ignore_mismatched_sizes: bool = key(False, "a classifier head in model_path sized for another label set: "
@@ -192,7 +202,10 @@ class GalaxyConfig(RuntimeKeys, CheckpointKeys, PeftKeys, PlanKeys, OptimKeys, D
 
 
 SHAPE_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "num_hidden_layers", "vocab_size", "type_vocab_size", "max_position_embeddings")
+              "num_hidden_layers", "vocab_size", "type_vocab_size", "max_position_embeddings",
+              # the encoder-decoders' own names (Galaxy-LM's bart and t5 configs use them)
+              "d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "encoder_ffn_dim",
+              "num_layers", "num_decoder_layers", "num_heads", "d_kv", "d_ff")
 # PEFT method flags -> galaxy.peft's method names; at most one flag true, none means full.
 PEFT_FLAGS = {"full_model": "full", "use_lora": "lora", "use_adapter": "adapter", "use_side": "side",
               "use_side_only": "side_only"}

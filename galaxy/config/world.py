@@ -13,7 +13,8 @@ def workload(cfg, shape: dict) -> Workload:
 
 
 def target_tokens(cfg) -> int:
-    """Tokens of an encoder-decoder's decoder rows: target_pad_size, else pad_size."""
+    """Tokens of an encoder-decoder's decoder rows: target_pad_size, else pad_size (a classifier's
+    decoder reads the source: target_pad_size is refused with it)."""
     return cfg.target_pad_size or cfg.pad_size
 
 

@@ -1,4 +1,5 @@
-"""BART (Hugging Face BartForConditionalGeneration): the one definition every plan is applied to.
+"""BART (Hugging Face BartForConditionalGeneration, BartForSequenceClassification): the one
+definition every plan is applied to (one backbone, BartModel; two heads).
 
 Post-norm layers, as BERT's (CON = LayerNorm(dropout(x + bias) + residual)):
   encoder layer   ATT (self_attn, padding mask) -> CON1 (self_attn_layer_norm)
@@ -9,7 +10,8 @@ Post-norm layers, as BERT's (CON = LayerNorm(dropout(x + bias) + residual)):
 Embeddings: the shared token table (scaled by sqrt(d_model) under scale_embedding) plus learned
 positions with BART's offset 2 (position p reads row p + 2), then layernorm_embedding and
 dropout, one set per stack. The LM head is tied to the shared table; final_logits_bias (a buffer
-in Hugging Face, so never trained) is added to the logits.
+in Hugging Face, so never trained) is added to the logits. The classifier reads the decoder's
+output at each row's last EOS (galaxy.models.seq2seq_classifier).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.family import checked_config
 from galaxy.models.seq2seq import EncoderDecoder, Seq2SeqLMHead, stack_names
+from galaxy.models.seq2seq_classifier import ClassificationHead, Seq2SeqClassifierHead, classifier_dropout
 from galaxy.models.weights import NameMap
 
 POSITION_OFFSET = 2      # BartLearnedPositionalEmbedding: position p is row p + 2
@@ -44,7 +47,19 @@ def unsupported(cfg) -> str | None:
                 f"splits one MLP width (the plan's columns) over both stacks")
     if cfg.encoder_layerdrop or cfg.decoder_layerdrop:
         return "encoder_layerdrop / decoder_layerdrop (skipping layers at random) is not supported"
+    for name in ("decoder_start_token_id", "pad_token_id"):
+        if getattr(cfg, name, None) is None:
+            return (f"config.json has {name} null; BART starts the decoder with decoder_start_token_id (its "
+                    f"</s>, 2) and pads with pad_token_id (1): set {name} to the tokenizer's id")
     return None
+
+
+def random_shape(shape: dict, tokenizer) -> dict:
+    """A random BART's config keys from the shape keys: galaxy splits one head count and one MLP
+    width over both stacks, so the decoder's follow the encoder's unless given."""
+    mirrored = {f"decoder_{k}": shape[f"encoder_{k}"] for k in ("attention_heads", "ffn_dim")
+                if f"encoder_{k}" in shape}
+    return {**mirrored, **shape}
 
 
 def _attention(cfg, kind=SelfAttention, **kwargs):
@@ -70,12 +85,12 @@ def bart_decoder_layer(cfg) -> DecoderBlock:
                         _con(cfg), _mlp(cfg), _con(cfg))
 
 
-class BartForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
+class BartModel(EncoderDecoder):
+    """Both stacks and their embeddings: what BART's two heads share."""
     carry_size = 1           # post-norm: each stack's stream is its next input
     first_stage_modules = ("shared", "encoder_positions", "encoder_norm", "decoder_positions", "decoder_norm")
-    last_stage_modules = ("lm_head", "final_logits_bias")
 
-    def __init__(self, cfg, **_):
+    def __init__(self, cfg):
         super().__init__(cfg)
         problem = unsupported(cfg)
         if problem:
@@ -89,15 +104,6 @@ class BartForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
         self.encoder_layers = cfg.encoder_layers
         self.layers = nn.ModuleList([bart_encoder_layer(cfg) for _ in range(cfg.encoder_layers)]
                                     + [bart_decoder_layer(cfg) for _ in range(cfg.decoder_layers)])
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
-        self.final_logits_bias = FinalLogitsBias(cfg.vocab_size)
-        self.head_group = None
-        self.materialize()
-
-    def materialize(self) -> None:
-        """(Re)make the tie lm_head.weight = shared.weight (a pipeline end may hold one of them)."""
-        if self.config.tie_word_embeddings and hasattr(self, "shared") and hasattr(self, "lm_head"):
-            self.lm_head.weight = self.shared.weight
 
     def _embeddings(self, ids, stack: str, start: int = 0):
         # ids [b, S] at positions start.. -> [b, S, h], replicated: every rank draws the same dropout mask
@@ -112,8 +118,34 @@ class BartForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
         """start: the first id's position (a decode step's, generating with a cache)."""
         return self._embeddings(decoder_input_ids, "decoder", start)
 
+
+class BartForConditionalGeneration(Seq2SeqLMHead, BartModel):
+    carry_size = BartModel.carry_size       # not the causal LMs' (CausalLMHead comes first)
+    last_stage_modules = ("lm_head", "final_logits_bias")
+
+    def __init__(self, cfg, **_):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.final_logits_bias = FinalLogitsBias(cfg.vocab_size)
+        self.head_group = None
+        self.materialize()
+
+    def materialize(self) -> None:
+        """(Re)make the tie lm_head.weight = shared.weight (a pipeline end may hold one of them)."""
+        if self.config.tie_word_embeddings and hasattr(self, "shared") and hasattr(self, "lm_head"):
+            self.lm_head.weight = self.shared.weight
+
     def lm_logits(self, x, weight):
         return F.linear(x, weight) + self.final_logits_bias.bias
+
+
+class BartForSequenceClassification(Seq2SeqClassifierHead, BartModel):
+    """Hugging Face's BartForSequenceClassification (galaxy.models.seq2seq_classifier)."""
+
+    def __init__(self, cfg, num_labels: int, **_):
+        super().__init__(cfg)
+        self.num_labels = num_labels
+        self.classification_head = ClassificationHead(cfg.d_model, num_labels, classifier_dropout(cfg))
 
 
 class FinalLogitsBias(nn.Module):
@@ -126,13 +158,15 @@ class FinalLogitsBias(nn.Module):
 
 
 def hf_names(cfg):
-    """galaxy name -> BartForConditionalGeneration name (decoder layers: index - encoder_layers)."""
+    """galaxy name -> BartForConditionalGeneration (or ...ForSequenceClassification) name (decoder
+    layers: index - encoder_layers)."""
     encoder = NameMap({
         "shared.weight": "model.shared.weight",
         "{stack}_positions.weight": "model.{stack}.embed_positions.weight",
         "{stack}_norm.{w}": "model.{stack}.layernorm_embedding.{w}",
         "lm_head.weight": "lm_head.weight",
         "final_logits_bias.bias": "final_logits_bias",
+        "classification_head.{rest}": "classification_head.{rest}",    # BartForSequenceClassification's
         **_layer_names("encoder"),
     })
     decoder = NameMap({**_layer_names("decoder"),

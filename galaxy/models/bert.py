@@ -56,6 +56,7 @@ class BertForClassification(GalaxyModel):
     task, peft_task_type = "classification", "SEQ_CLS"
     loss_units_are_rows = True
     modules_to_save = output_heads = ("classifier",)
+    classes_layer = "classifier"
     first_stage_modules = ("embeddings",)
     last_stage_modules = ("pooler", "classifier")
     carry_size = 1           # (hidden,): post-norm, the stream is the next input

@@ -46,6 +46,7 @@ class GalaxyModel(nn.Module):
     peft_task_type: str = ""          # peft's task_type of this head ("SEQ_CLS", "CAUSAL_LM")
     modules_to_save: tuple[str, ...] = ()   # head modules PEFT trains in full (peft's modules_to_save)
     output_heads: tuple[str, ...] = ()      # modules LoRA may not wrap (applied through their weight)
+    classes_layer: str = ""           # a classifier's last Linear, one row per class (ignore_mismatched_sizes)
     con_params: tuple[str, ...] = ()        # top-level modules acting on the CON layout (a first norm)
     first_stage_modules: tuple[str, ...] = ()   # kept by the first pipeline stage only
     last_stage_modules: tuple[str, ...] = ()    # kept by the last pipeline stage only
@@ -168,6 +169,9 @@ class FamilySpec:
     random_init_class: str = "AutoModelForCausalLM"
     default_tokenizer: Callable[[], object] | None = None
     default_tokenizer_name: str = ""
+    # (shape keys given, the default tokenizer) -> the config keys of the random model, for a
+    # family whose config needs more than the shape (BART's decoder sizes, T5's start token).
+    random_shape: Callable[[dict, object], dict] | None = None
 
     def hf_layout(self, hf_name: str) -> bool:
         """Whether Hugging Face stores tensor `hf_name` transposed against galaxy ([in, out])."""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from galaxy.distributed.comm_bytes import sum_param_units
-from galaxy.distributed.transitions import Layout, Transition, reduce_to_replicated
+from galaxy.distributed.transitions import Layout, Transition
 from galaxy.layers.activation import activation
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
@@ -25,6 +25,7 @@ from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
                                           decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
+from galaxy.models.pooling import pooled_tokens
 from galaxy.models.weights import NameMap, pre_norm_names
 
 
@@ -155,6 +156,7 @@ class LlamaForSequenceClassification(LlamaBackbone):
     """
     task, peft_task_type = "classification", "SEQ_CLS"
     modules_to_save = output_heads = ("score",)
+    classes_layer = "score"
     last_stage_modules = ("score",)
 
     def __init__(self, cfg, num_labels: int, **_):
@@ -180,20 +182,7 @@ class LlamaForSequenceClassification(LlamaBackbone):
         _, x, *side = carry
         if side:
             x = self.side_out(x, side[0])
-        rows, at = torch.arange(x.shape[0], device=x.device), self.pooled_at.to(x.device)
-        if self.pool_group is None:
-            pooled = x[rows, at]                                         # [b, h]
-        else:
-            # CON SP: row i's token lives on the one rank whose shard [o_r, o_r + s_r) holds
-            # at[i]. Each rank takes the tokens it owns (zeros for the other rows) and a sum over
-            # the group (reduce_to_replicated: all-reduce forward, identity backward) gives every
-            # rank all b tokens exactly (one non-zero term per row), one [b, h] collective; the
-            # gradient, replicated like the loss, flows into each token on its owner only.
-            g = self.pool_group
-            local = at - g.token_offset
-            own = (local >= 0) & (local < x.shape[1])
-            picked = x[rows, local.clamp(0, x.shape[1] - 1)]
-            pooled = reduce_to_replicated(torch.where(own[:, None], picked, torch.zeros_like(picked)), g)
+        pooled = pooled_tokens(x, self.pooled_at, self.pool_group)            # [b, h]
         logits = self.score(pooled)                                      # [b, num_labels]
         loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
         return logits, loss

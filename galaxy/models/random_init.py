@@ -112,6 +112,8 @@ def hf_config_of(family, model_type: str, shape: dict, tokenizer):
     base = AutoConfig.for_model(model_type)
     ignored = [k for k in shape if not hasattr(base, k)]
     values = {k: v for k, v in shape.items() if k not in ignored}
+    if family.random_shape is not None:
+        values = family.random_shape(values, tokenizer)
     vocab = len(tokenizer)
     values.setdefault("vocab_size", vocab)
     if values["vocab_size"] < vocab:

@@ -6,10 +6,14 @@ outside galaxy/models finds a family through `family_of` (a Hugging Face model_t
 """
 from __future__ import annotations
 
-from galaxy.assets import packaged_minilm, tiny_llama
+from galaxy.assets import packaged_minilm, tiny_bart, tiny_llama, tiny_t5
 from galaxy.models import bart, bert, gpt2, llama, qwen2, t5
 from galaxy.models.family import FamilySpec
 from galaxy.models.weights import NameMap
+
+# The encoder-decoders' classifier (galaxy.models.seq2seq_classifier), drawn afresh when a checkpoint
+# (a ...ForConditionalGeneration) lacks it; out_proj's weight first: its rows are the classes.
+CLASSIFICATION_HEAD = tuple(f"classification_head.{m}.{w}" for m in ("out_proj", "dense") for w in ("weight", "bias"))
 
 FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
     FamilySpec(
@@ -48,18 +52,24 @@ FAMILIES: dict[str, FamilySpec] = {spec.name: spec for spec in (
         config_shape=gpt2.config_shape),
     FamilySpec(
         name="bart", model_types=("bart",),
-        tasks={"seq2seq": bart.BartForConditionalGeneration},
+        tasks={"seq2seq": bart.BartForConditionalGeneration, "classification": bart.BartForSequenceClassification},
         hf_names=bart.hf_names,
+        hf_head_params=CLASSIFICATION_HEAD,
         lora_targets=("q_proj", "v_proj"),
         config_shape=bart.config_shape,
-        random_init_class="AutoModelForSeq2SeqLM"),
+        random_init_class="AutoModelForSeq2SeqLM", random_shape=bart.random_shape,
+        default_tokenizer=tiny_bart.default_tokenizer,
+        default_tokenizer_name="the tiny-bart byte-level BPE tokenizer (galaxy.assets.tiny_bart)"),
     FamilySpec(
         name="t5", model_types=("t5",),
-        tasks={"seq2seq": t5.T5ForConditionalGeneration},
+        tasks={"seq2seq": t5.T5ForConditionalGeneration, "classification": t5.T5ForSequenceClassification},
         hf_names=t5.hf_names, hf_tied=t5.HF_TIED,
+        hf_base_prefix=t5.CLASSIFIER_PREFIX, hf_head_params=CLASSIFICATION_HEAD,
         lora_targets=("q", "v"),
         config_shape=t5.config_shape,
-        random_init_class="AutoModelForSeq2SeqLM"),
+        random_init_class="AutoModelForSeq2SeqLM", random_shape=t5.random_shape,
+        default_tokenizer=tiny_t5.default_tokenizer,
+        default_tokenizer_name="the tiny-t5 byte-level BPE tokenizer (galaxy.assets.tiny_t5)"),
 )}
 
 _BY_MODEL_TYPE = {t: spec for spec in FAMILIES.values() for t in spec.model_types}

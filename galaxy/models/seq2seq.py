@@ -166,6 +166,13 @@ class EncoderDecoder(GalaxyModel):
     def decoder_carry(self, carry: tuple) -> tuple:
         return carry[self.carry_size:2 * self.carry_size]
 
+    def final_hidden(self, carry: tuple):
+        """The decoder's output [b, s_con, h] a head reads (through the side network's output
+        under side-tuning); T5 adds its dropout."""
+        x = self.decoder_carry(carry)[-1]
+        side = carry[2 * self.carry_size:]
+        return self.side_out(x, side[0]) if side else x
+
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 labels=None, token_type_ids=None):
         # input_ids, attention_mask [b, S]; decoder_input_ids, decoder_attention_mask, labels [b, T]
@@ -192,9 +199,7 @@ class Seq2SeqLMHead(CausalLMHead):
         return super().plan_head(con_layout, self.plan_memory(con_layout, group))
 
     def head_input(self, carry: tuple):
-        x = self.decoder_carry(carry)[-1]
-        side = carry[2 * self.carry_size:]
-        return self.side_out(x, side[0]) if side else x
+        return self.final_hidden(carry)
 
 
 def stack_names(encoder, decoder, encoder_layers: int):

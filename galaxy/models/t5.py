@@ -1,5 +1,5 @@
-"""T5 (Hugging Face T5ForConditionalGeneration, v1.0 and v1.1 / flan): the one definition every
-plan is applied to.
+"""T5 (Hugging Face T5ForConditionalGeneration, v1.0 and v1.1 / flan; T5ForSequenceClassification):
+the one definition every plan is applied to (one backbone, T5Model; two heads).
 
 Pre-norm layers, shifted as Llama's are (galaxy.models.llama): each CON adds its sub-block's
 output (dropout_rate on it) to the stream and normalises the stream for the next sub-block.
@@ -15,9 +15,12 @@ position bias is one table per stack (galaxy.layers.position_bias), split by hea
 heads it biases; the layer context adds it to the padding or causal mask, one additive mask per
 stack. Embeddings: the shared table, no positions, dropout. After the decoder's final norm:
 dropout, then (v1.0, scale_decoder_outputs) a scale of d_model^-0.5, then the LM head (tied to
-the shared table unless the checkpoint holds its own).
+the shared table unless the checkpoint holds its own); or the classifier, unscaled, at each
+row's last EOS (galaxy.models.seq2seq_classifier).
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +38,7 @@ from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.family import checked_config
 from galaxy.models.llama import RMSNorm
 from galaxy.models.seq2seq import EncoderDecoder, Seq2SeqLMHead, stack_names
+from galaxy.models.seq2seq_classifier import ClassificationHead, Seq2SeqClassifierHead, classifier_dropout
 from galaxy.models.weights import NameMap, pre_norm_names
 
 # The additive mask's value for a hidden key: finite (a bf16 score stays finite) and far below any score.
@@ -66,16 +70,19 @@ def t5_decoder_layer(cfg) -> DecoderBlock:
                         _con(cfg), _mlp(cfg), _con(cfg))
 
 
-class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
+class T5Model(EncoderDecoder):
+    """Both stacks, their first norms and position biases: what T5's two heads share."""
     carry_size = 2           # (stream, normalised input of the next sub-block), per stack
     con_params = ("encoder_first_norm", "decoder_first_norm", "decoder_output")
     att_params = ("encoder_bias", "decoder_bias")      # split by heads like ATT
     stack_modules = {"source": ("encoder_bias",), "target": ("decoder_bias",)}   # kept where their stack is
     first_stage_modules = ("shared", "encoder_first_norm", "decoder_first_norm")
-    last_stage_modules = ("lm_head",)
 
-    def __init__(self, cfg, **_):
+    def __init__(self, cfg):
         super().__init__(cfg)
+        problem = unsupported(cfg)
+        if problem:
+            raise ValueError(problem)
         h, p = cfg.d_model, cfg.dropout_rate
         self.shared = nn.Embedding(cfg.vocab_size, h)
         self.encoder_first_norm = RMSNorm(h, cfg.layer_norm_epsilon)
@@ -88,14 +95,6 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
                                     + [t5_decoder_layer(cfg) for _ in range(cfg.num_decoder_layers)])
         self.encoder_output = nn.Dropout(p)     # on the gathered memory: replicated, the default stream
         self.decoder_output = Dropout(p)        # on the CON layout: the rank's own stream under CON SP
-        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
-        self.head_group = None
-        self.materialize()
-
-    def materialize(self) -> None:
-        """(Re)make the tie lm_head.weight = shared.weight (a pipeline end may hold one of them)."""
-        if self.config.tie_word_embeddings and hasattr(self, "shared") and hasattr(self, "lm_head"):
-            self.lm_head.weight = self.shared.weight
 
     def source_embeddings(self, input_ids):
         return F.dropout(self.shared(input_ids), self.config.dropout_rate, self.training)
@@ -121,8 +120,23 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
         # cached decoder computes it: [1, heads (the rank's under TP), 1, position + 1]
         return self.decoder_bias(1, position + 1, query_start=position)
 
-    def head_input(self, carry: tuple):
-        return self.decoder_output(super().head_input(carry))
+    def final_hidden(self, carry: tuple):
+        return self.decoder_output(super().final_hidden(carry))
+
+
+class T5ForConditionalGeneration(Seq2SeqLMHead, T5Model):
+    last_stage_modules = ("lm_head",)
+
+    def __init__(self, cfg, **_):
+        super().__init__(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head_group = None
+        self.materialize()
+
+    def materialize(self) -> None:
+        """(Re)make the tie lm_head.weight = shared.weight (a pipeline end may hold one of them)."""
+        if self.config.tie_word_embeddings and hasattr(self, "shared") and hasattr(self, "lm_head"):
+            self.lm_head.weight = self.shared.weight
 
     def lm_logits(self, x, weight):
         if self.config.scale_decoder_outputs:      # v1.0: the tied head reads the scaled output
@@ -130,14 +144,40 @@ class T5ForConditionalGeneration(Seq2SeqLMHead, EncoderDecoder):
         return F.linear(x, weight)
 
 
+class T5ForSequenceClassification(Seq2SeqClassifierHead, T5Model):
+    """Hugging Face's T5ForSequenceClassification (galaxy.models.seq2seq_classifier): the head
+    reads the decoder's output after its final norm and dropout, unscaled."""
+
+    def __init__(self, cfg, num_labels: int, **_):
+        super().__init__(_as_architecture(cfg, CLASSIFIER))
+        self.num_labels = num_labels
+        self.classification_head = ClassificationHead(cfg.d_model, num_labels, classifier_dropout(cfg))
+
+
+# Hugging Face's T5ForSequenceClassification holds the T5Model under "transformer."; the
+# ForConditionalGeneration holds it at the top. The name map tells them apart by the config's
+# architectures, which the galaxy classifier states for itself (its checkpoint may be a
+# ForConditionalGeneration: the family's hf_base_prefix then reads the names without the prefix).
+CLASSIFIER = "T5ForSequenceClassification"
+CLASSIFIER_PREFIX = "transformer."
+
+
+def _as_architecture(cfg, name: str):
+    cfg = copy.copy(cfg)
+    cfg.architectures = [name]
+    return cfg
+
+
 def hf_names(cfg):
-    """galaxy name -> T5ForConditionalGeneration name. CON2 of layer i holds block i+1's first
-    norm (the stack's final_layer_norm after its last layer); decoder layers: index - num_layers."""
+    """galaxy name -> T5ForConditionalGeneration name (T5ForSequenceClassification's under a
+    classifier's config: "transformer." before the backbone's). CON2 of layer i holds block i+1's
+    first norm (the stack's final_layer_norm after its last layer); decoder layers: index - num_layers."""
     def stack(name: str, layers: int, sublayers: dict) -> object:
         block = f"{name}.block.{{i}}.layer"
         table = NameMap({
             "shared.weight": "shared.weight",
             "lm_head.weight": "lm_head.weight",
+            "classification_head.{rest}": "classification_head.{rest}",    # T5ForSequenceClassification's
             f"{name}_first_norm.weight": f"{name}.block.0.layer.0.layer_norm.weight",
             f"{name}_bias.relative_attention_bias.weight":
                 f"{name}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
@@ -154,7 +194,10 @@ def hf_names(cfg):
         "conx.adapter.{w}": "1.adapter.{w}", "con2.adapter.{w}": "2.adapter.{w}"})
     encoder = stack("encoder", cfg.num_layers, {"con1.norm.{w}": "1.layer_norm.{w}", "mlp.{rest}": "1.DenseReluDense.{rest}",
                                                 "con2.adapter.{w}": "1.adapter.{w}"})
-    return stack_names(lambda n: _either(encoder, decoder, n), decoder, cfg.num_layers)
+    to_hf = stack_names(lambda n: _either(encoder, decoder, n), decoder, cfg.num_layers)
+    if CLASSIFIER not in (getattr(cfg, "architectures", None) or ()):
+        return to_hf
+    return lambda name: name if name.startswith("classification_head.") else CLASSIFIER_PREFIX + to_hf(name)
 
 
 def _either(encoder, decoder, name: str) -> str:
@@ -170,7 +213,19 @@ NO_POSITION_LIMIT = 2 ** 31 - 1
 
 
 def unsupported(cfg) -> str | None:
+    """What of a T5Config this definition cannot run: the decoder's inputs are the labels (or a
+    classifier's source) shifted right behind decoder_start_token_id, padded with pad_token_id."""
+    for name in ("decoder_start_token_id", "pad_token_id"):
+        if getattr(cfg, name, None) is None:
+            return (f"config.json has no {name}; T5 starts the decoder with decoder_start_token_id and pads "
+                    f"with pad_token_id (both 0 in Google's T5 checkpoints): add \"{name}\": 0, or the id "
+                    "the tokenizer's pad token has")
     return None
+
+
+def random_shape(shape: dict, tokenizer) -> dict:
+    """A random T5's config keys from the shape keys: the decoder starts with the pad token, as T5's does."""
+    return {"decoder_start_token_id": tokenizer.pad_token_id, **shape}
 
 
 def config_shape(raw: dict) -> dict:

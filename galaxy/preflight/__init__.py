@@ -55,7 +55,8 @@ def check_job(cfg, job) -> Report:
         (cfg.model_path, "model_path")
     # Only the trainer re-initialises a classifier (galaxy.train.head), and never a resumed one.
     reinit = bool(cfg.ignore_mismatched_sizes) and task is not None and resume is None
-    report.model, model = check_weights(source, what, num_labels, reinit_head=reinit, reinit_hint=task is not None)
+    report.model, model = check_weights(source, what, num_labels, reinit_head=reinit, reinit_hint=task is not None,
+                                        task=getattr(task, "kind", None))
     peft = getattr(job, "peft", None)
     if peft is not None and peft.method == "lora":
         check_lora_targets(cfg, peft, model)

@@ -95,14 +95,15 @@ def classifier_rows(index: WeightIndex, family, hf_config) -> tuple[int, str] | 
     return None
 
 
-def meta_model(hf_config, num_labels: int | None):
-    """The whole model on the meta device: names and shapes, no storage."""
+def meta_model(hf_config, num_labels: int | None, task: str | None = None):
+    """The whole model for `task` (None: the family's primary one) on the meta device: names and
+    shapes, no storage."""
     with torch.device("meta"):
-        return model_class(family_of(hf_config.model_type), None)(hf_config, num_labels=num_labels)
+        return model_class(family_of(hf_config.model_type), task)(hf_config, num_labels=num_labels)
 
 
 def check_weights(model_dir: str, what: str, num_labels: int | None, *, reinit_head: bool = False,
-                  reinit_hint: bool = True) -> tuple[ModelFacts, torch.nn.Module]:
+                  reinit_hint: bool = True, task: str | None = None) -> tuple[ModelFacts, torch.nn.Module]:
     """Check the folder's weights against the model its config.json describes (with num_labels
     classifier outputs). reinit_head: a classifier of another size is going to be re-initialised
     (ignore_mismatched_sizes), so it is not an error. Returns the facts and the meta model."""
@@ -124,7 +125,7 @@ def check_weights(model_dir: str, what: str, num_labels: int | None, *, reinit_h
                               f"outputs but the task has {num_labels} classes (class_list or the data's labels); "
                               f"{fix}give a class_list of {rows} names")
         build_labels = rows
-    model = meta_model(hf_config, build_labels)
+    model = meta_model(hf_config, build_labels, task)
     try:
         locate_weights(model, index, family)
     except CheckpointError as e:

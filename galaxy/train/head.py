@@ -27,14 +27,21 @@ def checkpoint_head_rows(model_dir: str) -> int | None:
 
 @torch.no_grad()
 def replace_classifier(model: nn.Module, num_labels: int, seed: int) -> None:
-    """Give `model` (or its pipeline stage, when it holds the head) a new classifier of num_labels."""
-    old = getattr(model, "classifier", None)
-    if old is None:
+    """Give `model` (or its pipeline stage, when it holds the head) a new classes layer
+    (model.classes_layer: BERT's classifier, Llama's score, BART's and T5's out_proj) of num_labels."""
+    path = model.classes_layer
+    parent_path, _, leaf = path.rpartition(".")
+    try:
+        parent = model.get_submodule(parent_path)
+        old = getattr(parent, leaf)
+    except AttributeError:
         return
-    new = nn.Linear(old.in_features, num_labels, device=old.weight.device, dtype=old.weight.dtype)
+    new = nn.Linear(old.in_features, num_labels, bias=old.bias is not None, device=old.weight.device,
+                    dtype=old.weight.dtype)
     gen = torch.Generator().manual_seed(seed)
     std = getattr(model.config, "initializer_range", 0.02)
     new.weight.copy_(torch.empty(new.weight.shape, dtype=new.weight.dtype).normal_(0.0, std, generator=gen))
-    new.bias.zero_()
-    model.classifier = new
+    if new.bias is not None:
+        new.bias.zero_()
+    setattr(parent, leaf, new)
     model.num_labels = num_labels

@@ -41,3 +41,13 @@ BART_PP_FULL = {"train": True, "device": "cuda", "num_epochs": 1, "batch_size": 
                 "decoder_layers": 3, "decoder_attention_heads": 4, "num_hidden_layers": 3, "full_model": True,
                 **PEFT_OFF, "init_method": "tcp://127.0.0.1:23000", "distributed_backend": "gloo",
                 "stage_num_hidden_layers_list": [3, 3], "num_microbatches": 1, "num_iterations": 1}
+# Galaxy-LM's bart and t5 scripts trained classifiers from their own shape keys.
+BART_CLASSIFY = {"train": True, "batch_size": 4, "pad_size": 32, "model_type": "bart", "task": "classification",
+                 "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+                 "encoder_ffn_dim": 128, "full_model": True, **PEFT_OFF}
+T5_GALAXY_CLASSIFY = {"train": True, "batch_size": 4, "pad_size": 32, "task": "classification", "d_model": 64,
+                      "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4, "d_kv": 16, "d_ff": 128,
+                      "full_model": True, **PEFT_OFF, "att_parallel_method": "TP", "mlp_parallel_method": "SP",
+                      "con_parallel_method": "SP", "tp_num_attention_heads_list": [3, 1],
+                      "seq_scatter_list": [20, 12], "decoder_seq_scatter_list": [12, 20],
+                      "init_method": "tcp://127.0.0.1:23000", "distributed_backend": "gloo"}

@@ -94,8 +94,19 @@ def hf_t5(model_dir):
     return T5ForConditionalGeneration.from_pretrained(model_dir).train()
 
 
+def hf_bart_classifier(model_dir):
+    from transformers import BartForSequenceClassification
+    return BartForSequenceClassification.from_pretrained(model_dir).train()
+
+
+def hf_t5_classifier(model_dir):
+    from transformers import T5ForSequenceClassification
+    return T5ForSequenceClassification.from_pretrained(model_dir).train()
+
+
 HF_LOADERS = {"bert": hf_bert, "llama": hf_llama, "qwen2": hf_qwen2, "gpt2": hf_gpt2,
-              "llama/classification": hf_llama_classifier, "bart": hf_bart, "t5": hf_t5}
+              "llama/classification": hf_llama_classifier, "bart": hf_bart, "t5": hf_t5,
+              "bart/classification": hf_bart_classifier, "t5/classification": hf_t5_classifier}
 
 
 def check_report(report, rank, tol=1e-5):

@@ -22,14 +22,22 @@ from galaxy.peft.export import lora_adapter_state
 from galaxy.peft.peft_format import peft_key
 
 
+def hf_key(family: str, task: str | None) -> str:
+    """HF_LOADERS' key of a family's model for a task (None: its primary one)."""
+    return family if task is None else f"{family}/{task}"
+
+
 def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[str], r: int = 4,
-                       alpha: float = 8.0, seed: int = 1) -> str:
-    """A peft adapter directory with random, non-zero A and B (and classifier, for BERT)."""
+                       alpha: float = 8.0, seed: int = 1, task: str | None = None) -> str:
+    """A peft adapter directory with random, non-zero A and B (and the classifier peft saves in
+    full: BERT's; a named task's head, e.g. the encoder-decoders' classification_head)."""
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
-    task = model_class(family_of(family), None).peft_task_type
-    model = get_peft_model(HF_LOADERS[family](model_dir), LoraConfig(task_type=task, r=r, lora_alpha=alpha,
-                                                             target_modules=targets))
+    cls = model_class(family_of(family), task)
+    saved = {"modules_to_save": list(cls.modules_to_save)} if task is not None else {}
+    model = get_peft_model(HF_LOADERS[hf_key(family, task)](model_dir),
+                           LoraConfig(task_type=cls.peft_task_type, r=r, lora_alpha=alpha, target_modules=targets,
+                                      **saved))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.requires_grad:
@@ -38,9 +46,10 @@ def write_peft_adapter(family: str, model_dir: str, out_dir: str, targets: list[
     return out_dir
 
 
-def peft_reference(family: str, model_dir: str, adapter_dir: str):
+def peft_reference(family: str, model_dir: str, adapter_dir: str, task: str | None = None):
     from peft import PeftModel
-    return PeftModel.from_pretrained(HF_LOADERS[family](model_dir), adapter_dir, is_trainable=True).train()
+    return PeftModel.from_pretrained(HF_LOADERS[hf_key(family, task)](model_dir), adapter_dir,
+                                     is_trainable=True).train()
 
 
 def reference_tensors(ref) -> dict[str, torch.Tensor]:
@@ -60,14 +69,15 @@ def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
 
 
 def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
-                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none"):
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none", task=None):
     """LoRA (started from adapter_dir) on a pp x dp x Galaxy mesh against peft's LoRA on Hugging
     Face's model, serially. Returns {"loss": per-step rel errors, "logits": step 0, "tensors":
     (worst rel error, key) of the adapter tensors, "frozen_grads": frozen parameters that got a
-    gradient}. Without a pipeline the tensors are what the export writes (lora_adapter_state)."""
-    ref = peft_reference(family, model_dir, adapter_dir)
+    gradient}. Without a pipeline the tensors are what the export writes (lora_adapter_state).
+    task: the model's (None: the family's primary one)."""
+    ref = peft_reference(family, model_dir, adapter_dir, task)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
-         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding,
+         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task,
          "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
 
     def frozen_grads(runner, mesh):
@@ -86,9 +96,10 @@ def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: in
     return report
 
 
-def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_fn, steps=5, lr=0.1):
+def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_fn, steps=5, lr=0.1, task=None):
     """lora_mesh_vs_peft for a Galaxy plan alone (pp 1 x dp 1), on batch_fn's own batch size."""
-    return lora_mesh_vs_peft(family, model_dir, adapter_dir, plan, 1, 1, shares, batch_fn, steps, lr, None, 1)
+    return lora_mesh_vs_peft(family, model_dir, adapter_dir, plan, 1, 1, shares, batch_fn, steps, lr, None, 1,
+                             task=task)
 
 
 def lora_train_and_export(model_dir, adapter_dir, out_dir, merge, plan, shares, batch_fn, class_names):

@@ -246,3 +246,44 @@ def make_tiny_t5(path: str, seed: int = 0, v1_1: bool = False, **overrides) -> s
 
 
 MAKE_TINY_LM["t5"] = make_tiny_t5
+
+
+# Encoder-decoder classifiers (Hugging Face's ...ForSequenceClassification): the tiny shapes above
+# with a 3-class classification_head (dense, out_proj; non-zero biases).
+def make_tiny_encdec_classifier(family: str, path: str, seed: int = 0, num_labels: int = 3) -> str:
+    from transformers import (BartConfig, BartForSequenceClassification, T5Config,
+                              T5ForSequenceClassification)
+    torch.manual_seed(seed)
+    if family == "bart":
+        model = BartForSequenceClassification(BartConfig(**TINY_BART, num_labels=num_labels))
+    else:
+        model = T5ForSequenceClassification(T5Config(**TINY_T5, num_labels=num_labels))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "layer_norm" in name or "layernorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return path
+
+
+def tiny_encdec_cls_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128, eos: int = 2,
+                          num_labels: int = 3):
+    """Right-padded source rows (row i keeps seq - 4*i tokens, pad id 0) with two EOS tokens each,
+    at position 2 and at the row's last kept token (the pooled one: 11, 7, 3 of 12, on different
+    decoder shards), and one class label per row. Hugging Face's classifiers need every row to
+    hold the same number of EOS tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    for i in range(batch):
+        kept = max(4, seq - 4 * i)
+        mask[i, kept:] = 0
+        ids[i, [2, kept - 1]] = eos
+    ids[mask == 0] = 0
+    labels = torch.randint(0, num_labels, (batch,), generator=g)
+    return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def tiny_t5_cls_batch(seed: int, batch: int = 3):
+    """tiny_encdec_cls_batch with TINY_T5's EOS id (1)."""
+    return tiny_encdec_cls_batch(seed, batch, eos=TINY_T5["eos_token_id"])
