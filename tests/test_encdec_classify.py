@@ -217,3 +217,17 @@ def test_target_pad_size_is_refused_for_a_classifier(tmp_path):
     path.write_text(json.dumps({"model_path": str(tmp_path), "task": "classification", "target_pad_size": 8}))
     msg = str(pytest.raises(ConfigError, load_config, path).value)
     assert "target_pad_size is set but task is classification" in msg and "remove target_pad_size" in msg, msg
+
+
+def test_a_classifier_pipeline_is_refused_before_any_process_group(tmp_path):
+    import json
+
+    from galaxy.config import ConfigError, load_config, validate_for_world
+    from galaxy.models.shape import read_model_shape
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model_path": "models/tiny-t5", "task": "classification", "pad_size": 16,
+                                "pp_deg": 2, "stage_num_hidden_layers_list": [1, 3]}))
+    cfg = load_config(str(path))
+    msg = str(pytest.raises(ConfigError, validate_for_world, cfg, 2, 0, read_model_shape(cfg.model_path)).value)
+    assert "encoder-decoder classifiers (task classification on bart, t5) do not run as pipelines yet" in msg, msg
+    assert "set pp_deg to 1" in msg
