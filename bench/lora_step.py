@@ -9,15 +9,17 @@ serial    one process: a LoRA training step (zero_grad, forward with the loss, b
           Steps alternate between the two (galaxy, peft, peft, galaxy, ...). Target: galaxy / peft
           of the medians <= 1.0. Also counted, load-independent: each side's GEMM calls and GFLOPs
           per forward and backward (torch.profiler).
-galaxy2   world 2 under the Galaxy preset (even shares, pinned with --pin): pretrain_galaxy.py on
-          all-MiniLM-L6-v2 with use_lora, and with full fine-tuning, same plan, batch and data;
+galaxy2   world 2 under the Galaxy preset (even shares; pinned with --pin, or on the edge testbed's
+          --cluster FILE): pretrain_galaxy.py on all-MiniLM-L6-v2 with use_lora, and with full
+          fine-tuning, same plan, batch and data;
           --rounds runs each, alternating; each run's median step after the first, the least
           disturbed run of each counts. Target: LoRA / full <= 0.8.
 
 Prints every figure and the two ratios, and writes --out/results.json.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/lora_step.py [--parts serial galaxy2] [--threads 1] [--steps 20]
-        [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--out runs/bench/lora_step]
+        [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--cluster FILE]
+        [--out runs/bench/lora_step]
 """
 from __future__ import annotations
 
@@ -183,8 +185,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train_steps", type=int, default=8, help="steps of each world-2 run")
     p.add_argument("--pin", action="store_true", help="world 2: rank r on core r (taskset)")
+    p.add_argument("--cluster", help="world 2: run on the edge testbed's cluster FILE (two devices)")
     p.add_argument("--out", default="runs/bench/lora_step")
     args = p.parse_args()
+    if args.cluster:
+        from planning_runs import use_cluster
+        use_cluster(args.cluster)
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
