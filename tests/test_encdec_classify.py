@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 
-from support.parity import check_report
+from support.parity import check_labelled_reports, check_report
 from support.parity_runners import train_plans_and_compare, train_runner_and_compare
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
 from support.tiny_models import (TINY_SEQ, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
@@ -60,13 +60,9 @@ def plan_of(case):
 
 def run(dist_pool, world, family, model_dir, cases):
     plans = [plan_of(case) for case in cases]
-    for rank, results in enumerate(dist_pool(world).run(train_plans_and_compare, family, model_dir, plans,
-                                                        SHARES[world], BATCHES[family], CLASSIFY)):
-        for case, (_, report) in zip(cases, results):
-            try:
-                check_report(report, rank)
-            except AssertionError as e:
-                raise AssertionError(f"{family} {case or 'serial'}: {e}") from None
+    ranks = dist_pool(world).run(train_plans_and_compare, family, model_dir, plans, SHARES[world], BATCHES[family],
+                                 CLASSIFY)
+    check_labelled_reports(ranks, [f"{family} {case or 'serial'}" for case in cases])
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))

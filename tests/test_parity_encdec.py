@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 
-from support.parity import check_report
+from support.parity import check_labelled_reports, check_report
 from support.parity_runners import train_plans_and_compare, train_runner_and_compare
 from support.peft_runners import lora_plan_vs_peft, peft_plan_vs_serial, write_peft_adapter
 from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch, tiny_seq2seq_unmasked
@@ -46,13 +46,8 @@ def run(dist_pool, world, family, model_dir, cases, build=None, batch_fn=tiny_se
     """Every case in one call to the pool (a case is milliseconds of work beside a launch); a
     failure names the plan. build: train_plan_and_compare's more keywords."""
     plans = [Plan(*case) if len(case) < 4 else Plan(*case[:3], xatt=case[3]) for case in cases]
-    for rank, results in enumerate(dist_pool(world).run(train_plans_and_compare, family, model_dir, plans,
-                                                        SHARES[world], batch_fn, build)):
-        for case, (_, report) in zip(cases, results):
-            try:
-                check_report(report, rank)
-            except AssertionError as e:
-                raise AssertionError(f"{plan_id(family, *case) if case else family + '-serial'}: {e}") from None
+    ranks = dist_pool(world).run(train_plans_and_compare, family, model_dir, plans, SHARES[world], batch_fn, build)
+    check_labelled_reports(ranks, [plan_id(family, *case) if case else family + "-serial" for case in cases])
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))

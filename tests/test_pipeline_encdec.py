@@ -24,7 +24,7 @@ import os
 import pytest
 import torch
 
-from support.parity import check_report
+from support.parity import check_labelled_reports
 from support.parity_runners import train_runners_and_compare
 from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch
 
@@ -45,12 +45,7 @@ def run(pool, cases):
     args = [(family, model_dir, plan, pp, dp, shares, tiny_seq2seq_batch, options)
             for _, family, model_dir, plan, pp, dp, shares, options in cases]
     ranks = pool.run(train_runners_and_compare, args)
-    for rank, reports in enumerate(ranks):
-        for (label, *_), report in zip(cases, reports):
-            try:
-                check_report(report, rank)
-            except AssertionError as e:
-                raise AssertionError(f"{label}: {e}") from None
+    check_labelled_reports(ranks, [label for label, *_ in cases])
     return ranks
 
 

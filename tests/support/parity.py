@@ -116,3 +116,14 @@ def check_report(report, rank, tol=1e-5):
     if "grad_norm" in report:
         assert report["grad_norm"] < tol, f"rank {rank}: gradient norm off by {report['grad_norm']}"
     assert report["weights"][0] < tol, f"rank {rank}: weight {report['weights'][1]} off by {report['weights'][0]}"
+
+
+def check_labelled_reports(ranks, labels, tol=1e-5):
+    """ranks: per rank, one report per case (or (anything, report) pairs); labels: the cases'
+    names, which an assertion's message starts with."""
+    for rank, reports in enumerate(ranks):
+        for label, report in zip(labels, reports):
+            try:
+                check_report(report[1] if isinstance(report, tuple) else report, rank, tol)
+            except AssertionError as e:
+                raise AssertionError(f"{label}: {e}") from None
