@@ -58,17 +58,17 @@ def test_llama_configs(tmp_path, keys):
     assert cfg._ignored == ("fan_in_fan_out", "merge_weights")
 
 
-def test_t5_pp_maps_hugging_face_sizes_and_counts_both_stacks(tmp_path, monkeypatch):
-    """Its T5 pipeline file: T5's size keys become shape keys, the stage split counts 2 + 2 layers,
-    T5's other keys (model_path's config.json has them) and its THUCNews files are ignored."""
+def test_t5_pp_takes_hugging_face_sizes_and_counts_both_stacks(tmp_path, monkeypatch):
+    """Its T5 pipeline file: T5's size keys are shape keys here, checked against model_path's
+    config.json; the stage split counts 2 + 2 layers; T5's other keys (model_path's config.json has
+    them) and its THUCNews files are ignored."""
     monkeypatch.chdir(ROOT)
     cfg = load_config(write(tmp_path, "t5_pp", T5_PP_FULL))
-    note = cfg._notes[0]
-    for phrase in ("d_model -> hidden_size", "d_ff -> intermediate_size", "num_heads -> num_attention_heads",
-                   "dropout_rate -> dropout", "num_layers + num_decoder_layers -> num_hidden_layers 4"):
-        assert phrase in note, note
-    assert {"d_kv", "relative_attention_num_buckets", "vocab_path", "class_list_path", "use_cache"} <= set(cfg._ignored)
-    assert "hidden_size" in cfg._ignored      # T5's config.json says d_model: model_path decides
+    assert "dropout_rate -> dropout" in cfg._notes[0], cfg._notes
+    assert (cfg.d_model, cfg.num_layers, cfg.num_decoder_layers, cfg.num_heads, cfg.d_ff) == (64, 2, 2, 4, 128)
+    assert {"relative_attention_num_buckets", "vocab_path", "class_list_path", "use_cache"} <= set(cfg._ignored)
+    msg = str(pytest.raises(ConfigError, load_config, write(tmp_path, "wide", {**T5_PP_FULL, "d_model": 128})).value)
+    assert msg.startswith("d_model is 128 (integer) in the config but 64 (integer) in model_path's"), msg
     cfg = apply_preset(cfg, "pp", "finetune_pp_t5.py", world=2)
     assert (cfg.pp_deg, cfg.stage_num_hidden_layers_list, cfg.num_microbatches, cfg.max_steps) == (2, [2, 2], 4, 1)
     validate_for_world(cfg, 2, 0, read_model_shape(cfg.model_path))
@@ -76,8 +76,9 @@ def test_t5_pp_maps_hugging_face_sizes_and_counts_both_stacks(tmp_path, monkeypa
 
 def test_bart_pp_counts_encoder_and_decoder_layers(tmp_path):
     cfg = load_config(write(tmp_path, "bart_pp", BART_PP_FULL))
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (64, 128, 4, 6)
-    assert "encoder_layers + decoder_layers -> num_hidden_layers 6" in cfg._notes[0]
+    assert (cfg.d_model, cfg.encoder_ffn_dim, cfg.encoder_attention_heads, cfg.encoder_layers,
+            cfg.decoder_layers) == (64, 128, 4, 3, 3)
+    assert cfg.num_hidden_layers is None and "num_hidden_layers: BART's alias of encoder_layers" in cfg._notes[0]
     problems = pytest.raises(ConfigError, load_config, write(tmp_path, "bad", {
         **BART_PP_FULL, "decoder_attention_heads": 8, "num_hidden_layers": 2})).value.problems
     assert problems[:2] == ["decoder_attention_heads 8 differs from encoder_attention_heads 4; galaxy splits one "

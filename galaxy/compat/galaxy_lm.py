@@ -28,18 +28,16 @@ RENAMED = {
 # knows each projection's layout (fan_in_fan_out), never merges in eval mode (merge_weights:
 # export with merge_lora instead) and its side network has no bias sampling switch.
 IGNORED = ("fan_in_fan_out", "merge_weights", "add_bias_sampling")
-# Its BART and T5 files hold Hugging Face's config keys of the model it built. The sizes are this
-# project's shape keys under other names; the layer count is the encoder's plus the decoder's (as a
-# stage split counts them); the decoder's sizes must be the encoder's (one split serves both).
-STACK_SHAPE = {"d_model": "hidden_size", "d_ff": "intermediate_size", "num_heads": "num_attention_heads",
-               "encoder_ffn_dim": "intermediate_size", "encoder_attention_heads": "num_attention_heads",
-               "dropout_rate": "dropout"}
-LAYER_COUNTS = (("num_layers", "num_decoder_layers"), ("encoder_layers", "decoder_layers"))
+# Its BART and T5 files hold Hugging Face's config keys of the model it built. Their sizes are
+# shape keys here too (d_model, encoder_layers, num_layers, d_ff, ...: galaxy.config.SHAPE_KEYS);
+# the decoder's sizes must be the encoder's (one split serves both stacks), and BART's
+# num_hidden_layers is BartConfig's alias of encoder_layers.
+STACK_SHAPE = {"dropout_rate": "dropout"}
 SAME_AS_ENCODER = {"decoder_ffn_dim": "encoder_ffn_dim", "decoder_attention_heads": "encoder_attention_heads"}
 # What else those files hold: architecture details that a model_path's config.json gives here,
 # Hugging Face's output switches, and its THUCNews vocabulary and class files (the tokenizer is
 # model_path's; class names come from the data or class_list).
-STACK_IGNORED = ("d_kv", "relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon",
+STACK_IGNORED = ("relative_attention_num_buckets", "relative_attention_max_distance", "layer_norm_epsilon",
                  "initializer_factor", "feed_forward_proj", "decoder_start_token_id", "is_encoder_decoder",
                  "pad_token_id", "eos_token_id", "classifier_dropout", "return_dict", "use_cache",
                  "output_attentions", "output_hidden_states", "vocab_path", "class_list_path")
@@ -51,8 +49,7 @@ KEYS = ("train", "device", "batch_size", "pad_size", "num_epochs", "num_iteratio
         "lora_target_modules", "side_reduction_factor", "add_bias_sampling", "init_method",
         "distributed_backend", "con_parallel_method", "seq_scatter_list", "att_parallel_method",
         "tp_num_attention_heads_list", "mlp_parallel_method", "tp_intermediate_size_list",
-        "stage_num_hidden_layers_list", "num_microbatches", *STACK_SHAPE, *(k for pair in LAYER_COUNTS for k in pair),
-        *SAME_AS_ENCODER, *STACK_IGNORED)
+        "stage_num_hidden_layers_list", "num_microbatches", *STACK_SHAPE, *SAME_AS_ENCODER, *STACK_IGNORED)
 
 
 @dataclass
@@ -91,33 +88,31 @@ def translate(raw: dict) -> Translation:
 
 
 def _stacks(raw: dict, out: Translation) -> set[str]:
-    """An encoder-decoder's Hugging Face size keys -> shape keys; returns the keys it consumed."""
+    """An encoder-decoder's Hugging Face keys that are not this project's: mapped, checked or
+    consumed; returns the keys it consumed."""
     used = set()
-    for key, shape_key in ((k, v) for k, v in STACK_SHAPE.items() if k in raw):
+    for key, ours in ((k, v) for k, v in STACK_SHAPE.items() if k in raw):
         used.add(key)
-        if raw.get(shape_key, raw[key]) != raw[key]:
-            out.problems.append(f"{key} {_json(raw[key])} (Hugging Face's name for {shape_key}) and {shape_key} "
-                                f"{_json(raw[shape_key])} are both set; keep one")
+        if raw.get(ours, raw[key]) != raw[key]:
+            out.problems.append(f"{key} {_json(raw[key])} (Hugging Face's name for {ours}) and {ours} "
+                                f"{_json(raw[ours])} are both set; keep one")
             continue
-        out.values[shape_key] = raw[key]
-        out.mapped.append(f"{key} -> {shape_key}")
+        out.values[ours] = raw[key]
+        out.mapped.append(f"{key} -> {ours}")
     for decoder, encoder in SAME_AS_ENCODER.items():
         if decoder in raw:
             used.add(decoder)
             if raw[decoder] != raw.get(encoder, raw[decoder]):
                 out.problems.append(f"{decoder} {_json(raw[decoder])} differs from {encoder} {_json(raw[encoder])}; "
                                     f"galaxy splits one size over both stacks: make them equal")
-    for encoder, decoder in LAYER_COUNTS:
-        if encoder in raw:
-            total = raw[encoder] + raw.get(decoder, raw[encoder]) if isinstance(raw[encoder], int) else raw[encoder]
-            used |= {encoder, decoder}
-            if raw.get("num_hidden_layers", raw[encoder]) != raw[encoder]:     # BART's alias of encoder_layers
-                out.problems.append(f"num_hidden_layers {_json(raw['num_hidden_layers'])} and {encoder} "
-                                    f"{_json(raw[encoder])} differ; remove num_hidden_layers")
-            out.values["num_hidden_layers"] = total
-            used.add("num_hidden_layers")
-            out.mapped.append(f"{encoder} + {decoder} -> num_hidden_layers {_json(total)} (stages count the "
-                              f"encoder's layers, then the decoder's)")
+    if "encoder_layers" in raw and "num_hidden_layers" in raw:        # BartConfig's alias of encoder_layers
+        used.add("num_hidden_layers")
+        if raw["num_hidden_layers"] != raw["encoder_layers"]:
+            out.problems.append(f"num_hidden_layers {_json(raw['num_hidden_layers'])} and encoder_layers "
+                                f"{_json(raw['encoder_layers'])} differ; remove num_hidden_layers")
+        else:
+            out.mapped.append("num_hidden_layers: BART's alias of encoder_layers (stages count the encoder's "
+                              "layers, then the decoder's)")
     return used
 
 
