@@ -181,3 +181,22 @@ def test_new_runs_get_their_own_names_and_subnets(tmp_path):
     assert not runs.is_live(runs.Run(first.name, first.subnet, first.pid, (first.started or 0) + 1))
     runs.forget(first.name, str(tmp_path))
     assert [r.name for r in runs.read_runs(str(tmp_path))] == [second.name]
+
+
+def test_a_ranks_rss_peak_is_its_own_not_its_launchers():
+    """ru_maxrss survives exec (a child starts with its parent's peak as a floor); the trainer's
+    peak must be the rank's own: a launcher that touched 1 GiB starts a rank that holds torch."""
+    import resource
+    import subprocess
+    import sys
+
+    held = bytearray(1 << 30)                       # 1 GiB, touched: the launcher's peak
+    held[::4096] = b"\1" * len(held[::4096])
+    launcher = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out = subprocess.run([sys.executable, "-c", "import torch; from galaxy.runtime import cgroup; "
+                          "cgroup.own_memory = lambda: None; "      # RSS, even in a memory-limited container
+                          "from galaxy.train.summary import peak_memory_mib; "
+                          "print(peak_memory_mib(torch.device('cpu'))[0])"],
+                         capture_output=True, text=True, check=True).stdout
+    del held
+    assert float(out) < launcher - 512, (float(out), launcher)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from galaxy.runtime import cgroup
+from galaxy.runtime.host_memory import peak_rss_mib
 
 
 def peak_memory_mib(device: torch.device) -> tuple[float, str]:
@@ -19,8 +20,11 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
     limited = cgroup.own_memory()
     if limited is not None and limited.peak is not None:
         return limited.peak / 2**20, "cgroup"
+    peak = peak_rss_mib()          # Linux: this program's own peak, not its parent's (see there)
+    if peak is not None:
+        return peak, "RSS"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return (peak / 2**20 if sys.platform == "darwin" else peak / 2**10), "RSS"   # bytes on macOS, KiB on Linux
+    return (peak / 2**20 if sys.platform == "darwin" else peak / 2**10), "RSS"   # bytes on macOS, KiB elsewhere
 
 
 def gather_peak_memory(device: torch.device) -> tuple[list[float], list[str]]:
