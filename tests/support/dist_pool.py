@@ -37,23 +37,30 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "peft",
            "galaxy.runtime.assemble", "support.parity_runners", "support.peft_runners"]
 
 
+_HANDED_OUT: set[int] = set()     # ports free_port has returned in this process
+
+
 def free_port() -> int:
     """A loopback port free now, drawn from below the kernel's ephemeral range.
 
     A port the kernel hands out for bind(0) comes from the ephemeral range, which it also hands to
     every outgoing connection (gloo opens one per peer pair); a test that picks ports for jobs it
     starts minutes later would then find one taken. Ports below the range are only ever bound on
-    purpose.
+    purpose. A port is handed out once per process: a test that draws ports for many jobs at once
+    (test_readme_commands: 40) would otherwise give two jobs the same one about one time in 20.
     """
     low = _ephemeral_low()
     draw = random.SystemRandom()
     for _ in range(200):
         port = draw.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError(f"no free loopback port below {low}")
 
