@@ -17,7 +17,8 @@ import itertools
 import pytest
 
 from support.parity import check_labelled_reports, check_report
-from support.parity_runners import train_plans_and_compare, train_runner_and_compare
+from support.parity_runners import (export_and_reload_classifier, train_plans_and_compare,
+                                     train_runner_and_compare)
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
 from support.tiny_models import (TINY_SEQ, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
                                  tiny_t5_cls_batch)
@@ -103,28 +104,13 @@ def test_lora_matches_peft(dist_pool, classifier_dir, tmp_path, family, targets,
 
 def export_and_reload(family, model_dir, out_dir):
     """A Galaxy plan at world 2 -> export_hf -> HF's ...ForSequenceClassification: the same logits."""
-    import torch
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
-    from support.parity import rel_err
-    from galaxy.assets.packaged_minilm import tokenizer
     from galaxy.distributed.group import GalaxyGroup
-    from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.export import export_hf
     group = GalaxyGroup(dist.get_rank(), 2, dist.group.WORLD, *SHARES[2])
-    model = build_model(model_dir, Plan("SP", "TP", "SP", xatt="TP"), group, num_labels=3,
-                        task="classification").eval()
-    batch = BATCHES[family](seed=3)
-    with torch.no_grad():
-        logits, _ = model(batch["input_ids"], batch["attention_mask"])
-    export_hf(model, out_dir, base_model_path=model_dir, class_names=["a", "b", "c"], tokenizer=tokenizer(),
-              lead=dist.get_rank() == 0)
-    dist.barrier()
-    hf = AutoModelForSequenceClassification.from_pretrained(out_dir).eval()
-    with torch.no_grad():
-        want = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return rel_err(logits, want), hf.config.architectures, hf.config.id2label
+    return export_and_reload_classifier(model_dir, out_dir, Plan("SP", "TP", "SP", xatt="TP"), group,
+                                        BATCHES[family](seed=3), AutoModelForSequenceClassification)
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))

@@ -12,7 +12,7 @@ import itertools
 import pytest
 
 from support.parity import check_report
-from support.parity_runners import train_plan_and_compare, train_runner_and_compare
+from support.parity_runners import export_and_reload_classifier, train_plan_and_compare, train_runner_and_compare
 from support.tiny_models import TINY_SEQ, make_tiny_llama_classifier, tiny_cls_batch
 
 from galaxy.plan import Plan
@@ -64,26 +64,11 @@ def test_pipeline_matches_hf(dist_pool, classifier_dir):
 
 def export_and_reload(model_dir, out_dir):
     """Galaxy plan at world 2 -> export_hf -> HF LlamaForSequenceClassification: the same logits."""
-    import torch
-    import torch.distributed as dist
     from transformers import LlamaForSequenceClassification
 
-    from support.parity import rel_err, world_group
-    from galaxy.assets.packaged_minilm import tokenizer
-    from galaxy.runtime.assemble import build_model
-    from galaxy.runtime.export import export_hf
-    model = build_model(model_dir, Plan("TP", "TP", "SP"), world_group(*UNEVEN_2), num_labels=3,
-                        task="classification").eval()
-    batch = tiny_cls_batch(seed=3)
-    with torch.no_grad():
-        logits, _ = model(batch["input_ids"], batch["attention_mask"])
-    export_hf(model, out_dir, base_model_path=model_dir, class_names=["a", "b", "c"], tokenizer=tokenizer(),
-              lead=dist.get_rank() == 0)
-    dist.barrier()
-    hf = LlamaForSequenceClassification.from_pretrained(out_dir).eval()
-    with torch.no_grad():
-        want = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return rel_err(logits, want), hf.config.architectures, hf.config.id2label
+    from support.parity import world_group
+    return export_and_reload_classifier(model_dir, out_dir, Plan("TP", "TP", "SP"), world_group(*UNEVEN_2),
+                                        tiny_cls_batch(seed=3), LlamaForSequenceClassification)
 
 
 def test_export_loads_in_hf(dist_pool, classifier_dir, tmp_path):

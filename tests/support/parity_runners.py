@@ -170,3 +170,23 @@ def train_runners_and_compare(cases) -> list:
     """train_runner_and_compare for each case (a tuple of its positional arguments) in turn, in
     one call to the pool; returns the reports in case order."""
     return [train_runner_and_compare(*case) for case in cases]
+
+
+def export_and_reload_classifier(model_dir, out_dir, plan: Plan, group, batch: dict, hf_class) -> tuple:
+    """A 3-class classifier under `plan` on `group` -> export_hf -> hf_class.from_pretrained:
+    (relative error of the logits on `batch`, the export's architectures, its id2label)."""
+    import torch.distributed as dist
+
+    from galaxy.assets.packaged_minilm import tokenizer
+    from galaxy.runtime.assemble import build_model
+    from galaxy.runtime.export import export_hf
+    model = build_model(model_dir, plan, group, num_labels=3, task="classification").eval()
+    with torch.no_grad():
+        logits, _ = model(batch["input_ids"], batch["attention_mask"])
+    export_hf(model, out_dir, base_model_path=model_dir, class_names=["a", "b", "c"], tokenizer=tokenizer(),
+              lead=dist.get_rank() == 0)
+    dist.barrier()
+    hf = hf_class.from_pretrained(out_dir).eval()
+    with torch.no_grad():
+        want = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return rel_err(logits, want), hf.config.architectures, hf.config.id2label
