@@ -1,15 +1,23 @@
-"""Time one training step of galaxy's serial BERT against Hugging Face, side by side.
+"""Time one training step of a galaxy serial model against Hugging Face, side by side.
 
-One training step = zero_grad, forward (with loss), backward, AdamW step. Both models are
-all-MiniLM-L6-v2 (models/all-MiniLM-L6-v2) with identical weights (galaxy's freshly initialised
-classifier is copied into HF's BertForSequenceClassification, default attention = sdpa), run
-on the same batch of real sentences (pydoc topics paragraphs, padded to --pad_size), in the same
-process with the same torch thread count, both in train() mode with the same dropout.
-After --warmup steps each, measurements are interleaved (galaxy, HF, galaxy, HF, ...) so machine
+One training step = zero_grad, forward (with loss), backward, AdamW step. Both models hold
+identical weights and run on the same batch, in the same process with the same torch thread
+count, both in train() mode with the same dropout:
+
+* --model bert (default): all-MiniLM-L6-v2 (models/all-MiniLM-L6-v2) as a classifier; galaxy's
+  freshly initialised classifier is copied into HF's BertForSequenceClassification (default
+  attention = sdpa); real sentences (pydoc topics paragraphs, padded to --pad_size).
+* --model bart | t5: a t5-small-shaped BartForConditionalGeneration / T5ForConditionalGeneration
+  (d_model 512, 6 + 6 layers, 8 heads, MLP 2048, vocabulary 32128; T5 v1.0: ReLU MLP, tied head),
+  randomly initialised by Hugging Face, saved to a temporary folder that both load; the
+  embedded seq2seq dataset (a pydoc topic's text -> its title) with the tiny model's tokenizer,
+  source rows of --pad_size, targets of --target_pad_size (labels -100 on padding).
+
+After --warmup steps each, measurements are interleaved (galaxy, HF, HF, galaxy, ...) so machine
 noise hits both alike. Prints median / min step time per model, the galaxy/HF ratios and a
 PASS/FAIL line against the target (galaxy / HF of medians <= 1.05).
 
-    HF_HUB_OFFLINE=1 .venv/bin/python bench/step_time_vs_hf.py [--threads 2] [--json out.json]
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/step_time_vs_hf.py [--model bert|bart|t5] [--threads 2] [--json out.json]
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +44,17 @@ from galaxy.plan import Plan  # noqa: E402
 
 TARGET = 1.05
 NUM_LABELS = 4
+# t5-small's shapes, used for both encoder-decoders (bart-base is 768 wide: too slow on 2 cores)
+ENCDEC_SHAPES = {
+    "bart": {"d_model": 512, "encoder_layers": 6, "decoder_layers": 6, "encoder_attention_heads": 8,
+             "decoder_attention_heads": 8, "encoder_ffn_dim": 2048, "decoder_ffn_dim": 2048,
+             "vocab_size": 32128, "max_position_embeddings": 512},
+    "t5": {"d_model": 512, "num_layers": 6, "num_decoder_layers": 6, "num_heads": 8, "d_kv": 64,
+           "d_ff": 2048, "vocab_size": 32128, "feed_forward_proj": "relu"},
+}
 
 
-def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
+def bert_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
     """Real sentences: the first paragraphs of Python's pydoc topics, of varied length."""
     from pydoc_data.topics import topics
     paras = [" ".join(p.split()) for text in topics.values() for p in text.split("\n\n")]
@@ -50,16 +67,47 @@ def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torc
             "token_type_ids": enc["token_type_ids"], "labels": labels}
 
 
-def build_pair(model_dir: str, pad_size: int, dropout: float | None):
-    cfg = load_hf_config(model_dir, dropout)
-    group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, pad_size)
-    galaxy = build_model(model_dir, Plan(), group, num_labels=NUM_LABELS, seed=0, dropout=dropout)
+def bert_pair(args):
+    cfg = load_hf_config(args.model_dir, args.dropout)
+    group = GalaxyGroup.serial(cfg.num_attention_heads, cfg.intermediate_size, args.pad_size)
+    galaxy = build_model(args.model_dir, Plan(), group, num_labels=NUM_LABELS, seed=0, dropout=args.dropout)
     cfg.num_labels = NUM_LABELS
-    hf = BertForSequenceClassification.from_pretrained(model_dir, config=cfg)
+    hf = BertForSequenceClassification.from_pretrained(args.model_dir, config=cfg)
     with torch.no_grad():
         hf.classifier.weight.copy_(galaxy.classifier.weight)
         hf.classifier.bias.copy_(galaxy.classifier.bias)
-    return galaxy, hf
+    return galaxy, hf, bert_batch(args.model_dir, args.batch_size, args.pad_size)
+
+
+def encdec_pair(args, folder: str):
+    """A t5-small-shaped model of args.model written by Hugging Face to `folder`, loaded by both."""
+    from transformers import (BartConfig, BartForConditionalGeneration, T5Config,
+                              T5ForConditionalGeneration)
+    from galaxy.data.seq2seq import encode_pairs, load_pairs
+    tiny = str(ROOT / "models" / f"tiny-{args.model}")
+    tok = AutoTokenizer.from_pretrained(tiny)
+    special = {k: getattr(tok, k) for k in ("pad_token_id", "eos_token_id")}
+    config_cls, model_cls = ((BartConfig, BartForConditionalGeneration) if args.model == "bart"
+                             else (T5Config, T5ForConditionalGeneration))
+    start = load_hf_config(tiny).decoder_start_token_id
+    config = config_cls(**ENCDEC_SHAPES[args.model], **special, decoder_start_token_id=start)
+    model_cls(config).save_pretrained(folder)
+    cfg = load_hf_config(folder, args.dropout)
+    heads = cfg.encoder_attention_heads if args.model == "bart" else cfg.num_heads
+    ffn = cfg.encoder_ffn_dim if args.model == "bart" else cfg.d_ff
+    galaxy = build_model(folder, Plan(), GalaxyGroup.serial(heads, ffn, args.pad_size), seed=0,
+                         dropout=args.dropout, task="seq2seq")
+    hf = model_cls.from_pretrained(folder, config=cfg)
+    pairs = load_pairs(None, "train")[: args.batch_size]
+    batch = encode_pairs(tok, pairs, args.pad_size, args.target_pad_size)
+    return galaxy, hf, batch
+
+
+def dropout_of(config) -> float:
+    for key in ("hidden_dropout_prob", "dropout", "dropout_rate"):     # BERT, BART, T5
+        if hasattr(config, key):
+            return getattr(config, key)
+    raise KeyError("no dropout key in the config")
 
 
 def galaxy_loss(model, batch):
@@ -81,6 +129,8 @@ def step(model, loss_fn, opt, batch) -> float:
 def main() -> None:
     from galaxy.train.optim import build_optimizer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("bert", "bart", "t5"), default="bert")
+    ap.add_argument("--target_pad_size", type=int, default=32, help="bart, t5: target tokens per row")
     ap.add_argument("--model_dir", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--pad_size", type=int, default=128)
@@ -93,8 +143,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    galaxy, hf = build_pair(args.model_dir, args.pad_size, args.dropout)
-    batch = make_batch(args.model_dir, args.batch_size, args.pad_size)
+    with tempfile.TemporaryDirectory() as folder:
+        galaxy, hf, batch = (bert_pair(args) if args.model == "bert" else encdec_pair(args, folder))
     pad_frac = 1 - batch["attention_mask"].float().mean().item()
 
     # Honesty check: same weights, same batch -> same loss (dropout off for the check).
@@ -119,9 +169,9 @@ def main() -> None:
     ratio_med, ratio_min = med["galaxy"] / med["hf"], low["galaxy"] / low["hf"]
     # Neighbouring steps share the machine's state: the median of per-pair ratios resists bursts.
     ratio_pair = statistics.median(g / h for g, h in zip(times["galaxy"], times["hf"]))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch_size} x "
+    print(f"{args.model}: torch {torch.__version__}, threads {torch.get_num_threads()}, batch {args.batch_size} x "
           f"{args.pad_size} ({pad_frac:.0%} padding), dropout "
-          f"{galaxy.config.hidden_dropout_prob}, {args.steps} steps after {args.warmup} warm-up")
+          f"{dropout_of(hf.config)}, {args.steps} steps after {args.warmup} warm-up")
     print(f"loss check (eval): galaxy {lg:.6f}  hf {lh:.6f}  |diff| {abs(lg - lh):.2e}")
     for k in runs:
         print(f"{k:>7}: median {med[k]:8.2f} ms   min {low[k]:8.2f} ms")
@@ -129,9 +179,10 @@ def main() -> None:
     ok = ratio_med <= TARGET
     print(f"{'PASS' if ok else 'FAIL'}: galaxy / HF (median) {ratio_med:.3f} {'<=' if ok else '>'} {TARGET}")
     if args.json:
-        out = {"threads": torch.get_num_threads(), "batch_size": args.batch_size,
+        out = {"model": args.model, "target_pad_size": args.target_pad_size if args.model != "bert" else None,
+               "threads": torch.get_num_threads(), "batch_size": args.batch_size,
                "pad_size": args.pad_size, "steps": args.steps, "warmup": args.warmup,
-               "dropout": galaxy.config.hidden_dropout_prob, "padding_fraction": pad_frac,
+               "dropout": dropout_of(hf.config), "padding_fraction": pad_frac,
                "loss_galaxy": lg, "loss_hf": lh, "median_ms": med, "min_ms": low,
                "ratio_median": ratio_med, "ratio_min": ratio_min,
                "ratio_paired_median": ratio_pair, "target": TARGET, "pass": ok,
