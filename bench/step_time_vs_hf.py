@@ -54,7 +54,7 @@ ENCDEC_SHAPES = {
 }
 
 
-def bert_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
+def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
     """Real sentences: the first paragraphs of Python's pydoc topics, of varied length."""
     from pydoc_data.topics import topics
     paras = [" ".join(p.split()) for text in topics.values() for p in text.split("\n\n")]
@@ -76,7 +76,7 @@ def bert_pair(args):
     with torch.no_grad():
         hf.classifier.weight.copy_(galaxy.classifier.weight)
         hf.classifier.bias.copy_(galaxy.classifier.bias)
-    return galaxy, hf, bert_batch(args.model_dir, args.batch_size, args.pad_size)
+    return galaxy, hf, make_batch(args.model_dir, args.batch_size, args.pad_size)
 
 
 def encdec_pair(args, folder: str):
