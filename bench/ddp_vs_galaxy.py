@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,10 +34,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from two_ranks import add_rank_args, run_two  # noqa: E402
 
 NUM_LABELS = 4
 MODES = ("ddp", "galaxy")
@@ -116,9 +117,9 @@ def measure(args, runners: dict, batch_size: int) -> dict:
                 "mb_per_step": r["bytes"] / 1e6, "collectives": r["calls"]} for m, r in out.items()}
 
 
-def worker(rank: int, args, port: int, results) -> None:
+def worker(rank: int, args, init_method: str, results) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from galaxy.runtime import cpu_allocator
     cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
@@ -208,21 +209,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     p.add_argument("--png", default=str(ROOT / "runs" / "bench" / "ddp_vs_galaxy.png"))
     p.add_argument("--json", default=None)
+    add_rank_args(p)
     args = p.parse_args()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     print(f"measuring {args.steps} steps per batch size after {args.warmup} warm-up steps, "
           f"{args.threads} thread(s) per rank ...", flush=True)
-    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    rows = results.get()
-    for proc in procs:
-        proc.join()
+    rows = run_two(worker, args)
+    if rows is None:           # a testbed rank other than 0: rank 0 reports
+        return
     print_table(rows, args.plan)
     if args.png:
         draw(rows, args.png, args.plan)

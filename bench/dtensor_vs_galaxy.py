@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,9 +41,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+from two_ranks import add_rank_args, run_two  # noqa: E402
 
 SENT = {"bytes": 0, "calls": 0, "on": False}
 
@@ -111,9 +110,9 @@ def timed(fn) -> float:
     return elapsed.item()
 
 
-def worker(rank: int, args, port: int, results) -> None:
+def worker(rank: int, args, init_method: str, results) -> None:
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from galaxy.runtime import cpu_allocator
     cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
@@ -171,18 +170,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    add_rank_args(p)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    out = results.get()
-    for proc in procs:
-        proc.join()
+    out = run_two(worker, args)
+    if out is None:            # a testbed rank other than 0: rank 0 reports
+        return
     print(f"world 2 x {args.threads} thread, all-MiniLM-L6-v2, batch {args.batch_size} x {args.pad_size}, "
           f"{args.rounds} rounds after {args.warmup} warm-up")
     print(f"loss before training: dtensor {out['loss']['dtensor']:.6f}  galaxy tp {out['loss']['galaxy']:.6f}")
