@@ -15,6 +15,7 @@ from galaxy.models.shape import read_model_shape
 from galaxy.planner import cli
 from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel
+from galaxy.planner.draw import step_parts
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.pipeline_time import stage_ends, stage_order
@@ -101,6 +102,30 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     assert mem[1] * MIB == pytest.approx(weights + act(1), rel=1e-9)
     gpipe = cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
     assert gpipe[1] * MIB == pytest.approx(weights + act(m), rel=1e-9)
+
+
+def test_step_splits_into_compute_communication_and_idle_per_rank():
+    """What `plan.py search --png` draws per rank. dp 2 on equal devices over a link of bandwidth B
+    (no latency): compute is the whole batch's half, communication DDP's all-reduce of every
+    gradient, 2 (n - 1) / n x 4 bytes x params / B, and nothing idles. A 2:1 pipeline split over
+    speeds 1:1 leaves the quick stage idle and its communication only the hops between stages."""
+    R, rows, B = 1e10, 16, 1e8
+    link = check_link({"latency_s": 0.0, "bytes_per_s": B}, "link")
+    cost = CostModel(synthetic_model(), [device(R), device(R)], link, batch_size=rows)
+    est = cost.estimate(P(1, 2, "TP", "TP", "None", (12,), (1536,), (48,), (6,), dp_sharding="none"))
+    params = 6 * (12 * PER_HEAD + 1536 * PER_COLUMN)
+    compute = 6 * (rows / 2) * 3 * (ATT_F + MLP_F) / R
+    assert est.compute_s == pytest.approx([compute] * 2, rel=1e-9)
+    assert est.comm_rank_s == pytest.approx([4 * params / B] * 2, rel=1e-9)
+    assert est.step_s == pytest.approx(compute + 4 * params / B, rel=1e-9)
+    busy, comm, idle = step_parts(est)
+    assert idle == pytest.approx([0.0, 0.0], abs=1e-12)
+    pipe = cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (4, 2), 1))
+    busy, comm, idle = step_parts(pipe)
+    for r in range(2):
+        assert busy[r] + comm[r] + idle[r] == pytest.approx(pipe.step_s, rel=1e-12)
+    assert busy[1] == pytest.approx(busy[0] / 2, rel=1e-9) and idle[1] > idle[0] >= 0.0
+    assert comm[0] == pytest.approx(comm[1], rel=1e-9) and comm[0] > 0.0     # one hop each way per rank
 
 
 def test_pipeline_schedule_by_hand():

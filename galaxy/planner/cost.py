@@ -54,6 +54,8 @@ class Estimate:
     sent_bytes: list[int]                    # per global rank and step
     compute_s: list[float]                   # per global rank: its own compute in a step
     comm_s: float                            # collectives and sends on the critical path
+    comm_rank_s: list[float] = field(default_factory=list)   # per global rank: the collectives, sends
+                                             # and DP traffic it takes part in (none overlapped)
     sub_block_s: list[dict] = field(default_factory=list)   # per rank: {"ATT", "CON", "MLP", ...} seconds
 
     def fits(self, budgets) -> bool:
@@ -75,6 +77,7 @@ class _Step:
     carry_bytes: float             # what a stage sends forward per micro-batch
     grad_bytes: float              # what it sends back (the carry's gradient)
     compute_s: list = field(default_factory=list)
+    comm_s: list = field(default_factory=list)
     sub_s: list = field(default_factory=list)
     sent: list = field(default_factory=list)
     memory: list = field(default_factory=list)
@@ -100,7 +103,7 @@ class CostModel(MemoryModel):
         world = g * pp * dp
         s = _Step(plan, rows, self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1, kinds,
                   link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0, carry_bytes, grad_bytes,
-                  [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
+                  [0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
         fwds, bwds, extras, comm_path = [], [], [], 0.0
         for p in range(pp):
             fwd, bwd, extra, path = self._stage(s, p)
@@ -111,7 +114,7 @@ class CostModel(MemoryModel):
             ends[0] = ends[-1] = max(ends[0], ends[-1])
         step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, [x / MIB for x in s.memory], [int(x) for x in s.sent], s.compute_s, comm_path,
-                        s.sub_s)
+                        s.comm_s, s.sub_s)
 
     def _stage(self, s: _Step, p: int) -> tuple[float, float, float, float]:
         """(forward and backward of one micro-batch on stage p, its once-per-step work, its
@@ -129,6 +132,8 @@ class CostModel(MemoryModel):
             for j, r in enumerate(ranks):
                 extra = max(extra, self._rank_step(s, p, c, j, r, per_rank[j], comm))
         path = m * (comm.mb + p2p) + comm.step
+        for r in self.stage_ranks(plan, p):
+            s.comm_s[r] += path
         return worst_fwd + comm.fwd, worst_bwd + comm.mb - comm.fwd, comm.step + extra, path
 
     def _stage_comm(self, s: _Step, p: int, c: int) -> _StageComm:
@@ -254,6 +259,7 @@ class CostModel(MemoryModel):
         # AccumulateGrad): a pass over what the rank's gradients hold
         acc = (m - 1) * held * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
         s.compute_s[r] = m * sum(own) + opt + acc
+        s.comm_s[r] += dp_time
         s.sent[r] = m * (comm.mb_bytes + p2p_bytes(plan.pp, first, last, s.carry_bytes, s.grad_bytes)) + \
             comm.step_bytes + dp_bytes
         s.memory[r] = self._memory(plan, p, j, r, n, s.rows, c, self.in_flight(plan, p),

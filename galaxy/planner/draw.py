@@ -3,8 +3,8 @@
 Left, ranks x sub-blocks (ATT, CON, MLP): each cell names the method and the rank's share
 (heads, columns or tokens; "all" when replicated), shaded by the share's fraction of the whole;
 the pipeline stage, replica and layers of each rank on its label. Right, the predicted time of a
-step per rank: its own compute, and the rest of the step (waiting for slower ranks, collectives,
-pipeline bubbles). matplotlib's object API on the Agg canvas (no display needed).
+step per rank: its own compute, the communication it takes part in, and idle time (waiting for
+slower ranks, pipeline bubbles). matplotlib's object API on the Agg canvas (no display needed).
 """
 from __future__ import annotations
 
@@ -64,21 +64,32 @@ def draw_plan(est: Estimate, model: dict, devices: list[dict], path: str) -> str
                    f"{' ' + plan.schedule if plan.pp > 1 else ''}, recomputed layers per stage: {ck}", fontsize=9)
 
     ys = list(range(world))[::-1]
-    busy = [min(c, est.step_s) for c in est.compute_s]
+    busy, comm, idle = step_parts(est)
     right.barh(ys, busy, color="#4c72b0", label="own compute")
-    right.barh(ys, [est.step_s - b for b in busy], left=busy, color="#dddddd",
-               label="waiting, collectives, bubbles")
+    right.barh(ys, comm, left=busy, color="#dd8452", label="communication (exposed)")
+    right.barh(ys, idle, left=[b + c for b, c in zip(busy, comm)], color="#dddddd",
+               label="idle: slower ranks, bubbles")
     for y, mem in zip(ys, est.memory_mib):
         right.text(est.step_s * 1.01, y, f"{mem:.0f} MiB", va="center", fontsize=7)
     right.set_yticks(ys, [f"rank {r}" for r in range(world)], fontsize=7)
     right.set_xlim(0, est.step_s * 1.25)
     right.set_xlabel("seconds per step (predicted)")
     right.set_title(f"predicted step {est.step_s * 1e3:.1f} ms", fontsize=9)
-    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28 if world < 4 else -0.12), ncol=2)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28 if world < 4 else -0.12), ncol=3)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def step_parts(est: Estimate) -> tuple[list[float], list[float], list[float]]:
+    """Per rank, the predicted step split into its own compute, the communication it takes part
+    in (the cost model overlaps none of it with compute, so all of it is exposed) and idle time
+    (waiting for a slower rank at a collective, a pipeline's bubbles): the three sum to the step."""
+    busy = [min(c, est.step_s) for c in est.compute_s]
+    comm = [min(c, est.step_s - b) for c, b in zip(est.comm_rank_s or [0.0] * len(busy), busy)]
+    idle = [est.step_s - b - c for b, c in zip(busy, comm)]
+    return busy, comm, idle
 
 
 def _rect(fig, x, y, color):
