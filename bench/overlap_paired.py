@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,9 +41,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+from two_ranks import add_rank_args, run_two  # noqa: E402
 from galaxy.distributed import waiting  # noqa: E402
 
 class Variant(NamedTuple):
@@ -99,11 +98,11 @@ def train_step(runner, batch, poll: bool = False) -> float:
     return elapsed.item()
 
 
-def worker(rank: int, args, port: int, results) -> None:
+def worker(rank: int, args, init_method: str, results) -> None:
     if args.pin:
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from galaxy.runtime import cpu_allocator
     cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.models.shape import read_model_shape
@@ -151,27 +150,20 @@ def main() -> None:
     p.add_argument("--competitor", action="store_true",
                    help="a CPU-bound process pinned beside rank 1 on core 1 for the whole run (with --pin)")
     p.add_argument("--json", default=None)
+    add_rank_args(p)
     args = p.parse_args()
     competitor = None
     if args.competitor:
         import subprocess
         competitor = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {1}); exec('while True: pass')"])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, port, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
     try:
-        times = results.get()
-        for proc in procs:
-            proc.join()
+        times = run_two(worker, args)
     finally:
         if competitor is not None:
             competitor.kill()
             competitor.wait()
+    if times is None:          # a testbed rank other than 0: rank 0 reports
+        return
     rows = summarise(times)
     print(f"world 2 x {args.threads} thread, all-MiniLM-L6-v2, batch {args.batch_size} x {args.pad_size}, "
           f"{args.rounds} rounds after {args.warmup} warm-up")
