@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
+from two_ranks import spawn_two  # noqa: E402
 
 PLANS = {"tp": ("tp", None), "sp": ("sp", None), "megatron": ("galaxy", None),
          "galaxy": ("galaxy", ((7, 5), (896, 640), (74, 54))), "dp": ("dp", None)}
@@ -93,10 +93,10 @@ def serial_worker(args, batch_size: int, results) -> None:
     results.put(serial_times(args, batch_size))
 
 
-def world2_worker(rank: int, args, plan: str, batch_size: int, port: int, results) -> None:
+def world2_worker(rank: int, args, plan: str, batch_size: int, init_method: str, results) -> None:
     from galaxy.train.optim import build_optimizer
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
     from galaxy.runtime import cpu_allocator
     cpu_allocator.keep_freed_memory()      # as training does (config key cpu_allocator, default "keep")
     from galaxy.distributed import waiting
@@ -156,17 +156,7 @@ def run_serial(ctx, args, b) -> list[float]:
 
 
 def run_world2(ctx, args, plan, b) -> tuple[list[float], dict | None]:
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=world2_worker, args=(r, args, plan, b, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = q.get()
-    for p in procs:
-        p.join()
-    return out
+    return spawn_two(world2_worker, args, plan, b)
 
 
 def main() -> None:

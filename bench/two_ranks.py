@@ -43,12 +43,18 @@ def run_two(worker, args):
         kept = _Kept()
         worker(args.rank, args, args.init_method, kept)
         return kept.value
+    return spawn_two(worker, args)
+
+
+def spawn_two(worker, *extra):
+    """Runs worker(rank, *extra, init_method, results) in two spawned processes over loopback;
+    returns what rank 0 put on `results`."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args, f"tcp://127.0.0.1:{port}", results)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, *extra, f"tcp://127.0.0.1:{port}", results)) for r in range(2)]
     for proc in procs:
         proc.start()
     value = results.get()
