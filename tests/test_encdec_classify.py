@@ -7,7 +7,10 @@ biases), on right-padded source rows of 12 tokens with two EOS tokens each, the 
 tokens too, here 5 / 7 against the encoder's 7 / 5, and under CON SP the pooled tokens sit on both
 ranks. At world 2 the 8 ATT x MLP x CON plans (XATT as in test_parity_encdec.py) with uneven heads,
 MLP columns and tokens, world 3, serial, DP 2: logits, loss, every gathered gradient, 5 SGD steps'
-losses and the final gathered weights within 1e-5 relative (fp32). LoRA (SEQ_CLS, the head
+losses and the final gathered weights within 1e-5 relative (fp32). As pipelines (pp 2, a boundary
+inside the encoder and one between the stacks, 2 and 4 micro-batches; pp 2 x Galaxy 2 under CON
+SP) the same quantities, the last stage pooling at positions the runner takes off the source
+ids. LoRA (SEQ_CLS, the head
 trained in full) against peft; exports load in Hugging Face's classes; a ...ForConditionalGeneration
 checkpoint gets a new head, drawn from the seed, and then trains like Hugging Face's classifier
 given that head.
