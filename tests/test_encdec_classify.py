@@ -7,7 +7,10 @@ biases), on right-padded source rows of 12 tokens with two EOS tokens each, the 
 tokens too, here 5 / 7 against the encoder's 7 / 5, and under CON SP the pooled tokens sit on both
 ranks. At world 2 the 8 ATT x MLP x CON plans (XATT as in test_parity_encdec.py) with uneven heads,
 MLP columns and tokens, world 3, serial, DP 2: logits, loss, every gathered gradient, 5 SGD steps'
-losses and the final gathered weights within 1e-5 relative (fp32). LoRA (SEQ_CLS, the head
+losses and the final gathered weights within 1e-5 relative (fp32). As pipelines (pp 2, a boundary
+inside the encoder and one between the stacks, 2 and 4 micro-batches; pp 2 x Galaxy 2 under CON
+SP) the same quantities, the last stage pooling at positions the runner takes off the source
+ids. LoRA (SEQ_CLS, the head
 trained in full) against peft; exports load in Hugging Face's classes; a ...ForConditionalGeneration
 checkpoint gets a new head, drawn from the seed, and then trains like Hugging Face's classifier
 given that head.
@@ -18,11 +21,12 @@ import pytest
 
 from support.parity import check_labelled_reports, check_report
 from support.parity_runners import (export_and_reload_classifier, train_plans_and_compare,
-                                     train_runner_and_compare)
+                                     train_runner_and_compare, train_runners_and_compare)
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
 from support.tiny_models import (TINY_SEQ, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
                                  tiny_t5_cls_batch)
 
+from galaxy.config.world import workload
 from galaxy.plan import Plan
 
 BATCHES = {"bart": tiny_encdec_cls_batch, "t5": tiny_t5_cls_batch}
@@ -201,15 +205,51 @@ def test_target_pad_size_is_refused_for_a_classifier(tmp_path):
     assert "target_pad_size is set but task is classification" in msg and "remove target_pad_size" in msg, msg
 
 
-def test_a_classifier_pipeline_is_refused_before_any_process_group(tmp_path):
+def test_a_classifier_pipeline_passes_the_checks(tmp_path):
+    """task classification with pp_deg 2 on T5 is a config that trains (the parity tests below)."""
     import json
 
-    from galaxy.config import ConfigError, load_config, validate_for_world
+    from galaxy.config import load_config, validate_for_world
     from galaxy.models.shape import read_model_shape
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"model_path": "models/tiny-t5", "task": "classification", "pad_size": 16,
-                                "pp_deg": 2, "stage_num_hidden_layers_list": [1, 3]}))
+                                "pp_deg": 2, "stage_num_hidden_layers_list": [1, 3], "num_microbatches": 2}))
     cfg = load_config(str(path))
-    msg = str(pytest.raises(ConfigError, validate_for_world, cfg, 2, 0, read_model_shape(cfg.model_path)).value)
-    assert "encoder-decoder classifiers (task classification on bart, t5) do not run as pipelines yet" in msg, msg
-    assert "set pp_deg to 1" in msg
+    shape = read_model_shape(cfg.model_path)
+    validate_for_world(cfg, 2, 1, shape)
+    assert cfg.plan.resolve(2, workload(cfg, shape)).stages == (1, 3)
+
+
+# --- pipelines: the last stage pools the EOS positions the runner hands it ---------------------------
+
+def pp_cases(family, model_dir):
+    """(label, *train_runner_and_compare's arguments): a boundary inside the encoder (both stacks'
+    carries travel) and one between the stacks (the encoder's output alone), 2 and 4 micro-batches."""
+    return [(f"{family}-pp2-{stages}-{schedule}-mb{n}", family, model_dir, Plan(), 2, 1, SHARES[1], BATCHES[family],
+             {**CLASSIFY, "stage_layers": stages, "schedule": schedule, "num_microbatches": n})
+            for stages, schedule, n in (([1, 3], "gpipe", 2), ([2, 2], "1f1b", 4))]
+
+
+def run_pp(pool, cases):
+    ranks = pool.run(train_runners_and_compare, [case[1:] for case in cases])
+    check_labelled_reports(ranks, [case[0] for case in cases])
+    return ranks
+
+
+def test_pp2_boundaries_inside_and_after_the_encoder_match_hf(dist_pool, classifier_dir):
+    """BART and T5 classifiers as 2-stage pipelines: the last stage's head pools each row's last
+    EOS (11, 7, 3, 3, ... of 12) from positions the runner computes off the source ids, per
+    micro-batch; loss, logits, every gradient and the weights after 5 SGD steps as HF's."""
+    cases = pp_cases("bart", classifier_dir("bart")) + pp_cases("t5", classifier_dir("t5"))
+    ranks = run_pp(dist_pool(2), cases)
+    assert [r["stage"] for r in ranks[1]] == [[1, 2, 3], [2, 3]] * 2
+
+
+def test_pp2_x_galaxy2_matches_hf(dist_pool, classifier_dir):
+    """Each stage an uneven Galaxy group under CON SP: the last stage's pooled tokens sit on either
+    of its ranks (the decoder's 5 / 7 token shares)."""
+    plan = Plan("TP", "SP", "SP", xatt="TP")
+    cases = [(f"{family}-pp2-galaxy2", family, classifier_dir(family), plan, 2, 1, SHARES[2], BATCHES[family],
+              {**CLASSIFY, "stage_layers": stages, "schedule": "1f1b", "num_microbatches": 2})
+             for family, stages in (("t5", [1, 3]), ("bart", [2, 2]))]
+    run_pp(dist_pool(4), cases)

@@ -8,8 +8,9 @@ the training lines, so that no test waits for the full tokenizer) train 3 SGD st
 finetune_pp_t5.py (stages [1, 3]: a boundary inside the encoder) and finetune_pp_bart.py ([3, 1]:
 inside the decoder) with 2 micro-batches, finetune_dp_t5.py (dp 2), dropout off. The losses in
 metrics_file must equal HF's ...ForConditionalGeneration trained on the same batches. In the same
-call, generate.py completes two prompts with the T5 under the Galaxy plan and finetune_bart.py
---generate one with the BART, serially: Hugging Face generate's greedy tokens.
+call, generate.py completes two prompts with the T5 under the Galaxy plan and as 2 pipeline stages
+(boundary inside the encoder), and finetune_bart.py --generate one with the BART, serially:
+Hugging Face generate's greedy tokens.
 """
 import json
 
@@ -95,16 +96,21 @@ def test_scripts_report_hf_losses_and_generate_hf_tokens(work):
                for family, script, _, data, extra in runs]
     prompts, completions = work["tmp"] / "prompts.jsonl", work["tmp"] / "completions.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    pp_config, _ = write_config(work, "t5", "train.jsonl", "t5-generate-pp", pp_deg=2, **PIPELINE)
+    pp_completions = work["tmp"] / "completions_pp.jsonl"
     generating = [("generate.py", configs[0][0], 2, "--prompts", str(prompts), "--out", str(completions),
                    "--max_new_tokens", str(NEW)),
-                  ("finetune_bart.py", configs[1][0], 1, "--generate", PROMPTS[1], "--max_new_tokens", str(NEW))]
+                  ("finetune_bart.py", configs[1][0], 1, "--generate", PROMPTS[1], "--max_new_tokens", str(NEW)),
+                  ("generate.py", pp_config, 2, "--prompts", str(prompts), "--out", str(pp_completions),
+                   "--max_new_tokens", str(NEW))]
     results = run_scripts([(script, config, world) for (_, script, world, _, _), (config, _) in zip(runs, configs)]
                           + generating)
     for what, outcome in zip([r[1] for r in runs] + [g[0] for g in generating], results):
         for rank, (code, out, err) in enumerate(outcome):
             assert code == 0, f"{what} rank {rank} exited {code}:\n{out}\n{err}"
-    written = [json.loads(line)["completion_tokens"] for line in completions.read_text().splitlines()]
-    assert written == [hf_seq2seq_generate(work["t5"], [p], NEW)[0] for p in PROMPTS]
+    want = [hf_seq2seq_generate(work["t5"], [p], NEW)[0] for p in PROMPTS]
+    for out in (completions, pp_completions):       # a Galaxy group of 2, then 2 pipeline stages
+        assert [json.loads(line)["completion_tokens"] for line in out.read_text().splitlines()] == want, out
     printed = results[len(runs) + 1][0][1].splitlines()[-1]
     assert printed == f"generated token ids: {hf_seq2seq_generate(work['bart'], PROMPTS[1:], NEW)[0]}", printed
     for (family, *_), (_, metrics_file) in zip(runs, configs):
@@ -146,21 +152,6 @@ def test_an_encoder_decoder_stage_split_counts_both_stacks():
     assert Plan(pp=2, microbatches=2, stages=(2, 3)).problems(2, work) == [
         "stage_num_hidden_layers_list sums to 5 but the model has 4 layers (the encoder's, then the decoder's); "
         "make the entries add up to 4"]
-
-
-def test_generating_with_an_encoder_decoder_pipeline_is_refused(work, capsys):
-    """One line, exit 2, before any process group (--check)."""
-    from galaxy import launch
-    from galaxy.inference.generate_job import add_generate_arguments, prepare_generate, run_generate
-    config, _ = write_config(work, "t5", "train.jsonl", pp_deg=2)
-    with pytest.raises(SystemExit) as e:
-        launch.main(preset="galaxy", train_fn=run_generate, script="generate.py", prepare_fn=prepare_generate,
-                    add_arguments=add_generate_arguments, argv=["--config_file", config, "--world", "2", "--rank", "0",
-                                                                "--prompt", "x", "--check"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("generate.py: error: pp_deg 2: encoder-decoder models (bart, t5) do not") and \
-        "set pp_deg" in err and len(err.splitlines()) == 1, err
 
 
 def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):

@@ -43,7 +43,7 @@ def seq2seq(tmp_path_factory):
 
 
 def plan_of(world, att="TP", mlp="TP", con="SP", xatt="TP", **mesh):
-    heads, columns, tokens, decoder = SHARES[world // mesh.get("dp", 1)]
+    heads, columns, tokens, decoder = SHARES[world // (mesh.get("dp", 1) * mesh.get("pp", 1))]
     return Plan(att, mlp, con, xatt=xatt, heads=heads, columns=columns, tokens=tokens, decoder_tokens=decoder, **mesh)
 
 
@@ -54,7 +54,8 @@ def check_plans(pool, family, seq2seq, plans):
     results = pool.run(galaxy_generate_plans, model_dir, plans, requests_for(model_dir, PROMPTS, NEW))
     for rank, per_plan in enumerate(results):
         for plan, (got, _) in zip(plans, per_plan):
-            where = f"{family} att {plan.att} mlp {plan.mlp} con {plan.con} xatt {plan.xatt} rank {rank}"
+            where = f"{family} att {plan.att} mlp {plan.mlp} con {plan.con} xatt {plan.xatt} stages {plan.stages} " \
+                    f"rank {rank}"
             assert [tokens for tokens, _ in got] == want, f"{where}: {got} != HF {want}"
 
 
@@ -67,6 +68,22 @@ def test_serial_and_world2_plans_equal_hf_greedy(dist_pool, seq2seq, family):
 @pytest.mark.parametrize("family", ("bart", "t5"))
 def test_world3_plans_equal_hf_greedy(dist_pool, seq2seq, family):
     check_plans(dist_pool(3), family, seq2seq, [plan_of(3, *combo) for combo in WORLD3])
+
+
+BOUNDARIES = ((1, 3), (2, 2), (3, 1))      # inside the encoder, between the stacks, inside the decoder
+
+
+@pytest.mark.parametrize("family", ("bart", "t5", "t5_v1_1"))
+def test_pp2_with_each_boundary_equals_hf_greedy(dist_pool, seq2seq, family):
+    """Two stages: the encoder's stages run once, the decoder's stream travels each step."""
+    check_plans(dist_pool(2), family, seq2seq, [plan_of(2, pp=2, stages=stages) for stages in BOUNDARIES])
+
+
+def test_pp2_x_galaxy2_equals_hf_greedy(dist_pool, seq2seq):
+    """Stages that are uneven Galaxy groups: the encoder's output crosses in the CON layout (own
+    source tokens), the decode steps' stream in R."""
+    check_plans(dist_pool(4), "t5", seq2seq, [plan_of(4, "SP", "TP", "SP", "TP", pp=2, stages=(1, 3))])
+    check_plans(dist_pool(4), "bart", seq2seq, [plan_of(4, "TP", "SP", "None", "SP", pp=2, stages=(3, 1))])
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
@@ -111,7 +128,7 @@ def test_seeded_sampling_under_plans_equals_serial(dist_pool, seq2seq):
                 for i, p in enumerate(PROMPTS)]
     serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of(1), requests)[0][0]
     assert len({tuple(t) for t, _ in serial}) == 3
-    for plan in (plan_of(2, "SP", "TP", "SP", "TP"), plan_of(2, dp=2)):
+    for plan in (plan_of(2, "SP", "TP", "SP", "TP"), plan_of(2, dp=2), plan_of(2, pp=2, stages=(2, 2))):
         for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan, requests)):
             assert got == serial, f"{plan.att}/{plan.mlp}/{plan.con} xatt {plan.xatt} dp {plan.dp} rank {rank}"
 

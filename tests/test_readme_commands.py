@@ -67,6 +67,8 @@ WORLD2 = [   # {r}: the rank
       for m in ("lora", "adapter")],
     "python finetune_pp_bart.py --rank {r} --world 2",
     "python finetune_pp_bart.py --rank {r} --world 2 --config_file train_config/bart/pp/adapter.json",
+    *[f"python finetune_pp_{m}.py --config_file train_config/{m}/pp/classify.json --world 2 --rank {{r}}"
+      for m in ("t5", "bart")],
     "python finetune_dp_t5.py --rank {r} --world 2",
     *[f"python finetune_dp_t5.py --rank {{r}} --world 2 --config_file train_config/t5/dp/{m}.json"
       for m in ("lora", "adapter")],

@@ -30,11 +30,6 @@ def validate_for_world(cfg, world: int, rank: int, shape: dict) -> None:
         raise ConfigError(f"--world is {world} but {who} runs on one process; use --world 1 "
                           f"or a distributed script")
     problems = cfg.plan.problems(world, workload(cfg, shape))
-    if shape.get("is_encoder_decoder") and cfg.task == "classification" and cfg.plan.pp > 1:
-        # the classifier's head pools across the decoder's tokens on the last stage, which the
-        # pipeline's carry does not feed yet (the sequence-to-sequence models do run as pipelines)
-        problems.append(f"pp_deg {cfg.plan.pp}: the encoder-decoder classifiers (task classification on bart, t5) "
-                        "do not run as pipelines yet; set pp_deg to 1 (dp_deg and every Galaxy plan work)")
     for key in ("pad_size", "target_pad_size"):
         value = getattr(cfg, key)
         if value is not None and value > shape["max_position_embeddings"]:

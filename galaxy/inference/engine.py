@@ -90,16 +90,12 @@ class Engine:
 
     def _forward(self, ids, mask, positions, step: CacheStep):
         """One pass of this stage; on the sampler, the last position's logits [b, vocab] (fp32)."""
-        m, at = self.model, self.model.attached
+        m = self.model
         context = {**m.layer_context(mask, positions), STEP_KEY: step}
-        if at.is_first_stage:
-            carry = m.embed(ids, positions=positions)
-        else:
-            carry = unpack_carry(self._receive(ids.shape, step.decoding), carry_slots(m))
-        carry = m.run_layers(tuple(carry), context, m.layers)
-        if not at.is_last_stage:
-            self._send(pack_carry(carry, carry_slots(m)))
-            return None
+        layout = Layout.R if step.decoding else self.plan.con_layout
+        slots = carry_slots(m)
+        carry = self._through_stage(lambda: m.embed(ids, positions=positions), slots, slots,
+                                    carry_shapes(m, layout, *ids.shape), context, m.layers)
         if not self.is_sampler:
             return None
         logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]
@@ -124,12 +120,23 @@ class Engine:
 
     # -- the pipeline: the carry from stage to stage --------------------------------------------
 
-    def _receive(self, shape, decoding: bool):
-        rows, length = shape
-        layout = Layout.R if decoding else self.plan.con_layout
+    def _through_stage(self, first_carry, received: tuple, sent: tuple, shapes, context: dict, layers) -> tuple:
+        """This stage's part of one pass: the carry the first stage makes (first_carry()) or the
+        previous stage sends (`shapes`' tensors, placed at the carry slots `received`), through
+        `layers`; sent on to the next stage (the slots `sent`) unless this is the last. Returns it.
+        One mechanism for every pass of both engines: the prefill, each decode step, and an
+        encoder-decoder's first pass (both stacks' carries) and decode steps (the decoder's alone)."""
+        m, at = self.model, self.model.attached
+        carry = first_carry() if at.is_first_stage else unpack_carry(self._receive(shapes), received)
+        carry = m.run_layers(tuple(carry), context, layers)
+        if not at.is_last_stage:
+            self._send(pack_carry(carry, sent))
+        return carry
+
+    def _receive(self, shapes) -> list:
+        """The previous stage's tensors, of shapes [(shape, trainable)] (galaxy.pipeline.carry)."""
         pg = self.mesh.pp_pg
-        tensors = [torch.empty(s, dtype=carry_dtype(self.model), device=self.device)
-                   for s, _ in carry_shapes(self.model, layout, rows, length)]
+        tensors = [torch.empty(s, dtype=carry_dtype(self.model), device=self.device) for s, _ in shapes]
         for t in tensors:
             dist.recv(t, src=dist.get_global_rank(pg, self.mesh.pp_rank - 1), group=pg)
         return tensors

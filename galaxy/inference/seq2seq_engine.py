@@ -16,8 +16,16 @@ broadcast as the causal LMs' Engine (galaxy.inference.engine):
 
 The caches (galaxy.models.seq2seq.cached_prefills): per decoder layer, ATT [b, kv_heads_r,
 max_new_tokens, d] (SP: max_new_tokens / N slots, round-robin) and XATT [b, heads_r, S, d] (SP:
-all heads), preallocated when the batch starts. Pipelines are refused up front
-(galaxy.inference.setup).
+all heads), preallocated when the batch starts.
+
+As a pipeline (Engine._through_stage, as the causal LMs' passes): the first pass carries both
+stacks' carries from stage to stage as training does (galaxy.pipeline.carry: inside the encoder
+the source's stream in the plan's CON layout and the target's start token [b, 1, h] in R; from
+the encoder's end on, the encoder's output and the target's), so the encoder's stages run once
+and every stage holding decoder layers gathers the memory once for its XATTs' caches. A decode
+step carries the decoder's stream alone ([b, 1, h] per tensor, decoding_slots): the first stage
+embeds the token, stages without decoder layers pass it on, and the last stage's sampler picks
+the tokens, broadcast over the pipeline as Engine's are.
 """
 from __future__ import annotations
 
@@ -27,7 +35,8 @@ from galaxy.inference.engine import Engine
 from galaxy.inference.requests import Completion, Progress, Request
 from galaxy.layers.kv_cache import CacheStep, open_caches
 from galaxy.parallel.decode_layout import decode_layouts
-from galaxy.pipeline.stage import carry_dtype
+from galaxy.pipeline.stage import carry_dtype, carry_shapes, decoding_slots, stage_slots
+from galaxy.plan import Layout
 
 
 class Seq2SeqEngine(Engine):
@@ -54,12 +63,17 @@ class Seq2SeqEngine(Engine):
 
     def _first_pass(self, ids, mask, progress: Progress, on_token) -> tuple:
         """The encoder on ids, mask [b, S] under the plan, and the start token through the decoder
-        (each XATT filling its cache); returns the encoder's carry (kept for the head's carry)."""
+        (each XATT filling its cache); returns this stage's source carry (kept for the head's
+        carry; None where a tensor did not reach this stage)."""
         m = self.model
-        rows = ids.shape[0]
+        rows, length = ids.shape
         start = torch.full((rows, 1), m.config.decoder_start_token_id, dtype=torch.long, device=self.device)
         context = m.decoding_context(mask, 0, CacheStep(True, self._every_row(rows), 0))
-        carry = m.run_layers(m.embed(ids, decoder_input_ids=start), context, m.layers)
+        received, sent = stage_slots(m)
+        shapes = carry_shapes(m, self.plan.con_layout, rows, length, 1, self._stage_start(),
+                              target_layout=Layout.R)
+        carry = self._through_stage(lambda: m.embed(ids, decoder_input_ids=start), received, sent, shapes, context,
+                                    m.layers)
         self._advance(progress, self._logits(carry), on_token)
         return carry[:m.carry_size]
 
@@ -70,9 +84,16 @@ class Seq2SeqEngine(Engine):
         tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]     # [b, 1]
         step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size)
         decoder = [layer for layer in m.layers if layer.sequence == "target"]
-        carry = m.run_layers((*source, *m.embed_target(tokens, position)), m.decoding_context(mask, position, step),
-                             decoder)
+        received, sent = (decoding_slots(slots) for slots in stage_slots(m))
+        shapes = carry_shapes(m, Layout.R, len(tokens), 1, 1, slots=received)
+        carry = self._through_stage(lambda: (*source, *m.embed_target(tokens, position)), received, sent, shapes,
+                                    m.decoding_context(mask, position, step), decoder)
         self._advance(progress, self._logits(carry), on_token)
+
+    def _stage_start(self) -> int:
+        """The boundary this stage receives at: its first layer's index (0 without a pipeline)."""
+        stage = self.model.attached.stage
+        return 0 if stage is None else stage.layers.start
 
     def _every_row(self, rows: int):
         return torch.ones(rows, 1, dtype=torch.bool, device=self.device)      # [b, 1]: every new token is real

@@ -1,6 +1,6 @@
 """What every generating job reads and checks before any process group starts (generate.py,
 finetune_llama.py / finetune_bart.py / finetune_t5.py --generate, serve.py), so that a mistake is
-one line and exit status 2: the model is a causal LM or an encoder-decoder (not as a pipeline),
+one line and exit status 2: the model is a causal LM or an encoder-decoder,
 its tokenizer, the checkpoint `resume` names, the PEFT method (side-tuning has no cache:
 refused), and the limits a prompt must respect under the plan."""
 from __future__ import annotations
@@ -69,9 +69,6 @@ def prepare_inference(cfg, world: int) -> InferenceSetup:
         raise ConfigError(f"{peft.method.replace('_', '-')}-tuning runs its side network over whole sequences "
                           "and has no KV cache; generate with use_lora, use_adapter or full weights")
     plan = resolved_plan(cfg, world, shape)
-    if task == "seq2seq" and plan.pp > 1:
-        raise ConfigError(f"pp_deg {plan.pp}: encoder-decoder models (bart, t5) do not generate as pipelines yet; "
-                          "set pp_deg 1 (a Galaxy group or dp_deg replicas generate)")
     splits = plan.group > 1 and plan.uses("tokens")
     limits = Limits(shape["max_position_embeddings"], cfg.pad_size if splits else None,
                     separate=task == "seq2seq")

@@ -149,14 +149,18 @@ class EncoderDecoder(GalaxyModel):
     def decoding_context(self, attention_mask, position: int, step) -> dict:
         """The layer context of a pass whose decoder runs one token per row at `position` (step:
         its CacheStep): at position 0, the first pass, the encoder's too (layer_context's); the
-        decoder's ATT reads its cache, XATT the source's padding mask [b, 1, 1, S]."""
+        decoder's ATT reads its cache, XATT the source's padding mask [b, 1, 1, S]. Only the stacks
+        whose layers this model holds (a pipeline stage's: T5's bias tables are where their stack is)."""
         keys = attention_mask.bool()[:, None, None, :]
+        held = {layer.sequence for layer in self.layers}
         target = {STEP_KEY: step}
-        bias = self.decoder_key_bias(position)
+        bias = self.decoder_key_bias(position) if "target" in held else None
         if bias is not None:
             target[KEY_BIAS] = bias
         context = {"target": target, "cross": {"mask": keys}}
-        return {"source": {"mask": self.source_mask(keys)}, **context} if position == 0 else context
+        if position == 0 and "source" in held:
+            context["source"] = {"mask": self.source_mask(keys)}
+        return context
 
     def decoder_key_bias(self, position: int):
         """An additive bias over the decoded keys 0..position for the query at `position`

@@ -13,7 +13,11 @@ the pooled token may live on any rank: galaxy.models.pooling gathers the b token
 Which token: Hugging Face requires every row to hold the same number of EOS tokens and takes the
 last; galaxy takes each row's rightmost EOS (the same token on the rows Hugging Face accepts), and
 for a row without one the last token the attention mask keeps. The positions are taken from the
-source ids in `forward` and read by `head` of the same forward pass.
+source ids (`head_inputs`) and recorded by `layer_context`; `head` of the same forward pass reads
+them. A pipeline's last stage sees no source ids: the runner computes head_inputs from the batch
+and hands them to that stage as a keyword tensor ([b], cut into micro-batches with the masks), and
+torch's schedules run a micro-batch's loss right after its last-stage forward (as Llama's
+classifier relies on).
 """
 from __future__ import annotations
 
@@ -70,9 +74,19 @@ class Seq2SeqClassifierHead:
         # forward takes them (classification batches carry them), unused
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        self.pooled_at = last_eos(input_ids, attention_mask, self.config.eos_token_id)
+        self.pooled_at = self.head_inputs(input_ids, attention_mask)["pooled_at"]
         return EncoderDecoder.forward(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
                                       labels)
+
+    def head_inputs(self, input_ids, attention_mask) -> dict:
+        """What `head` reads beyond the carry, from the source ids and mask [b, S]: {"pooled_at": [b]}."""
+        return {"pooled_at": last_eos(input_ids, attention_mask, self.config.eos_token_id)}
+
+    def layer_context(self, attention_mask, decoder_attention_mask=None, pooled_at=None, **rest) -> dict:
+        """EncoderDecoder's; a pipeline's last stage also records its micro-batch's pooled_at [b]."""
+        if pooled_at is not None:
+            self.pooled_at = pooled_at
+        return super().layer_context(attention_mask, decoder_attention_mask, **rest)
 
     def head(self, carry: tuple, labels=None):
         pooled = pooled_tokens(self.final_hidden(carry), self.pooled_at, self.pool_group)    # [b, h]

@@ -63,6 +63,12 @@ def _encoder_decoder_slots(model: nn.Module, after: int) -> tuple[CarrySlot | No
     return sources + (target,) * n
 
 
+def decoding_slots(slots: tuple) -> tuple:
+    """An encoder-decoder's carry_slots while it decodes one token per step: the decoder's stream
+    alone (the encoder ran once, at the first pass, and every XATT holds its memory's K/V)."""
+    return tuple(slot if slot is not None and slot.sequence == "target" else None for slot in slots)
+
+
 def stage_slots(model: nn.Module) -> tuple[tuple, tuple]:
     """(what this stage receives, what it sends): carry_slots at its two boundaries."""
     stage = model.attached.stage
@@ -83,17 +89,21 @@ def unpack_carry(tensors: tuple, slots) -> tuple:
 
 
 def carry_shapes(model: nn.Module, con_layout: Layout, rows: int, seq_len: int, target_len: int | None = None,
-                 after: int | None = None) -> list[tuple[tuple, bool]]:
-    """(shape, trainable) of every tensor travelling at boundary `after` (carry_slots'):
-    [rows, s_con, width], s_con = own tokens under a sequence-sharded CON layout, of the source
-    (seq_len) or of an encoder-decoder's target (target_len)."""
+                 after: int | None = None, *, target_layout: Layout | None = None,
+                 slots: tuple | None = None) -> list[tuple[tuple, bool]]:
+    """(shape, trainable) of every tensor travelling at boundary `after` (carry_slots', or `slots`
+    given): [rows, s_con, width], s_con = own tokens under a sequence-sharded CON layout, of the
+    source (seq_len) or of an encoder-decoder's target (target_len, in target_layout: con_layout
+    unless given; generation's decoder is in R, one token per row)."""
     g = model.attached.group
+    slots = carry_slots(model, after) if slots is None else slots
 
     def s_con(slot: CarrySlot) -> int:
-        group, full = (g.decoder(), target_len) if slot.sequence == "target" else (g, seq_len)
-        return group.tokens[group.rank] if con_layout == Layout.S and group.size > 1 else full
-    return [((rows, s_con(slot), slot.width), slot.trainable) for slot in carry_slots(model, after)
-            if slot is not None]
+        target = slot.sequence == "target"
+        group, full = (g.decoder(), target_len) if target else (g, seq_len)
+        layout = target_layout if target and target_layout is not None else con_layout
+        return group.tokens[group.rank] if layout == Layout.S and group.size > 1 else full
+    return [((rows, s_con(slot), slot.width), slot.trainable) for slot in slots if slot is not None]
 
 
 def carry_dtype(model: nn.Module) -> torch.dtype:

@@ -174,9 +174,13 @@ def stage_keywords(model, batch: dict) -> dict:
     micro-batches): the source's attention_mask on every stage, token_type_ids on the first; an
     encoder-decoder's decoder_attention_mask [rows, T] on every stage (all ones when the batch has
     none, as the model's forward takes it) and decoder_input_ids on the first (the batch's, or
-    what the model's forward makes: the labels shifted right)."""
+    what the model's forward makes: the labels shifted right). The last stage gets what its head
+    reads beyond the carry, from the source ids (model.head_inputs, if it has one: the
+    encoder-decoder classifiers' pooled positions [rows])."""
     first = model.attached.is_first_stage
     kwargs = {"attention_mask": batch["attention_mask"]}
+    if model.attached.is_last_stage and hasattr(model, "head_inputs"):
+        kwargs.update(model.head_inputs(batch["input_ids"], batch["attention_mask"]))
     if first and batch.get("token_type_ids") is not None:
         kwargs["token_type_ids"] = batch["token_type_ids"]
     if model.encoder_layers:

@@ -11,8 +11,8 @@ from torch import nn
 
 from galaxy.models.attached import StageInfo
 # The carry's helpers, where the stage's users (the runner, generation) have always found them.
-from galaxy.pipeline.carry import (CarrySlot, carry_dtype, carry_shapes, carry_slots, example_carry,  # noqa: F401
-                                   pack_carry, stage_slots, unpack_carry)
+from galaxy.pipeline.carry import (CarrySlot, carry_dtype, carry_shapes, carry_slots, decoding_slots,  # noqa: F401
+                                   example_carry, pack_carry, stage_slots, unpack_carry)
 
 
 class LayerSlice(nn.Module):

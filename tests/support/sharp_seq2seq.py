@@ -1,6 +1,6 @@
 """A tiny BART or T5 whose greedy picks are far from ties, and Hugging Face's generate on it.
 
-galaxy.assets' tiny encoder-decoders with a 512-token BPE (seed 3), every matrix but BART's
+galaxy.assets' tiny encoder-decoders (and T5 in the v1.1 form) with a 512-token BPE (seed 3), every matrix but BART's
 learned positions scaled by 25: at the default init (std 0.02) their outputs barely depend on
 the prompt and every row repeats one token; scaled, the rows differ and the smallest gap between
 the two best logits stays above 1e-2, a thousand times fp32's rounding under any plan. T5's
@@ -18,15 +18,44 @@ import torch
 
 SCALE = 25.0
 BIAS_SCALE = 100.0       # T5's relative_attention_bias, on top of SCALE
-EOS = {"bart": 121, "t5": 434}       # a token the greedy rows of PROMPTS pick at step 2 or 3 of one row
+EOS = {"bart": 121, "t5": 434, "t5_v1_1": 231}   # a token the greedy rows of PROMPTS pick at step 2 or 3 of one row
+
+
+def write_t5_v1_1(path: str, vocab_size: int, seed: int) -> str:
+    """The tiny T5 in the v1.1 form: gated-GELU MLP, an LM head of its own (untied, unscaled)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from galaxy.assets.tiny_llama import SPECIAL, train_bpe, write_tiny_model
+    from galaxy.assets.tiny_t5 import TINY_T5_SHAPE, t5_tokenizer
+    shape = {**TINY_T5_SHAPE, "feed_forward_proj": "gated-gelu"}
+    write_tiny_model(path, lambda **keys: T5ForConditionalGeneration(T5Config(**keys)), vocab_size, seed,
+                     tokenizer=lambda n: t5_tokenizer(train_bpe(n, SPECIAL)), shape=shape)
+    weights = os.path.join(path, "model.safetensors")
+    state = load_file(weights)
+    state["lm_head.weight"] = 0.02 * torch.randn(state["shared.weight"].shape,
+                                                 generator=torch.Generator().manual_seed(seed))
+    save_file(state, weights, metadata={"format": "pt"})
+    _edit_config(path, tie_word_embeddings=False)
+    return path
+
+
+def _edit_config(path: str, **keys) -> None:
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.update(keys)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def write_sharp_seq2seq(family: str, path: str) -> str:
+    """family: bart, t5 or t5_v1_1."""
     from safetensors.torch import load_file, save_file
 
     from galaxy.assets.tiny_bart import write_tiny_bart
     from galaxy.assets.tiny_t5 import write_tiny_t5
-    path = {"bart": write_tiny_bart, "t5": write_tiny_t5}[family](path, vocab_size=512, seed=3)
+    writers = {"bart": write_tiny_bart, "t5": write_tiny_t5, "t5_v1_1": write_t5_v1_1}
+    path = writers[family](path, vocab_size=512, seed=3)
     weights = os.path.join(path, "model.safetensors")
     state = load_file(weights)
     for name, t in state.items():
