@@ -57,10 +57,15 @@ def carry_slots(model: nn.Module, after: int | None = None) -> tuple[CarrySlot |
 
 
 def _encoder_decoder_slots(model: nn.Module, after: int) -> tuple[CarrySlot | None, ...]:
-    n, hidden = model.carry_size, model.config.hidden_size
-    source, target = CarrySlot(hidden, True, "source"), CarrySlot(hidden, True, "target")
+    """Side-tuning (galaxy.peft.side_seq2seq): the backbone's streams travel without a gradient
+    (side-only: not at all), then both side states at every boundary, each split like its stack."""
+    n, hidden, mode = model.carry_size, model.config.hidden_size, getattr(model, "side_mode", None)
+    source, target = CarrySlot(hidden, not mode, "source"), CarrySlot(hidden, not mode, "target")
     sources = (None,) * (n - 1) + (source,) if after >= model.encoder_layers else (source,) * n
-    return sources + (target,) * n
+    if mode is None:
+        return sources + (target,) * n
+    backbone = (None,) * (2 * n) if mode == "side_only" else sources + (target,) * n
+    return backbone + (CarrySlot(model.side_width, True, "source"), CarrySlot(model.side_width, True, "target"))
 
 
 def stage_slots(model: nn.Module) -> tuple[tuple, tuple]:
