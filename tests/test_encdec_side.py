@@ -87,22 +87,25 @@ def test_classifier_plans_match_serial(dist_pool, classifier_dir, family):
     check(dist_pool(2).run(peft_cases_vs_serial, cases), labels)
 
 
-def mesh_case(model_dir, method, pp, dp, batch_fn, shares, task=None, stages=None, plan=Plan()):
+def mesh_case(model_dir, method, pp, dp, batch_fn, shares, task=None, stages=None, plan=Plan(), sharding="none"):
     return dict(model_dir=model_dir, plan=plan, pp=pp, dp=dp, shares=shares, options=OPTIONS[method],
-                batch_fn=batch_fn, task=task, stage_layers=stages, lr=LR)
+                batch_fn=batch_fn, task=task, stage_layers=stages, lr=LR, dp_sharding=sharding)
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_dp2_and_pipelines_match_serial(dist_pool, tiny_lm_dir, classifier_dir, family):
-    """dp 2 (seq2seq and classification); pp 2 split inside the encoder and between the stacks."""
+    """dp 2 (seq2seq and classification; FSDP2 no_reshard: the frozen backbone's layers gather and
+    never reduce); pp 2 split inside the encoder and between the stacks."""
     lm, serial = tiny_lm_dir(family), SEQ2SEQ_SHARES[1]
     cases = [mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial),
              mesh_case(classifier_dir(family), "side_only", 1, 2, CLS_BATCHES[family], CLS_SHARES[1],
                        "classification"),
              mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
              mesh_case(lm, "side_only", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
-             mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[2, 2])]
-    labels = ["side dp2", "side_only classifier dp2", "side pp2 [1, 3]", "side_only pp2 [1, 3]", "side pp2 [2, 2]"]
+             mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[2, 2]),
+             mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial, sharding="no_reshard")]
+    labels = ["side dp2", "side_only classifier dp2", "side pp2 [1, 3]", "side_only pp2 [1, 3]", "side pp2 [2, 2]",
+              "side dp2 sharded"]
     check(dist_pool(2).run(peft_cases_vs_serial, cases), labels)
 
 

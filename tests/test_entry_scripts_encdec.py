@@ -163,18 +163,22 @@ def test_generating_with_an_encoder_decoder_pipeline_is_refused(work, capsys):
         "set pp_deg" in err and len(err.splitlines()) == 1, err
 
 
-def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
-    """One line, exit 2, before any process group (--check)."""
+def test_generating_with_a_side_tuned_encoder_decoder_is_refused(work, capsys):
+    """Side-tuning has no cache and is refused, as for the other families: one line, exit 2,
+    before any process group (--check)."""
     from galaxy import launch
-    from galaxy.train.trainer import prepare_seq2seq, train
-    config, _ = write_config(work, "t5", "train.jsonl", use_side=True)
-    with pytest.raises(SystemExit) as e:
-        launch.main(preset="galaxy", train_fn=train, script="finetune_t5.py", prepare_fn=prepare_seq2seq,
-                    argv=["--config_file", config, "--check"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("finetune_t5.py: error: use_side: side-tuning does not cover encoder-decoders (bart, t5) yet; "
-                   "use use_lora or use_adapter"), err
+    from galaxy.inference.generate_job import add_generate_arguments, prepare_generate, run_generate
+    for method in ("use_side", "use_side_only"):
+        config, _ = write_config(work, "t5", "train.jsonl", **{method: True})
+        with pytest.raises(SystemExit) as e:
+            launch.main(preset="galaxy", train_fn=run_generate, script="generate.py", prepare_fn=prepare_generate,
+                        add_arguments=add_generate_arguments,
+                        argv=["--config_file", config, "--world", "2", "--rank", "0", "--prompt", "x", "--check"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        what = method[4:].replace("_", "-")
+        assert err == (f"generate.py: error: {what}-tuning runs its side network over whole sequences and has no "
+                       "KV cache; generate with use_lora, use_adapter or full weights"), err
 
 
 CLASSES = ["a", "b", "c"]
