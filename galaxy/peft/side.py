@@ -86,18 +86,23 @@ class SideBlock(nn.Module):
 class SideLayer(nn.Module):
     """Side block i with its ladder from backbone layer i (none in side-only)."""
 
-    def __init__(self, hidden: int, width: int, heads: int, eps: float, ladder: bool, device=None):
+    def __init__(self, hidden: int, width: int, heads: int, eps: float, ladder: bool, device=None,
+                 block=SideBlock):
         super().__init__()
-        self.block = SideBlock(width, heads, eps, device)
+        self.block = block(width, heads, eps, device)
         self.ladder = nn.Linear(hidden, width, device=device) if ladder else None
         self.gate = nn.Parameter(torch.zeros((), device=device)) if ladder else None
 
+    def gated(self, s, h):
+        """The block's input: s [b, s_con, w] mixed with the ladder of h [b, s_con, hidden]
+        (the backbone's output, no autograd); s itself in side-only."""
+        if self.ladder is None:
+            return s
+        mu = torch.sigmoid(self.gate / GATE_TEMPERATURE)
+        return mu * self.ladder(h) + (1 - mu) * s
+
     def forward(self, s, h, context):
-        # s: [b, s_con, w] side state; h: [b, s_con, hidden] backbone output (no autograd)
-        if self.ladder is not None:
-            mu = torch.sigmoid(self.gate / GATE_TEMPERATURE)
-            s = mu * self.ladder(h) + (1 - mu) * s
-        return self.block(s, context.get("mask"))
+        return self.block(self.gated(s, h), context.get("mask"))
 
 
 class SideInput(nn.Module):

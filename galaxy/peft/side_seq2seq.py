@@ -27,12 +27,11 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 from galaxy.distributed.transitions import Layout, gather_for_sharded_consumer
-from galaxy.peft.side import GATE_TEMPERATURE, SideBlock, SideLayer
+from galaxy.peft.side import SideBlock, SideLayer
 
 
 class SideCrossAttention(nn.Module):
@@ -75,15 +74,11 @@ class SideDecoderLayer(SideLayer):
     """Side decoder block j with its ladder from backbone decoder layer j (none in side-only)."""
 
     def __init__(self, hidden: int, width: int, heads: int, eps: float, ladder: bool, device=None):
-        super().__init__(hidden, width, heads, eps, ladder, device)
-        self.block = SideDecoderBlock(width, heads, eps, device)
+        super().__init__(hidden, width, heads, eps, ladder, device, block=SideDecoderBlock)
 
     def forward(self, s, h, context, memory=None):
         # s: [b, t_con, w]; h: [b, t_con, hidden] (no autograd); memory: [b, S, w] whole
-        if self.ladder is not None:
-            mu = torch.sigmoid(self.gate / GATE_TEMPERATURE)
-            s = mu * self.ladder(h) + (1 - mu) * s
-        return self.block(s, context["mask"], memory, context["cross"])
+        return self.block(self.gated(s, h), context["mask"], memory, context["cross"])
 
 
 class SideInputs(nn.Module):
