@@ -13,7 +13,10 @@ the encoder's, then the decoder's) depends on where the boundary is:
                                      stack's stream source[0] is done) and the target carry
 
 (n = model.carry_size; s_src, s_tgt: own tokens of each stack under a sequence-sharded CON
-layout, the whole sequence otherwise). The encoder's output crosses the decoder's boundaries in
+layout, the whole sequence otherwise). Under side-tuning both side states follow at every
+boundary, the side encoder's [b, s_src, w] and the side decoder's [b, s_tgt, w]
+(galaxy.peft.side_seq2seq), and the backbone's tensors travel without a gradient (side-only:
+not at all). The encoder's output crosses the decoder's boundaries in
 the CON layout, not gathered: N times fewer bytes under CON SP. Each stage holding decoder layers
 gathers it once for its cross-attentions (model.run_layers) and sends the received tensor on
 unchanged, so in backward its gradient is the next stage's plus this stage's cross-attentions'
