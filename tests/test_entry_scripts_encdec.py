@@ -10,7 +10,9 @@ inside the decoder) with 2 micro-batches, finetune_dp_t5.py (dp 2), dropout off.
 metrics_file must equal HF's ...ForConditionalGeneration trained on the same batches. In the same
 call, generate.py completes two prompts with the T5 under the Galaxy plan and as 2 pipeline stages
 (boundary inside the encoder), and finetune_bart.py --generate one with the BART, serially:
-Hugging Face generate's greedy tokens.
+Hugging Face generate's greedy tokens. Side-tuning through the scripts (finetune_t5_side.py under
+the Galaxy plan, finetune_pp_t5.py side-only) reports its serial runs' losses; generating with it
+is refused.
 """
 import json
 
@@ -154,18 +156,47 @@ def test_an_encoder_decoder_stage_split_counts_both_stacks():
         "make the entries add up to 4"]
 
 
-def test_side_tuning_of_encoder_decoders_is_refused(work, capsys):
-    """One line, exit 2, before any process group (--check)."""
+def test_side_tuning_scripts_under_plans_and_pipelines_equal_serial(work):
+    """finetune_t5_side.py (use_side) under the Galaxy plan at world 2, and finetune_pp_t5.py
+    (use_side_only, a boundary inside the encoder) report their serial runs' losses, and the Galaxy
+    run exports the serial run's side network (galaxy_peft.json + peft_model.safetensors)."""
+    from safetensors.torch import load_file
+    side = {"side_reduction_factor": 4}
+    runs = [("finetune_t5_side.py", 1, dict(use_side=True, **side)),
+            ("finetune_t5_side.py", 2, dict(use_side=True, **side, **GALAXY)),
+            ("finetune_t5.py", 1, dict(use_side_only=True, **side)),
+            ("finetune_pp_t5.py", 2, dict(use_side_only=True, **side, **PIPELINE))]
+    configs = [write_config(work, "t5", "train.jsonl", f"side-{i}", export_dir=str(work["tmp"] / f"side-{i}"), **extra)
+               for i, (_, _, extra) in enumerate(runs)]
+    results = run_scripts([(script, config, world) for (script, world, _), (config, _) in zip(runs, configs)])
+    for (script, *_), outcome in zip(runs, results):
+        for rank, (code, out, err) in enumerate(outcome):
+            assert code == 0, f"{script} rank {rank} exited {code}:\n{out}\n{err}"
+    losses = [[r["loss"] for r in read_metrics(metrics) if "event" not in r] for _, metrics in configs]
+    for serial, parallel in ((0, 1), (2, 3)):
+        assert len(losses[parallel]) == STEPS
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses[parallel], losses[serial])) < 1e-5, losses
+    serial, galaxy = (load_file(str(work["tmp"] / f"side-{i}" / "peft_model.safetensors")) for i in (0, 1))
+    assert set(serial) == set(galaxy) and any(k.startswith("side.decoder.") for k in serial)
+    assert max(((galaxy[k] - t).abs().max() / t.abs().max().clamp_min(1e-3)).item() for k, t in serial.items()) < 1e-5
+
+
+def test_generating_with_a_side_tuned_encoder_decoder_is_refused(work, capsys):
+    """Side-tuning has no cache and is refused, as for the other families: one line, exit 2,
+    before any process group (--check)."""
     from galaxy import launch
-    from galaxy.train.trainer import prepare_seq2seq, train
-    config, _ = write_config(work, "t5", "train.jsonl", use_side=True)
-    with pytest.raises(SystemExit) as e:
-        launch.main(preset="galaxy", train_fn=train, script="finetune_t5.py", prepare_fn=prepare_seq2seq,
-                    argv=["--config_file", config, "--check"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("finetune_t5.py: error: use_side: side-tuning does not cover encoder-decoders (bart, t5) yet; "
-                   "use use_lora or use_adapter"), err
+    from galaxy.inference.generate_job import add_generate_arguments, prepare_generate, run_generate
+    for method in ("use_side", "use_side_only"):
+        config, _ = write_config(work, "t5", "train.jsonl", **{method: True})
+        with pytest.raises(SystemExit) as e:
+            launch.main(preset="galaxy", train_fn=run_generate, script="generate.py", prepare_fn=prepare_generate,
+                        add_arguments=add_generate_arguments,
+                        argv=["--config_file", config, "--world", "2", "--rank", "0", "--prompt", "x", "--check"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        what = method[4:].replace("_", "-")
+        assert err == (f"generate.py: error: {what}-tuning runs its side network over whole sequences and has no "
+                       "KV cache; generate with use_lora, use_adapter or full weights"), err
 
 
 CLASSES = ["a", "b", "c"]

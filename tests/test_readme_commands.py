@@ -40,6 +40,9 @@ SERIAL = [
     *[f"python finetune_{m}.py" for m in ("t5", "bart")],
     *[f"python finetune_{m}.py --config_file train_config/{m}/{c}.json" for m in ("t5", "bart") for c in ("lora", "adapter")],
     *[f"python finetune_{m}.py --config_file train_config/{m}/classify.json" for m in ("t5", "bart")],
+    "python finetune_t5_side.py",
+    "python finetune_t5_side.py --config_file train_config/t5/side_only.json",
+    *[f"python finetune_bart.py --config_file train_config/bart/{c}.json" for c in ("side", "side_only")],
 ]
 PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
 WORLD2 = [   # {r}: the rank
@@ -99,6 +102,7 @@ DEFAULT_CONFIGS = {"pretrain_bert.py": "bert/full.json", "pretrain_tp_bert.py": 
                    "pretrain_pp_bert.py": "bert/pp/full.json", "pretrain_galaxy.py": "bert/galaxy/full.json",
                    "finetune_llama.py": "llama/full.json", "finetune_pp_llama.py": "llama/pp/full.json",
                    "finetune_bart.py": "bart/full.json", "finetune_t5.py": "t5/full.json",
+                   "finetune_t5_side.py": "t5/side.json",
                    "finetune_pp_bart.py": "bart/pp/full.json", "finetune_pp_t5.py": "t5/pp/full.json",
                    "finetune_dp_t5.py": "t5/dp/full.json"}
 DOCUMENTED = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]

@@ -167,6 +167,8 @@ def hf_names(cfg):
         "lm_head.weight": "lm_head.weight",
         "final_logits_bias.bias": "final_logits_bias",
         "classification_head.{rest}": "classification_head.{rest}",    # BartForSequenceClassification's
+        "side_in.{rest}": "side.input.{rest}",       # side-tuning's ends (galaxy.peft.side_seq2seq)
+        "side_out.{rest}": "side.output.{rest}",
         **_layer_names("encoder"),
     })
     decoder = NameMap({**_layer_names("decoder"),

@@ -64,6 +64,9 @@ class EncoderDecoder(GalaxyModel):
         self.enter_decoder = Transition()     # target embeddings (R) -> the decoder's CON layout
         self.memory = Transition()            # the encoder's output (CON layout) -> R, once
         self.encoder_output = nn.Identity()   # on the gathered memory (T5: its dropout)
+        # Side-tuning (galaxy.peft.side_seq2seq): the side encoder's output -> whole on every rank
+        # (a gather under CON SP, set by add_side)
+        self.side_memory = _whole
 
     def plan_memory(self, con_layout, group):
         """The decoder's entry on the decoder's token shares, the memory's gather on the encoder's;
@@ -94,7 +97,8 @@ class EncoderDecoder(GalaxyModel):
         with self.backbone_grad():
             source = self.start_stack(self.enter(self.source_embeddings(input_ids)), "source")
             target = self.start_stack(self.enter_decoder(self.target_embeddings(decoder_input_ids)), "target")
-        return (*source, *target)
+        side = () if self.side_in is None else self.side_in(source[0], target[0])   # each stack's s_0
+        return (*source, *target, *side)
 
     def layer_context(self, attention_mask, decoder_attention_mask=None, **_) -> dict:
         """Each stack's context from the source mask [b, S] and the target mask [b, T] (None: no
@@ -109,6 +113,9 @@ class EncoderDecoder(GalaxyModel):
             context["source"] = {"mask": self.source_mask(keys)}
         if "target" in held:
             context["target"] = {"mask": self.target_mask(target)}
+        if self.side_mode:      # the side network's own boolean masks (galaxy.peft.side_seq2seq)
+            context["side_source"] = {"mask": keys}
+            context["side_target"] = {"mask": causal_padding_mask(target), "cross": keys}
         return context
 
     def source_mask(self, keys):
@@ -120,18 +127,30 @@ class EncoderDecoder(GalaxyModel):
         return causal_padding_mask(keep)
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
+        """The layers over the carry: (source, target) streams, then under side-tuning the side
+        states (side encoder's, side decoder's), each side layer after its backbone layer."""
         n = self.carry_size
         source, target, side = carry[:n], carry[n:2 * n], carry[2 * n:]
-        memory = None
+        memory = side_memory = None
+        run_backbone = self.side_mode != "side_only"     # side-only never runs the backbone's layers
         for layer in layers:
-            with self.backbone_grad():
-                if layer.sequence == "source":
-                    source = layer(source[0], source[-1], **context["source"])[:n]
-                    continue
-                if memory is None and not layer.xatt.memory_cached:   # once per stage: the encoder's output, whole
-                    memory = self.encoder_output(self.memory(source[-1]))
-                target = layer(target[0], target[-1], memory=memory, cross=context["cross"],
-                               **context["target"])[:n]
+            if layer.sequence == "source":
+                if run_backbone:
+                    with self.backbone_grad():
+                        source = layer(source[0], source[-1], **context["source"])[:n]
+                if side:
+                    side = (layer.side(side[0], source[0], context["side_source"]), side[1])
+                continue
+            if run_backbone:
+                with self.backbone_grad():
+                    if memory is None and not layer.xatt.memory_cached:   # once per stage: the encoder's output, whole
+                        memory = self.encoder_output(self.memory(source[-1]))
+                    target = layer(target[0], target[-1], memory=memory, cross=context["cross"],
+                                   **context["target"])[:n]
+            if side:
+                if side_memory is None:      # once per stage too: the side encoder's output, whole
+                    side_memory = self.side_memory(side[0])
+                side = (side[0], layer.side(side[1], target[0], context["side_target"], side_memory))
         return (*source, *target, *side)
 
     # -- generation: the encoder once, then one decoder token per row and step ------------------
@@ -173,9 +192,9 @@ class EncoderDecoder(GalaxyModel):
     def final_hidden(self, carry: tuple):
         """The decoder's output [b, s_con, h] a head reads (through the side network's output
         under side-tuning); T5 adds its dropout."""
-        x = self.decoder_carry(carry)[-1]
-        side = carry[2 * self.carry_size:]
-        return self.side_out(x, side[0]) if side else x
+        x = self.decoder_carry(carry)[-1]          # None under side-only past the first stage
+        side = carry[2 * self.carry_size:]           # (side encoder's state, side decoder's)
+        return self.side_out(x, side[-1]) if side else x
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 labels=None, token_type_ids=None):
@@ -190,6 +209,10 @@ class EncoderDecoder(GalaxyModel):
         carry = self.embed(input_ids, decoder_input_ids=decoder_input_ids)
         carry = self.run_layers(carry, self.layer_context(attention_mask, decoder_attention_mask), self.layers)
         return self.head(carry, labels)
+
+
+def _whole(x):
+    return x
 
 
 class Seq2SeqLMHead(CausalLMHead):

@@ -186,6 +186,8 @@ def hf_names(cfg):
             # Parameter-efficient fine-tuning (galaxy.peft): names of their own in the same style.
             "layers.{i}.con1.adapter.{w}": f"{block}.0.adapter.{{w}}",
             "layers.{i}.side.{rest}": f"side.{name}.layer.{{i}}.{{rest}}",
+            "side_in.{rest}": "side.input.{rest}",
+            "side_out.{rest}": "side.output.{rest}",
         })
         return pre_norm_names(table, layers, f"{block}.0.layer_norm.{{w}}", f"{name}.final_layer_norm.{{w}}")
     decoder = stack("decoder", cfg.num_decoder_layers, {

@@ -86,18 +86,23 @@ class SideBlock(nn.Module):
 class SideLayer(nn.Module):
     """Side block i with its ladder from backbone layer i (none in side-only)."""
 
-    def __init__(self, hidden: int, width: int, heads: int, eps: float, ladder: bool, device=None):
+    def __init__(self, hidden: int, width: int, heads: int, eps: float, ladder: bool, device=None,
+                 block=SideBlock):
         super().__init__()
-        self.block = SideBlock(width, heads, eps, device)
+        self.block = block(width, heads, eps, device)
         self.ladder = nn.Linear(hidden, width, device=device) if ladder else None
         self.gate = nn.Parameter(torch.zeros((), device=device)) if ladder else None
 
+    def gated(self, s, h):
+        """The block's input: s [b, s_con, w] mixed with the ladder of h [b, s_con, hidden]
+        (the backbone's output, no autograd); s itself in side-only."""
+        if self.ladder is None:
+            return s
+        mu = torch.sigmoid(self.gate / GATE_TEMPERATURE)
+        return mu * self.ladder(h) + (1 - mu) * s
+
     def forward(self, s, h, context):
-        # s: [b, s_con, w] side state; h: [b, s_con, hidden] backbone output (no autograd)
-        if self.ladder is not None:
-            mu = torch.sigmoid(self.gate / GATE_TEMPERATURE)
-            s = mu * self.ladder(h) + (1 - mu) * s
-        return self.block(s, context.get("mask"))
+        return self.block(self.gated(s, h), context.get("mask"))
 
 
 class SideInput(nn.Module):
@@ -157,14 +162,20 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
     group = model.attached.group
     first, last = model.attached.is_first_stage, model.attached.is_last_stage
     modules = []
+    two_stacks = model.encoder_layers > 0
+    if two_stacks:      # an encoder-decoder's side network has a stack beside each (galaxy.peft.side_seq2seq)
+        from galaxy.peft.side_seq2seq import SideInputs, plan_side_sequence, side_layer
     if first:
-        model.side_in = SideInput(cfg.hidden_size, width, device)
+        model.side_in = (SideInputs if two_stacks else SideInput)(cfg.hidden_size, width, device)
         _init(model.side_in, "side_in", seed, std)
         modules.append(("side_in", model.side_in))
+    make = side_layer if two_stacks else (lambda _, *args: SideLayer(*args))
     for i, layer in model.layers.named_children():      # i: the global layer index
-        layer.side = SideLayer(cfg.hidden_size, width, heads, eps, ladder=not only, device=device)
+        layer.side = make(layer, cfg.hidden_size, width, heads, eps, not only, device)
         _init(layer.side, f"layers.{i}.side", seed, std)
-        if model.attached.plan.con_layout == Layout.S and group.size > 1:
+        if two_stacks:
+            plan_side_sequence(model, layer, group)
+        elif model.attached.plan.con_layout == Layout.S and group.size > 1:
             layer.side.block.attn.kv_gather = partial(gather_for_sharded_consumer, group=group)
             layer.side.block.attn.local_rows = slice(group.token_offset, group.token_offset + group.tokens[group.rank])
         modules.append((f"layers.{i}.side", layer.side))
@@ -179,9 +190,12 @@ def add_side(model: nn.Module, factor: int, only: bool, seed: int, rule) -> dict
 
 
 def describe_side(model: nn.Module) -> str:
-    cfg = model.config
-    layers = cfg.num_hidden_layers
-    blocks = f"{layers} side blocks of width {model.side_width} ({model.side_heads} heads)"
+    cfg, encoder = model.config, model.encoder_layers
+    # An encoder-decoder's config counts its stacks apart (T5: num_decoder_layers, BART: decoder_layers).
+    decoder = (getattr(cfg, "num_decoder_layers", None) or cfg.decoder_layers) if encoder else 0
+    layers = encoder + decoder if encoder else cfg.num_hidden_layers
+    stacks = f" ({encoder} encoder, {decoder} decoder)" if encoder else ""
+    blocks = f"{layers} side blocks{stacks} of width {model.side_width} ({model.side_heads} heads)"
     if model.side_mode == "side_only":
         return (f"side-only: the frozen embeddings -> down-projection -> {blocks} -> up-projection "
                 f"-> task head; the backbone's {layers} transformer layers are not run")

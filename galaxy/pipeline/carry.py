@@ -13,7 +13,10 @@ the encoder's, then the decoder's) depends on where the boundary is:
                                      stack's stream source[0] is done) and the target carry
 
 (n = model.carry_size; s_src, s_tgt: own tokens of each stack under a sequence-sharded CON
-layout, the whole sequence otherwise). The encoder's output crosses the decoder's boundaries in
+layout, the whole sequence otherwise). Under side-tuning both side states follow at every
+boundary, the side encoder's [b, s_src, w] and the side decoder's [b, s_tgt, w]
+(galaxy.peft.side_seq2seq), and the backbone's tensors travel without a gradient (side-only:
+not at all). The encoder's output crosses the decoder's boundaries in
 the CON layout, not gathered: N times fewer bytes under CON SP. Each stage holding decoder layers
 gathers it once for its cross-attentions (model.run_layers) and sends the received tensor on
 unchanged, so in backward its gradient is the next stage's plus this stage's cross-attentions'
@@ -57,10 +60,15 @@ def carry_slots(model: nn.Module, after: int | None = None) -> tuple[CarrySlot |
 
 
 def _encoder_decoder_slots(model: nn.Module, after: int) -> tuple[CarrySlot | None, ...]:
-    n, hidden = model.carry_size, model.config.hidden_size
-    source, target = CarrySlot(hidden, True, "source"), CarrySlot(hidden, True, "target")
+    """Side-tuning (galaxy.peft.side_seq2seq): the backbone's streams travel without a gradient
+    (side-only: not at all), then both side states at every boundary, each split like its stack."""
+    n, hidden, mode = model.carry_size, model.config.hidden_size, getattr(model, "side_mode", None)
+    source, target = CarrySlot(hidden, not mode, "source"), CarrySlot(hidden, not mode, "target")
     sources = (None,) * (n - 1) + (source,) if after >= model.encoder_layers else (source,) * n
-    return sources + (target,) * n
+    if mode is None:
+        return sources + (target,) * n
+    backbone = (None,) * (2 * n) if mode == "side_only" else sources + (target,) * n
+    return backbone + (CarrySlot(model.side_width, True, "source"), CarrySlot(model.side_width, True, "target"))
 
 
 def decoding_slots(slots: tuple) -> tuple:

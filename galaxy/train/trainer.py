@@ -86,9 +86,6 @@ def _prepare(cfg, kind: str) -> Job:
         peft = PeftOptions.from_config(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if peft.method.startswith("side") and shape.get("is_encoder_decoder"):
-        raise ConfigError(f"use_{peft.method}: side-tuning does not cover encoder-decoders (bart, t5) yet; "
-                          "use use_lora or use_adapter")
     tokenizer = load_tokenizer(cfg.model_path)
     if kind == "classification" and tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token   # a decoder's tokenizer often has none; rows pad right

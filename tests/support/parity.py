@@ -24,10 +24,12 @@ def mesh_of(pp: int, dp: int, heads, columns, tokens, **plan):
     return make_mesh(plan)
 
 
-def world_group(heads, inter, seq) -> GalaxyGroup:
+def world_group(heads, inter, seq, decoder=None) -> GalaxyGroup:
+    """The whole world as one Galaxy group with these shares (decoder: an encoder-decoder's
+    decoder token shares)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     return GalaxyGroup(rank, world, dist.group.WORLD if world > 1 else None,
-                       tuple(heads), tuple(inter), tuple(seq))
+                       tuple(heads), tuple(inter), tuple(seq), decoder_tokens=tuple(decoder) if decoder else None)
 
 
 def hf_bert(model_dir):

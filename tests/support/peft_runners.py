@@ -125,22 +125,23 @@ def serial_group(shares) -> GalaxyGroup:
     return GalaxyGroup.serial(*(sum(s) for s in shares[:3]))
 
 
-def _galaxy_peft(model_dir, plan, group, options, seed=0):
-    model = build_model(model_dir, plan, group, num_labels=3)
+def _galaxy_peft(model_dir, plan, group, options, seed=0, task=None):
+    model = build_model(model_dir, plan, group, num_labels=3, task=task)
     trainable = apply_peft(model, options, seed=seed)
     return model, trainable
 
 
 def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn, steps=5, lr=0.5,
-                   global_batch=8, num_microbatches=2, dp_sharding="none"):
+                   global_batch=8, num_microbatches=2, dp_sharding="none", task=None, stage_layers=None):
     """Adapters / side-tuning on a pp x dp x Galaxy mesh against galaxy serial (a one-rank group,
     whole batch), same seed. Returns {"loss", "logits" (step 0), "tensors": (worst, name) over
-    the trained tensors}."""
+    the trained tensors}. task: the model's (None: the family's primary one); stage_layers: the
+    pipeline's split (None: even)."""
     torch.manual_seed(0)
-    ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options)
+    ref, ref_trainable = _galaxy_peft(model_dir, plan, serial_group(shares), options, task=task)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
-         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding,
-         "adapt": lambda model: apply_peft(model, options, seed=0)}
+         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task,
+         "stage_layers": stage_layers, "adapt": lambda model: apply_peft(model, options, seed=0)}
     report = train_and_compare(model_dir, plan, shares, batch_fn, (lambda batch: ref(**batch), ref.parameters()), o)
     runner, _ = report.pop("runner"), report.pop("mesh")
     full = runner.full_state()
@@ -149,15 +150,23 @@ def mesh_vs_serial(model_dir, plan, pp: int, dp: int, shares, options, batch_fn,
     return report
 
 
-def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=0.5):
+def peft_plan_vs_serial(model_dir, plan, shares, options, batch_fn, steps=5, lr=0.5, task=None):
     """mesh_vs_serial for a Galaxy plan alone (pp 1 x dp 1), on batch_fn's own batch size."""
-    return mesh_vs_serial(model_dir, plan, 1, 1, shares, options, batch_fn, steps, lr, None, 1)
+    return mesh_vs_serial(model_dir, plan, 1, 1, shares, options, batch_fn, steps, lr, None, 1, task=task)
 
 
-def base_outputs_kept(model_dir, plan, shares, options, batch_fn) -> bool:
-    """At step 0 the PEFT model's logits equal the base model's bit for bit."""
+def peft_cases_vs_serial(cases: list[dict]) -> list[dict]:
+    """mesh_vs_serial for each case (its keyword arguments), in one call to a process pool."""
+    return [mesh_vs_serial(**case) for case in cases]
+
+
+def base_outputs_kept(model_dir, plan, shares, options, batch_fn, task=None, grad=True) -> bool:
+    """At step 0 the PEFT model's logits equal the base model's bit for bit. grad False: both
+    forwards without autograd (an evaluation's), where whether a weight or its input needs a
+    gradient cannot steer a matmul to another kernel (T5's tied LM head: 1e-6 apart with autograd)."""
     group = world_group(*shares)
-    base = build_model(model_dir, plan, group, num_labels=3)
-    model, _ = _galaxy_peft(model_dir, plan, group, options)
+    base = build_model(model_dir, plan, group, num_labels=3, task=task)
+    model, _ = _galaxy_peft(model_dir, plan, group, options, task=task)
     batch = batch_fn(seed=0)
-    return torch.equal(base(**batch)[0], model(**batch)[0])
+    with torch.set_grad_enabled(grad):
+        return torch.equal(base(**batch)[0], model(**batch)[0])
