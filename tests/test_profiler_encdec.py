@@ -17,12 +17,14 @@ import json
 import os
 import subprocess
 import sys
+from argparse import Namespace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_seq2seq_batch
+from support.tiny_models import TINY_SEQ, TINY_TARGET, tiny_encdec_cls_batch, tiny_seq2seq_batch
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config
@@ -106,25 +108,59 @@ def test_hugging_face_bart_counts_the_same(model_dir):
     assert report.totals.fwd_flops == serial_parts(model_dir("bart"))["total"]
 
 
-def test_classifier_closed_form():
-    """A classifier's decoder reads the source (T = S) and its head scores one token per row."""
-    from transformers import BartConfig
-    from support.tiny_models import TINY_BART
-    cfg = BartConfig(**TINY_BART)
+def test_classifier_matches_closed_form(model_dir):
+    """BART's classifier: its decoder reads the source (T = S), its head one token per row."""
+    path = model_dir("bart")
+    cfg = load_hf_config(path)
+    model = build_model(path, Plan(), GalaxyGroup.serial(4, 96, TINY_SEQ), dropout=0.0, task="classification",
+                        num_labels=3)
+    report = profile_model(model, tiny_encdec_cls_batch(0, batch=B), repeats=0)
     cls = FAMILIES["bart"].matmul_flops(cfg, B, TINY_SEQ, 3, target=TINY_TARGET)
     lm = FAMILIES["bart"].matmul_flops(cfg, B, TINY_SEQ, target=TINY_SEQ)
+    assert (report.totals.fwd_flops, report.totals.bwd_flops) == (cls["total"], 2 * cls["total"])
     assert cls["total"] - cls["classifier"] == lm["total"] - lm["lm_head"]
     assert cls["classifier"] == 2 * B * 48 * 48 + 2 * B * 48 * 3
 
 
-def profile_rank(model_dir, plans, shares):
+def test_classifier_comm_world2(dist_pool, model_dir):
+    """The classifier under CON SP (the pooled tokens' [b, h] all-reduce) and CON None, world 2."""
+    path, plans = model_dir("bart"), [COMBOS[0], COMBOS[3]]
+    shares = (*SHARES[2][:3], SHARES[2][2])          # the decoder reads the source: its shares too
+    ranks = dist_pool(2).run(profile_rank, path, plans, shares, True)
+    cfg = load_hf_config(path)
+    for p, plan in enumerate(plans):
+        resolved = Plan(plan.att, plan.mlp, plan.con, xatt=plan.xatt, tokens=shares[2], decoder_tokens=shares[3])
+        expected = FAMILIES["bart"].plan_comm_bytes(resolved, cfg, B, shares[2], num_labels=3)
+        lm_head = FAMILIES["bart"].plan_comm_bytes(resolved, cfg, B, shares[2])
+        assert expected and (expected != lm_head) == (plan.con == "SP")      # the heads differ at a CON SP exit
+        for rank, reports in enumerate(ranks):
+            assert reports[p].comm["by_kind"] == expected, (plan, rank)
+
+
+def test_profile_flops_follows_the_config_task(tmp_path, model_dir):
+    """A BART config with "task": "classification" profiles the classifier the trainer builds."""
+    from galaxy.config import load_config
+    from galaxy.profiler.cli import closed_form_flops, prepare
+    config = tmp_path / "classify.json"
+    config.write_text(json.dumps(dict(model_path=model_dir("bart"), task="classification", pad_size=TINY_SEQ,
+                                      batch_size=B, class_list=["a", "b", "c"])))
+    job = prepare(load_config(str(config)), Namespace(model="bart", compare_deepspeed=False, repeats=1, warmup=0,
+                                                      depth=1))
+    assert (job.task_kind, job.num_labels) == ("classification", 3)
+    cfg = load_hf_config(model_dir("bart"))
+    assert closed_form_flops(job) == FAMILIES["bart"].matmul_flops(cfg, B, TINY_SEQ, 3)["total"]
+
+
+def profile_rank(model_dir, plans, shares, classify=False):
+    """classify: the 3-class classifier (its decoder reads the source: target shares = source's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = GalaxyGroup(rank, world, dist.group.WORLD, *shares)
+    batch = tiny_encdec_cls_batch(0, batch=B) if classify else tiny_seq2seq_batch(0, batch=B)
+    task = dict(task="classification", num_labels=3) if classify else {}
     reports = []
     for plan in plans:
-        model = build_model(model_dir, plan, group, dropout=0.0)
-        reports.append(profile_model(model, tiny_seq2seq_batch(0, batch=B), grad_sync=GradientSync(model, group.pg),
-                                     repeats=0))
+        model = build_model(model_dir, plan, group, dropout=0.0, **task)
+        reports.append(profile_model(model, batch, grad_sync=GradientSync(model, group.pg), repeats=0))
     return reports
 
 
@@ -135,11 +171,13 @@ def check(ranks, model_dir, plans, shares):
     parts = serial_parts(model_dir)
     dec = len([k for k in serial if k[1] == "xatt"])
     for p, plan in enumerate(plans):
-        resolved = Plan(plan.att, plan.mlp, plan.con, xatt=plan.xatt, tokens=shares[2], decoder_tokens=shares[3])
-        expected = comm(resolved, cfg, B, shares[2])
+        resolved = replace(plan, tokens=shares[2], decoder_tokens=shares[3])
+        expected = comm(resolved, cfg, B, shares[2], comm_chunks=plan.comm_chunks)
         assert expected
         for rank, reports in enumerate(ranks):
             assert reports[p].comm["by_kind"] == expected, (plan, rank)
+        if plan.comm_chunks > 1:      # a chunked ATT runs its projections outside its forward: the layer's row has them
+            continue
         for key, flops in serial.items():
             total = sum(next(s.fwd_flops for s in reports[p].sub_blocks if (s.layer, s.name) == key)
                         for reports in ranks)
@@ -155,8 +193,9 @@ def test_world2_uneven_comm_matches_closed_form(dist_pool, model_dir, name):
 
 
 def test_world2_t5_v1_1_comm(dist_pool, model_dir):
-    """Gated MLP (3 [h, I] weights summed under MLP SP), untied LM head: two plans."""
-    path, plans = model_dir("t5-v1.1"), [COMBOS[3], COMBOS[4]]
+    """Gated MLP (3 [h, I] weights summed under MLP SP), untied LM head: two plans, the Galaxy
+    plan's TP ATT and MLP in 2 chunks of the sequence each (XATT's transitions are not chunked)."""
+    path, plans = model_dir("t5-v1.1"), [replace(COMBOS[0], comm_chunks=2), COMBOS[4]]
     check(dist_pool(2).run(profile_rank, path, plans, SHARES[2]), path, plans, SHARES[2])
 
 

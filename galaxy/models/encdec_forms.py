@@ -83,9 +83,9 @@ def encdec_sum_param_units(plan, shape: EncDecShape, group_size: int) -> list[in
 
 
 def encdec_plan_comm_bytes(plan, shape: EncDecShape, *, source_shares, target_shares, batch: int,
-                           comm_chunks: int = 1, element_size: int = 4) -> dict:
-    """Collectives one rank issues in one training step of the seq2seq LM (forward, backward,
-    gradient sync): {kind: {calls, sent, received}}.
+                           classifier: bool = False, comm_chunks: int = 1, element_size: int = 4) -> dict:
+    """Collectives one rank issues in one training step of the seq2seq LM, or of the classifier
+    (forward, backward, gradient sync): {kind: {calls, sent, received}}.
 
     Encoder layers: every family's block on the source shares (galaxy.distributed.comm_bytes;
     SP ATT gathers K and V, 2a wide). Decoder layers: the same on the target shares, plus XATT,
@@ -95,7 +95,9 @@ def encdec_plan_comm_bytes(plan, shape: EncDecShape, *, source_shares, target_sh
     (all-gather | reduce-scatter [b, S_max, h]); CON None, copied (identity | all-reduce [b, S, h]).
     Ends under CON SP: each stack's entry split (its backward all-gathers the embeddings'
     gradient, [b, max share, h]), and the LM head on the target shares: the head weight's
-    gradient [vocab, h] and the loss all-reduced. Gradient sync: encdec_sum_param_units.
+    gradient [vocab, h] and the loss all-reduced; the classifier instead sums each row's pooled
+    token over the group, one [b, h] all-reduce (its parameters are replicated, its loss whole).
+    Gradient sync: encdec_sum_param_units.
     """
     n = len(source_shares)
     if n == 1:
@@ -110,7 +112,8 @@ def encdec_plan_comm_bytes(plan, shape: EncDecShape, *, source_shares, target_sh
     else:
         calls.append(("all_reduce", batch * sum(source_shares) * h, 1))
     calls += end_collectives(plan, source_shares, batch, h, exit_tokens=None)
-    calls += end_collectives(plan, target_shares, batch, h, exit_tokens=None, head_all_reduces=(shape.vocab * h, 1))
+    head = (batch * h,) if classifier else (shape.vocab * h, 1)
+    calls += end_collectives(plan, target_shares, batch, h, exit_tokens=None, head_all_reduces=head)
     units = encdec_sum_param_units(plan, shape, n)
     calls += [("all_reduce", numel, 1) for numel in grad_sync_all_reduces(units, element_size)]
     return tally(calls, n, element_size)
@@ -127,8 +130,10 @@ def flops_entry(shape_of):
 
 
 def comm_entry(shape_of):
-    """A FamilySpec.plan_comm_bytes: the resolved plan's decoder_tokens are the target shares."""
-    def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1) -> dict:
+    """A FamilySpec.plan_comm_bytes: the resolved plan's decoder_tokens are the target shares;
+    num_labels: the classifier's (None: the LM's)."""
+    def comm_of(plan, cfg, batch: int, seq_shares, comm_chunks: int = 1, num_labels: int | None = None) -> dict:
         return encdec_plan_comm_bytes(plan, shape_of(cfg), source_shares=seq_shares,
-                                      target_shares=plan.decoder_tokens, batch=batch, comm_chunks=comm_chunks)
+                                      target_shares=plan.decoder_tokens, batch=batch,
+                                      classifier=num_labels is not None, comm_chunks=comm_chunks)
     return comm_of
