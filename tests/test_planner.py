@@ -561,4 +561,5 @@ def test_encoder_decoders_are_refused_before_any_process_group(tmp_path, tiny_lm
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"plan.py {command}: error: model_path holds a 't5' encoder-decoder; the planner does not "
-                   "profile encoder-decoders yet: write their plan's keys by hand (profile_flops.py profiles them)"), err
+                   "profile encoder-decoders yet: write their plan's keys by hand "
+                   "(profile_flops.py profiles them)"), err
