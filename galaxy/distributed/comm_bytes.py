@@ -73,6 +73,12 @@ def plan_comm_bytes(plan, *, seq_shares, batch: int, hidden: int, layers: int, k
     calls += end_collectives(plan, seq_shares, batch, hidden, exit_tokens, head_all_reduces)
     units = list(sum_param_units) + ([sum_param_numel] if sum_param_numel else [])
     calls += [("all_reduce", numel, 1) for numel in grad_sync_all_reduces(units, element_size)]
+    return tally(calls, n, element_size)
+
+
+def tally(calls, group_size: int, element_size: int = 4) -> dict:
+    """(kind, elements, times) per collective -> {kind: {calls, sent, received}} for one rank."""
+    n = group_size
     out: dict[str, dict] = {}
     for kind, numel, times in calls:
         c = out.setdefault(kind, {"calls": 0, "sent": 0, "received": 0})
@@ -87,25 +93,33 @@ def layer_collectives(plan, seq_shares, batch: int, hidden: int, layers: int, kv
                       comm_chunks: int = 1) -> list[tuple[str, int, int]]:
     """(kind, elements, times) of every layer's transitions (forward | backward), for the TP and
     SP sub-blocks of `plan` (docs/design.md section 2), and SP attention's K/V gather."""
-    con_s, longest = plan.con == "SP", max(seq_shares)
-    shard, full = batch * longest * hidden, batch * sum(seq_shares) * hidden
+    longest = max(seq_shares)
     calls = []
     for method in (plan.att, plan.mlp):
-        tp = method == "TP"
-        if tp and comm_chunks > 1:
-            calls += _chunked_collectives(con_s, seq_shares, batch, hidden, layers, comm_chunks)
-        elif con_s and tp:
-            # S -> R for a TP consumer | reduce-scatter; P -> S | all-gather
-            calls += [("all_gather", shard, layers), ("reduce_scatter", shard, layers),
-                      ("reduce_scatter", shard, layers), ("all_gather", shard, layers)]
-        elif tp:
-            calls += [("all_reduce", full, layers), ("all_reduce", full, layers)]   # R -> R copy, P -> R
-        elif not con_s:
-            calls += [("all_gather", shard, layers), ("all_gather", shard, layers)]  # R -> S split, S -> R
+        calls += sub_block_collectives(method, plan.con == "SP", seq_shares, batch, hidden, layers, comm_chunks)
     if plan.att == "SP":          # K and V, one collective: gather | reduce-scatter
         calls += [("all_gather", batch * longest * kv_features, layers),
                   ("reduce_scatter", batch * longest * kv_features, layers)]
     return calls
+
+
+def sub_block_collectives(method: str, con_s: bool, seq_shares, batch: int, hidden: int, layers: int,
+                          comm_chunks: int = 1) -> list[tuple[str, int, int]]:
+    """(kind, elements, times) of one sub-block's two transitions per layer (into it, out of it;
+    forward | backward), by its method and whether CON is SP; comm_chunks: a TP one's chunks."""
+    shard, full = batch * max(seq_shares) * hidden, batch * sum(seq_shares) * hidden
+    tp = method == "TP"
+    if tp and comm_chunks > 1:
+        return _chunked_collectives(con_s, seq_shares, batch, hidden, layers, comm_chunks)
+    if con_s and tp:
+        # S -> R for a TP consumer | reduce-scatter; P -> S | all-gather
+        return [("all_gather", shard, layers), ("reduce_scatter", shard, layers),
+                ("reduce_scatter", shard, layers), ("all_gather", shard, layers)]
+    if tp:
+        return [("all_reduce", full, layers), ("all_reduce", full, layers)]   # R -> R copy, P -> R
+    if not con_s:
+        return [("all_gather", shard, layers), ("all_gather", shard, layers)]  # R -> S split, S -> R
+    return []
 
 
 def _chunked_collectives(con_s: bool, seq_shares, batch: int, hidden: int, layers: int, comm_chunks: int):

@@ -28,6 +28,7 @@ from galaxy.layers.cross_attention import CrossAttention
 from galaxy.layers.decoder_block import DecoderBlock
 from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
+from galaxy.models.encdec_forms import EncDecShape, comm_entry, flops_entry
 from galaxy.models.family import checked_config
 from galaxy.models.seq2seq import EncoderDecoder, Seq2SeqLMHead, stack_names
 from galaxy.models.seq2seq_classifier import ClassificationHead, Seq2SeqClassifierHead, classifier_dropout
@@ -200,3 +201,18 @@ def config_shape(raw: dict) -> dict:
     return {"hidden_size": cfg.d_model, "num_attention_heads": cfg.encoder_attention_heads,
             "intermediate_size": cfg.encoder_ffn_dim, "num_hidden_layers": cfg.encoder_layers + cfg.decoder_layers,
             "max_position_embeddings": cfg.max_position_embeddings, "is_encoder_decoder": True}
+
+
+def encdec_shape(cfg) -> EncDecShape:
+    """BART's shape for the closed forms (galaxy.models.encdec_forms). Summed gradients per layer:
+    CON SP, each CON's LayerNorm (2h) and deferred output bias (h): 6h encoder, 9h decoder; an SP
+    ATT or XATT, its q/k/v weights and biases and out_proj's weight, 4h^2 + 3h; an SP MLP, fc1's
+    weight and bias and fc2's weight, 2hI + I. The embeddings' norms run replicated: not summed."""
+    h, i = cfg.d_model, cfg.encoder_ffn_dim
+    return EncDecShape(hidden=h, inner=h, heads=cfg.encoder_attention_heads, encoder_layers=cfg.encoder_layers,
+                       decoder_layers=cfg.decoder_layers, intermediate=i, mlp_matrices=2, vocab=cfg.vocab_size,
+                       sums={"con_encoder": 6 * h, "con_decoder": 9 * h, "att": 4 * h * h + 3 * h,
+                             "mlp": 2 * h * i + i})
+
+
+flops_of, comm_of = flops_entry(encdec_shape), comm_entry(encdec_shape)

@@ -153,7 +153,8 @@ class FamilySpec:
     # The profiler's closed forms, beside the family's model (e.g. galaxy.models.bert): matmul
     # FLOPs of one forward pass, (cfg, batch, seq, num_labels) -> {"total": ..., per part}; and the
     # bytes per collective kind a plan moves per rank and step, (plan, cfg, batch, seq_shares) ->
-    # {kind: bytes} (built on galaxy.distributed.comm_bytes).
+    # {kind: bytes} (built on galaxy.distributed.comm_bytes). An encoder-decoder's also take
+    # target= (decoder tokens) and num_labels= (its classifier) (galaxy.models.encdec_forms).
     matmul_flops: Callable[..., dict] | None = None
     plan_comm_bytes: Callable[..., dict] | None = None
     notes: tuple[str, ...] = field(default=())   # what the family does not support, for errors

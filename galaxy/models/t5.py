@@ -35,6 +35,7 @@ from galaxy.layers.mlp import FeedForward
 from galaxy.layers.position_bias import RelativePositionBias
 from galaxy.layers.rng import Dropout
 from galaxy.layers.self_attention import SelfAttention
+from galaxy.models.encdec_forms import EncDecShape, comm_entry, flops_entry
 from galaxy.models.family import checked_config
 from galaxy.models.llama import RMSNorm
 from galaxy.models.seq2seq import EncoderDecoder, Seq2SeqLMHead, stack_names
@@ -237,3 +238,20 @@ def config_shape(raw: dict) -> dict:
     return {"hidden_size": cfg.d_model, "num_attention_heads": cfg.num_heads, "intermediate_size": cfg.d_ff,
             "num_hidden_layers": cfg.num_layers + cfg.num_decoder_layers,
             "max_position_embeddings": NO_POSITION_LIMIT, "is_encoder_decoder": True}
+
+
+def encdec_shape(cfg) -> EncDecShape:
+    """T5's shape for the closed forms (galaxy.models.encdec_forms): a = num_heads x d_kv, no
+    biases. Summed gradients per layer: CON SP, each CON's RMSNorm weight (2h encoder, 3h
+    decoder) and, before the layers, both stacks' first norms (2h); an SP ATT or XATT, q, k, v, o
+    (4ha) and, before the layers, both stacks' position bias tables (2 x buckets x heads, SP ATT);
+    an SP MLP, its m [h, I] weights (v1.1: gated, m = 3)."""
+    h, a, i = cfg.d_model, cfg.num_heads * cfg.d_kv, cfg.d_ff
+    m = 3 if cfg.is_gated_act else 2
+    return EncDecShape(hidden=h, inner=a, heads=cfg.num_heads, encoder_layers=cfg.num_layers,
+                       decoder_layers=cfg.num_decoder_layers, intermediate=i, mlp_matrices=m, vocab=cfg.vocab_size,
+                       sums={"con_encoder": 2 * h, "con_decoder": 3 * h, "att": 4 * h * a, "mlp": m * h * i,
+                             "first_con": 2 * h, "first_att": 2 * cfg.relative_attention_num_buckets * cfg.num_heads})
+
+
+flops_of, comm_of = flops_entry(encdec_shape), comm_entry(encdec_shape)

@@ -48,7 +48,22 @@ class ProfileJob:
 
     @property
     def task_kind(self) -> str:
-        return next(iter(self.family.tasks))   # the profiler builds a family's primary task
+        """An encoder-decoder's: the config's task (its closed forms know both heads, the LM head
+        and the classifier); any other family's: its primary task."""
+        task = getattr(self.cfg, "task", None)
+        if self.encoder_decoder and task in self.family.tasks:
+            return task
+        return next(iter(self.family.tasks))
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return bool(self.shape.get("is_encoder_decoder"))
+
+    @property
+    def target_tokens(self) -> int | None:
+        """An encoder-decoder's decoder tokens per row (target_pad_size, else pad_size); None
+        for a one-stack model."""
+        return (self.cfg.target_pad_size or self.cfg.pad_size) if self.encoder_decoder else None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +104,8 @@ def prepare(cfg, opts) -> ProfileJob:
     from galaxy.models.build import load_hf_config
     hf = load_hf_config(cfg.model_path)
     num_labels = None
-    if next(iter(family.tasks)) == "classification":    # the classifier the trainer would build: one output per class
+    job = ProfileJob(cfg, opts, shape, hf, None)
+    if job.task_kind == "classification":    # the classifier the trainer would build: one output per class
         names = cfg.class_list
         if names is None:
             from galaxy.data import load_examples
@@ -99,14 +115,17 @@ def prepare(cfg, opts) -> ProfileJob:
 
 
 def synthetic_batch(task: str, batch: int, seq: int, vocab: int, num_labels: int | None, seed: int,
-                    device) -> dict:
-    """The same batch on every rank: random ids (no padding), full attention mask."""
+                    device, target: int | None = None) -> dict:
+    """The same batch on every rank: random ids (no padding), full attention mask. seq2seq:
+    labels [batch, target], random too (the decoder reads them shifted right)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (batch, seq), generator=g)
     out = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     if task == "classification":
         out["token_type_ids"] = torch.zeros_like(ids)
         out["labels"] = torch.randint(0, num_labels, (batch,), generator=g)
+    elif task == "seq2seq":
+        out["labels"] = torch.randint(1, vocab, (batch, target), generator=g)
     else:
         out["labels"] = ids.clone()
     return {k: v.to(device) for k, v in out.items()}
@@ -116,14 +135,16 @@ def closed_form_flops(job: ProfileJob) -> int:
     """Forward matrix FLOPs of the serial model on one replica's rows (the whole batch without data
     parallelism), from the family's closed form."""
     rows = job.cfg.batch_size // job.cfg.plan.dp
-    return job.family.matmul_flops(job.hf, rows, job.cfg.pad_size, job.num_labels)["total"]
+    target = {} if job.target_tokens is None else {"target": job.target_tokens}
+    return job.family.matmul_flops(job.hf, rows, job.cfg.pad_size, job.num_labels, **target)["total"]
 
 
 def closed_form_comm(job: ProfileJob, plan) -> dict:
     """Bytes per collective kind the (resolved) plan's transitions, head and gradient sync should move
     per rank (one replica's rows)."""
+    head = {"num_labels": job.num_labels} if job.encoder_decoder else {}    # its LM head or its classifier
     return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // plan.dp, plan.tokens,
-                                      comm_chunks=plan.comm_chunks)
+                                      comm_chunks=plan.comm_chunks, **head)
 
 
 def run(job: ProfileJob, env) -> None:
@@ -134,11 +155,15 @@ def run(job: ProfileJob, env) -> None:
     torch.manual_seed(cfg.seed)
     plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
-                        device=env.device, dropout=cfg.dropout)
+                        device=env.device, dropout=cfg.dropout, task=job.task_kind)
     rows = cfg.batch_size // plan.dp
     batch = synthetic_batch(job.task_kind, rows, cfg.pad_size, job.hf.vocab_size, job.num_labels, cfg.seed,
-                            env.device)
-    plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con} if mesh.galaxy.size > 1 else None
+                            env.device, job.target_tokens)
+    plan_dict = None
+    if mesh.galaxy.size > 1:
+        plan_dict = {"att": plan.att, "mlp": plan.mlp, "con": plan.con}
+        if job.target_tokens is not None:
+            plan_dict["xatt"] = plan.method("xatt")
     report = profile_model(model, batch, grad_sync=GradientSync(model, mesh.galaxy.pg),
                            repeats=opts.repeats, warmup=opts.warmup, plan=plan_dict,
                            optimizer_states=2 if cfg.optimizer == "adamw" else 0,

@@ -29,8 +29,10 @@ from galaxy.profiler.formulas import FUSED_SOFTMAX, Formulas, elementwise_ops
 from galaxy.profiler.report import ModuleStats, ProfileReport, SubBlockStats, Totals
 from galaxy.profiler.tracer import ModuleTracer
 
-SUB_BLOCKS = {"att": "ATT", "con1": "CON", "mlp": "MLP", "con2": "CON"}
-_SUB_BLOCK_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(att|con1|mlp|con2)$")
+# A layer's sub-blocks in the order they run (an encoder-decoder's decoder layer adds XATT, the
+# cross-attention, and CONX, the connective after it) -> kind
+SUB_BLOCKS = {"att": "ATT", "con1": "CON", "xatt": "XATT", "conx": "CON", "mlp": "MLP", "con2": "CON"}
+_SUB_BLOCK_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(att|con1|xatt|conx|mlp|con2)$")
 
 
 def loss_of(output) -> torch.Tensor:
@@ -251,7 +253,7 @@ def _assemble(model, batch, counting: _Counting, timings: list[_Timing], plan) -
 
 
 def _sub_blocks(order: list[str], stats: dict) -> list[SubBlockStats]:
-    """The figures of every layer's ATT, CON1, MLP and CON2, in layer order."""
+    """The figures of every layer's sub-blocks, in layer order, each layer's in running order."""
     out = []
     for name in order:
         match = _SUB_BLOCK_NAME.match(name)
@@ -262,7 +264,8 @@ def _sub_blocks(order: list[str], stats: dict) -> list[SubBlockStats]:
                 params=m.params, fwd_flops=m.fwd_flops, bwd_flops=m.bwd_flops, macs=m.macs,
                 fwd_elementwise_flops=m.fwd_elementwise_flops, bwd_elementwise_flops=m.bwd_elementwise_flops,
                 act_bytes=m.act_bytes, fwd_latency_s=m.fwd_latency_s, bwd_latency_s=m.bwd_latency_s))
-    return out
+    running = list(SUB_BLOCKS)
+    return sorted(out, key=lambda s: (s.layer, running.index(s.name)))
 
 
 def _notes(model, counting: _Counting) -> list[str]:

@@ -34,8 +34,8 @@ class ModuleStats:
 @dataclass
 class SubBlockStats:
     layer: int
-    name: str                      # att | con1 | mlp | con2 (module layers.{layer}.{name})
-    kind: str                      # ATT | CON | MLP
+    name: str                      # att | con1 | [xatt | conx] | mlp | con2 (module layers.{layer}.{name})
+    kind: str                      # ATT | CON | XATT | MLP
     params: int
     fwd_flops: int
     bwd_flops: int

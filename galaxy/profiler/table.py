@@ -78,7 +78,8 @@ def summary(report: ProfileReport) -> str:
     t = report.totals
     plan = report.plan
     where = f"rank {report.rank} of {report.world}" + (
-        f", plan ATT {plan['att']} / CON {plan['con']} / MLP {plan['mlp']}" if plan else "")
+        f", plan ATT {plan['att']} / CON {plan['con']} / MLP {plan['mlp']}"
+        + (f" / XATT {plan['xatt']}" if "xatt" in plan else "") if plan else "")
     lines = [f"{report.model}: batch {report.batch_size} x {report.seq_len} tokens, {where}",
              f"  params {human(t.params)}  fwd {human(t.fwd_flops, 'FLOPs')} ({human(t.macs, 'MACs')})  "
              f"bwd {human(t.bwd_flops, 'FLOPs')}  element-wise fwd {human(t.elementwise_flops, 'FLOPs')} "
