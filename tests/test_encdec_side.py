@@ -95,7 +95,8 @@ def mesh_case(model_dir, method, pp, dp, batch_fn, shares, task=None, stages=Non
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_dp2_and_pipelines_match_serial(dist_pool, tiny_lm_dir, classifier_dir, family):
     """dp 2 (seq2seq and classification; FSDP2 no_reshard: the frozen backbone's layers gather and
-    never reduce); pp 2 split inside the encoder and between the stacks."""
+    never reduce); pp 2 split inside the encoder and between the stacks (seq2seq, and a classifier,
+    whose last stage pools from positions the runner hands it)."""
     lm, serial = tiny_lm_dir(family), SEQ2SEQ_SHARES[1]
     cases = [mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial),
              mesh_case(classifier_dir(family), "side_only", 1, 2, CLS_BATCHES[family], CLS_SHARES[1],
@@ -103,9 +104,11 @@ def test_dp2_and_pipelines_match_serial(dist_pool, tiny_lm_dir, classifier_dir, 
              mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
              mesh_case(lm, "side_only", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
              mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[2, 2]),
-             mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial, sharding="no_reshard")]
+             mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial, sharding="no_reshard"),
+             mesh_case(classifier_dir(family), "side", 2, 1, CLS_BATCHES[family], CLS_SHARES[1], "classification",
+                       stages=[2, 2])]
     labels = ["side dp2", "side_only classifier dp2", "side pp2 [1, 3]", "side_only pp2 [1, 3]", "side pp2 [2, 2]",
-              "side dp2 sharded"]
+              "side dp2 sharded", "side classifier pp2 [2, 2]"]
     check(dist_pool(2).run(peft_cases_vs_serial, cases), labels)
 
 
