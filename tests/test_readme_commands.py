@@ -44,7 +44,7 @@ SERIAL = [
     "python finetune_t5_side.py --config_file train_config/t5/side_only.json",
     *[f"python finetune_bart.py --config_file train_config/bart/{c}.json" for c in ("side", "side_only")],
 ]
-PROFILE = "python profile_flops.py --model bert --config train_config/bert/full.json"
+PROFILES = [f"python profile_flops.py --model {m} --config train_config/{m}/full.json" for m in ("bert", "bart")]
 WORLD2 = [   # {r}: the rank
     "python pretrain_tp_bert.py --world 2 --rank {r}",
     "python pretrain_tp_bert.py --config_file train_config/bert/tp/full.json --world 2 --rank {r}",
@@ -146,7 +146,7 @@ def run_key(command: str) -> tuple[str, str, int]:
 
 
 def test_galaxy_lm_command_lines_are_run_as_written():
-    run = {" ".join(c.format(r=0).split()) for c in SERIAL + WORLD2 + [PROFILE]}
+    run = {" ".join(c.format(r=0).split()) for c in SERIAL + WORLD2 + PROFILES}
     lines = documented_commands(GALAXY_LM_PAGE)
     assert len(lines) >= 9
     assert [line for line in lines if line not in run] == [], "add these to SERIAL / WORLD2"
@@ -187,7 +187,8 @@ def test_documented_commands_run_and_finish(tmp_path):
     ports = [free_port() for _ in world2]
     ranks = [[f"{c.format(r=r)} {QUICK} --init_method tcp://127.0.0.1:{p}" for c, p in zip(world2, ports)]
              for r in (0, 1)]
-    serial = [f"{c} {QUICK}" for c in SERIAL + GALAXY_LM_SERIAL + DATA_SERIAL] + [f"{PROFILE} --repeats 1 --warmup 0"]
+    serial = [f"{c} {QUICK}" for c in SERIAL + GALAXY_LM_SERIAL + DATA_SERIAL] + \
+        [f"{c} --repeats 1 --warmup 0" for c in PROFILES]
     drivers = {"serial": start_driver(tmp_path, "serial", serial),
                **{f"rank{r}": start_driver(tmp_path, f"rank{r}", ranks[r]) for r in (0, 1)}}
     finished, outputs = {}, {}
