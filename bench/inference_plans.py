@@ -85,6 +85,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode_prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)
+    p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
+                   help="how ranks wait for collectives (config key comm_wait; auto polls where each rank has a core)")
     p.add_argument("--json")
     p.add_argument("--world", type=int, default=1, help="set by galaxy.edge run")
     p.add_argument("--rank", type=int, default=0, help="set by galaxy.edge run")
@@ -98,6 +100,10 @@ def main() -> None:
         bind_to_rendezvous(args.init_method)
     init = args.init_method or f"file://{tempfile.mkstemp()[1]}"
     dist.init_process_group("gloo", init_method=init, world_size=args.world, rank=args.rank)
+    from galaxy.distributed import waiting       # as generate.py's launch does: a sleeping waiter wakes late
+    from galaxy.launch import ranks_and_cores_on_this_host
+    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
+    print(f"rank {args.rank}: waits {'poll' if waiting.polling() else 'block'}", flush=True)
     with tempfile.TemporaryDirectory() as own:
         path = [own]
         if args.rank == 0:
