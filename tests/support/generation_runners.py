@@ -71,3 +71,10 @@ def hf_generate(family, model_dir, prompts, max_new: int, eos=None, **beams) -> 
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[:cut])
     return rows
+
+
+def galaxy_generate_cases(model_dir, plans, cases, rows_per_batch: int = 8):
+    """Every (requests, eos) case under each of `plans` in one pool call: [[(tokens, finish_reason)]
+    per case] per plan."""
+    return [[galaxy_generate(model_dir, plan, requests, rows_per_batch, eos=eos)[0] for requests, eos in cases]
+            for plan in plans]
