@@ -17,6 +17,10 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
 
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
+
+Beam search (num_beams K > 1, galaxy.inference.beam_search): each prompt is K rows; the sampler
+broadcasts each row's token and the row it continues, and every rank reorders its caches' rows
+(Caches.reorder) before the next step; at the end it broadcasts each prompt's best hypothesis.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ serial run draws (to the rounding of the logits, which a draw almost never strad
 The filters are Hugging Face's sampling warpers, in its order: temperature, then top-k (keep the k
 largest logits), then top-p (keep the smallest set of most likely tokens whose probability
 reaches top_p), then one draw from the softmax of what is left.
+
+Beams holds beam search's settings (num_beams > 1: galaxy.inference.beam_search), which replace
+this choice of one token per row.
 """
 from __future__ import annotations
 
