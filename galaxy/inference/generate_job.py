@@ -53,7 +53,9 @@ class GenerateJob(FromSetup):
         """--check's words for it."""
         n = len(self.requests)
         first = f"the prompt {self.requests[0].prompt!r}" if n == 1 else f"{n} prompts"
-        return f"generate up to {self.requests[0].max_new_tokens} tokens after {first}"
+        beams = self.requests[0].beams.num_beams
+        return f"generate up to {self.requests[0].max_new_tokens} tokens after {first}" + \
+            (f" by beam search ({beams} beams)" if beams > 1 else "")
 
 
 def prepare_generate(cfg, args) -> GenerateJob:
