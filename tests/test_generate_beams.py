@@ -1,11 +1,11 @@
 """Beam search (galaxy.inference.beam_search) gives Hugging Face generate(num_beams=K,
 do_sample=False)'s best beams, token for token: a causal LM (Llama) serially, at world 2 under ATT
 TP and ATT SP with uneven shares (the SP caches' round-robin slots reorder with the beams), as a
-2-stage pipeline and over 2 data-parallel replicas; encoder-decoders (BART, T5) serially, under
-Galaxy plans at world 2 (XATT TP with uneven heads, XATT SP) and as 2-stage pipelines. A batch of
-unequal prompts, K = 2 and 3, with the model's EOS and with EOS tokens that end beams early,
-length_penalty and each early_stopping rule. The beams' answers differ from greedy's, so the
-search is exercised."""
+2-stage pipeline (also of two Galaxy groups) and over 2 data-parallel replicas; encoder-decoders
+(BART, T5) serially, under Galaxy plans at world 2 (XATT TP with uneven heads, XATT SP) and as
+2-stage pipelines. A batch of unequal prompts, K = 2 and 3, with the model's EOS and with EOS
+tokens that end beams early, length_penalty and each early_stopping rule. The beams' answers differ
+from greedy's, so the search is exercised."""
 import pytest
 
 from support.generation_runners import galaxy_generate_cases, hf_generate, requests_for
@@ -111,3 +111,9 @@ def test_seq2seq_serial_plans_and_pp2_equal_hf_beams(dist_pool, seq2seq, family)
     check(dist_pool(2), seq2seq(family), [seq2seq_plan(2, "SP", "TP", "SP", "TP"),
                                           seq2seq_plan(2, "TP", "SP", "None", "SP"),
                                           seq2seq_plan(2, pp=2, stages=(3, 1) if family == "bart" else (1, 3))])
+
+
+def test_llama_pp2_x_galaxy2_equals_hf_beams(dist_pool, llama):
+    """Stages that are Galaxy groups under ATT SP: the parents cross the pipeline and both groups'
+    round-robin caches reorder alike."""
+    check(dist_pool(4), llama, [llama_plan(4, "SP", "TP", "SP", pp=2, stages=(2, 2))])
