@@ -1,7 +1,8 @@
 """generate.py and --predict, run as users run them.
 
 generate.py under the Galaxy plan at world 2 (uneven shares) writes one JSON line per prompt, in
-input order, whose tokens are Hugging Face generate's greedy ones, alone or in the chat template;
+input order, whose tokens are Hugging Face generate's greedy ones, alone or in the chat template,
+or with --num_beams its best beams;
 a stop string cuts the text; bad input is one line and exit status 2 before any process group.
 pretrain_galaxy.py --predict at world 2 writes Hugging Face's class probabilities and the
 accuracy; "train": false predicts the test set with pretrain_bert.py.
@@ -54,6 +55,18 @@ def test_generate_writes_hf_greedy_tokens_in_order(lm):
         assert r["finish_reason"] == ("stop" if len(r["completion_tokens"]) < NEW else "length")
 
 
+def test_generate_num_beams_writes_hf_best_beams(lm):
+    """--num_beams 3 --length_penalty 2 --early_stopping true under the Galaxy plan at world 2, two
+    prompts a batch (6 beam rows): each line holds Hugging Face's best beam for its prompt."""
+    out = lm["tmp"] / "beams.jsonl"
+    run_script("generate.py", config(lm, "galaxy", **GALAXY), 2, "--prompts", lm["prompts"], "--out", str(out),
+               "--max_new_tokens", str(NEW), "--num_beams", "3", "--length_penalty", "2", "--early_stopping", "true")
+    want = [hf_generate("llama", lm["model_dir"], [p], NEW, num_beams=3, length_penalty=2.0, early_stopping=True)[0]
+            for p in PROMPTS]
+    assert want != [hf_generate("llama", lm["model_dir"], [p], NEW)[0] for p in PROMPTS]
+    assert [r["completion_tokens"] for r in read_jsonl(out)] == want
+
+
 def test_chat_template_and_stop_string(lm):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(lm["model_dir"])
@@ -76,6 +89,10 @@ BAD = [
     ("generate.py", ("--prompt", "word " * 30), "more than the 24 of pad_size"),
     ("generate.py", ("--prompt", "x", "--max_new_tokens", "600"), "exceed the model's 512 positions"),
     ("generate.py", ("--prompt", "x", "--top_p", "0"), "--top_p must be in (0, 1]"),
+    ("generate.py", ("--prompt", "x", "--num_beams", "2", "--temperature", "0.7"),
+     "--num_beams 2 searches beams without sampling (Hugging Face's do_sample=False): drop --temperature"),
+    ("generate.py", ("--prompt", "x", "--num_beams", "3", "--stop", "y"), "--stop is not applied under beam search"),
+    ("generate.py", ("--prompt", "x", "--length_penalty", "2"), "--length_penalty and --early_stopping apply to beam"),
     ("serve.py", ("--port", "0"), "--port must be 1..65535, got 0"),
 ]
 

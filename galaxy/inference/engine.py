@@ -17,13 +17,18 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
 
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
+
+Beam search (num_beams K > 1, galaxy.inference.beam_search): each prompt is K rows; the sampler
+broadcasts each row's token and the row it continues, and every rank reorders its caches' rows
+(Caches.reorder) before the next step; at the end it broadcasts each prompt's best hypothesis.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from galaxy.inference.requests import Completion, Progress, Request
+from galaxy.inference.beam_search import BeamProgress
+from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
 from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
 from galaxy.parallel.decode_layout import decode_layouts
 from galaxy.pipeline.stage import carry_dtype, carry_shapes, carry_slots, pack_carry, unpack_carry
@@ -52,29 +57,51 @@ class Engine:
     @torch.no_grad()
     def generate(self, requests: list[Request], on_token=None) -> list[Completion]:
         """Every row's completion. on_token(row, token, status), when given, hears each token as
-        soon as this rank has it."""
-        progress = Progress(list(requests), self.tokenizer, self.eos, self.pad)
-        ids, mask, positions = self._left_padded(requests)
+        soon as this rank has it (under beam search: every token of the answer, at the end)."""
+        progress = self._progress(requests)
+        ids, mask, positions = self._left_padded(progress.rows)
         rows, length = ids.shape
         new = max(r.max_new_tokens for r in requests)
         caches = open_caches(self.model, rows, length, new, carry_dtype(self.model), self.device)
         self.cache_bytes = caches.nbytes
         try:
             logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
-            self._advance(progress, logits, on_token)
+            self._advance(progress, logits, on_token, caches)
             ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
             with decode_layouts(self.model):
                 step = 0
                 while not progress.done:
-                    tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]
-                    positions = positions[:, -1:] + 1                               # [b, 1]
+                    tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]
+                    positions = self._reordered(progress, positions)[:, -1:] + 1        # [b, 1]
                     owner = step % self.group.size
                     logits = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner))
-                    self._advance(progress, logits, on_token)
+                    self._advance(progress, logits, on_token, caches)
                     step += 1
         finally:
             caches.close()
-        return progress.completions()
+        return self._completions(progress, on_token)
+
+    def _progress(self, requests: list[Request]):
+        """How the batch's rows stand: one row per request, or num_beams rows (beam search)."""
+        if requests[0].beams.num_beams > 1:
+            return BeamProgress(list(requests), self.tokenizer, self.eos, self.pad)
+        return Progress(list(requests), self.tokenizer, self.eos, self.pad)
+
+    def _reordered(self, progress, rows_first: torch.Tensor) -> torch.Tensor:
+        """A per-row tensor [b, ...] in the order of the beams the last step chose."""
+        parents = progress.parents
+        return rows_first if parents is None else rows_first[parents.to(rows_first.device)]
+
+    def _completions(self, progress, on_token) -> list[Completion]:
+        """Every request's completion; under beam search, the sampler's answers broadcast."""
+        if not isinstance(progress, BeamProgress):
+            return progress.completions()
+        answers = progress.answers() if self.is_sampler else torch.empty(progress.answers_shape, dtype=torch.long)
+        done = progress.completions(self._from_sampler(answers.to(self.device)).cpu())
+        for row, c in enumerate(done if on_token is not None else ()):
+            for i, token in enumerate(c.tokens):
+                on_token(row, token, RUNNING if i + 1 < len(c.tokens) else FINISH_CODE[c.finish_reason])
+        return done
 
     def _left_padded(self, requests):
         """ids, mask, positions [b, P]: prompts right-aligned, positions counting real tokens."""
@@ -101,14 +128,16 @@ class Engine:
         logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]
         return logits[:, -1].float()
 
-    def _advance(self, progress: Progress, logits, on_token) -> None:
-        """The sampler chooses; every rank takes its choice."""
-        packed = progress.choose(logits) if self.is_sampler else \
-            torch.empty(len(progress.requests), 2, dtype=torch.long)
+    def _advance(self, progress, logits, on_token, caches) -> None:
+        """The sampler chooses; every rank takes its choice (under beam search, every cache's
+        rows follow the beams chosen)."""
+        packed = progress.choose(logits) if self.is_sampler else torch.empty(progress.packed_shape, dtype=torch.long)
         packed = self._from_sampler(packed.to(self.device))
         for row, token, status in progress.record(packed.cpu()):
             if on_token is not None:
                 on_token(row, token, status)
+        if progress.parents is not None:
+            caches.reorder(progress.parents.to(self.device))
 
     def _from_sampler(self, packed):
         mesh, g = self.mesh, self.group

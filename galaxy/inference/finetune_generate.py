@@ -45,7 +45,8 @@ def prepare_encoder_decoder(cfg, args):
 def greedy_job(cfg, args) -> GenerateJob:
     """generate.py's job for --generate PROMPT: greedy, printing the text and the token ids."""
     greedy = Namespace(max_new_tokens=args.max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=[],
-                       ignore_eos=False, chat=False, world=args.world, prompts=None)
+                       ignore_eos=False, chat=False, world=args.world, prompts=None, num_beams=1,
+                       length_penalty=1.0, early_stopping="false")
     return GenerateJob(*requests_job(cfg, greedy, [Prompt(args.generate)]), out=None, echo=True)
 
 

@@ -4,7 +4,7 @@ finetune_llama.py, finetune_bart.py and finetune_t5.py --generate run through it
 
     python generate.py --config_file C [--world N --rank R] (--prompt TEXT | --prompts FILE)
         [--out FILE.jsonl] [--max_new_tokens K] [--temperature T --top_k K --top_p P --seed S]
-        [--stop TEXT ...] [--ignore_eos] [--chat]
+        [--stop TEXT ...] [--ignore_eos] [--chat] [--num_beams K [--length_penalty L] [--early_stopping E]]
 
 Every rank reads and tokenises the prompts before any process group starts (a bad file, a prompt
 too long for the model's positions or the plan's pad_size: one line, exit 2). The data-parallel
@@ -25,7 +25,8 @@ from galaxy.inference.model import generation_engine, generation_task, inference
 from galaxy.inference.prompts import Prompt, prompt_ids, read_prompts
 from galaxy.inference.replicas import cache_mib_per_rank, generate_all
 from galaxy.inference.requests import Completion, Request
-from galaxy.inference.setup import FromSetup, InferenceSetup, add_sampling_arguments, prepare_inference, sampling_of
+from galaxy.inference.setup import (FromSetup, InferenceSetup, add_beam_arguments, add_sampling_arguments, beams_of,
+                                    prepare_inference, sampling_of)
 from galaxy.preflight.paths import check_writable
 from galaxy.runtime.runners import plan_and_mesh
 
@@ -37,6 +38,7 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template as a "
                                                       "user turn (training's template when it has none)")
     add_sampling_arguments(p)
+    add_beam_arguments(p)
 
 
 @dataclass
@@ -51,7 +53,9 @@ class GenerateJob(FromSetup):
         """--check's words for it."""
         n = len(self.requests)
         first = f"the prompt {self.requests[0].prompt!r}" if n == 1 else f"{n} prompts"
-        return f"generate up to {self.requests[0].max_new_tokens} tokens after {first}"
+        beams = self.requests[0].beams.num_beams
+        return f"generate up to {self.requests[0].max_new_tokens} tokens after {first}" + \
+            (f" by beam search ({beams} beams)" if beams > 1 else "")
 
 
 def prepare_generate(cfg, args) -> GenerateJob:
@@ -69,6 +73,7 @@ def requests_job(cfg, args, prompts: list[Prompt]) -> tuple[InferenceSetup, list
         raise ConfigError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     setup = prepare_inference(cfg, args.world)
     sampling = sampling_of(args, cfg.seed)
+    beams = beams_of(args, sampling)
     requests = []
     for i, prompt in enumerate(prompts):
         ids = prompt_ids(setup.tokenizer, prompt, args.chat)
@@ -77,7 +82,7 @@ def requests_job(cfg, args, prompts: list[Prompt]) -> tuple[InferenceSetup, list
             where = "--prompt" if len(prompts) == 1 and args.prompts is None else f"{args.prompts}: prompt {i + 1}"
             raise ConfigError(f"{where}: {problem}")
         requests.append(Request(prompt.text, tuple(ids), args.max_new_tokens, replace(sampling, seed=sampling.seed + i),
-                                tuple(args.stop), args.ignore_eos))
+                                tuple(args.stop), args.ignore_eos, beams))
     return setup, requests
 
 

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from galaxy.inference.sampling import Sampling, choose, generator_for
+from galaxy.inference.sampling import Beams, Sampling, choose, generator_for
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2           # a row's status, as the sampler broadcasts it
 FINISH = {STOPPED: "stop", LENGTH: "length"}
+FINISH_CODE = {reason: code for code, reason in FINISH.items()}
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class Request:
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    beams: Beams = Beams()              # num_beams > 1: beam search (galaxy.inference.beam_search)
 
 
 @dataclass
@@ -62,9 +64,24 @@ class Progress:
         self.status = [RUNNING] * len(self.requests)
         self.generators = None
 
+    parents = None                      # beams' reordering of the rows (BeamProgress); none here
+
     @property
     def done(self) -> bool:
         return all(s != RUNNING for s in self.status)
+
+    @property
+    def rows(self) -> list[Request]:
+        """The batch's rows: one per request."""
+        return self.requests
+
+    @property
+    def packed_shape(self) -> tuple[int, int]:
+        """The sampler's broadcast of a step: [b, 2] (token, status)."""
+        return len(self.requests), 2
+
+    def last_tokens(self) -> list[int]:
+        return [t[-1] for t in self.tokens]
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampler's pick for every row from logits [b, vocab] (fp32) -> [b, 2] (token, status);

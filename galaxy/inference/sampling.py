@@ -10,6 +10,9 @@ serial run draws (to the rounding of the logits, which a draw almost never strad
 The filters are Hugging Face's sampling warpers, in its order: temperature, then top-k (keep the k
 largest logits), then top-p (keep the smallest set of most likely tokens whose probability
 reaches top_p), then one draw from the softmax of what is left.
+
+Beams holds beam search's settings (num_beams > 1: galaxy.inference.beam_search), which replace
+this choice of one token per row.
 """
 from __future__ import annotations
 
@@ -39,6 +42,25 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+LOST = -1.0e9            # a beam score that may not be chosen (Hugging Face's constant)
+
+
+@dataclass(frozen=True)
+class Beams:
+    num_beams: int = 1                      # 1: no beam search (greedy or sampled, galaxy.inference.sampling)
+    length_penalty: float = 1.0             # a hypothesis' score: sum of log-probs / length ** length_penalty
+    early_stopping: bool | str = False      # True, False or "never" (Hugging Face's meanings)
+
+    def problems(self) -> list[str]:
+        """What is out of range, one phrase each (the caller names the flag)."""
+        out = []
+        if self.num_beams < 1:
+            out.append(f"num_beams must be at least 1, got {self.num_beams}")
+        if self.early_stopping not in (True, False, "never"):
+            out.append(f"early_stopping must be true, false or never, got {self.early_stopping!r}")
+        return out
 
 
 def generator_for(sampling: Sampling, device) -> torch.Generator | None:

@@ -46,22 +46,25 @@ class Seq2SeqEngine(Engine):
     def generate(self, requests: list[Request], on_token=None) -> list[Completion]:
         """Every row's completion (the tokens after the start token); on_token as Engine's."""
         m = self.model
-        progress = Progress(list(requests), self.tokenizer, self.eos, self.pad)
-        ids, mask = self._right_padded(requests)
+        progress = self._progress(requests)
+        ids, mask = self._right_padded(progress.rows)
         caches = open_caches(m, *ids.shape, max(r.max_new_tokens for r in requests), carry_dtype(m), self.device)
         self.cache_bytes = caches.nbytes
         try:
             with decode_layouts(m):
-                source = self._first_pass(ids, mask, progress, on_token)
+                source = self._first_pass(ids, mask, progress, on_token, caches)
                 position = 1
                 while not progress.done:
-                    self._decode_step(source, mask, position, progress, on_token)
+                    # beams: the encoder's padding and output follow the rows (a prompt's beams hold the same)
+                    mask = self._reordered(progress, mask)
+                    source = tuple(t if t is None else self._reordered(progress, t) for t in source)
+                    self._decode_step(source, mask, position, progress, on_token, caches)
                     position += 1
         finally:
             caches.close()
-        return progress.completions()
+        return self._completions(progress, on_token)
 
-    def _first_pass(self, ids, mask, progress: Progress, on_token) -> tuple:
+    def _first_pass(self, ids, mask, progress: Progress, on_token, caches) -> tuple:
         """The encoder on ids, mask [b, S] under the plan, and the start token through the decoder
         (each XATT filling its cache); returns this stage's source carry (kept for the head's
         carry; None where a tensor did not reach this stage)."""
@@ -74,21 +77,21 @@ class Seq2SeqEngine(Engine):
                               target_layout=Layout.R)
         carry = self._through_stage(lambda: m.embed(ids, decoder_input_ids=start), received, sent, shapes, context,
                                     m.layers)
-        self._advance(progress, self._logits(carry), on_token)
+        self._advance(progress, self._logits(carry), on_token, caches)
         return carry[:m.carry_size]
 
-    def _decode_step(self, source: tuple, mask, position: int, progress: Progress, on_token) -> None:
+    def _decode_step(self, source: tuple, mask, position: int, progress: Progress, on_token, caches) -> None:
         """Each row's last token at `position` through the decoder layers alone; the SP ATT's
         owner of the step is position mod N (round-robin)."""
         m = self.model
-        tokens = torch.tensor([t[-1] for t in progress.tokens], device=self.device)[:, None]     # [b, 1]
+        tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]               # [b, 1]
         step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size)
         decoder = [layer for layer in m.layers if layer.sequence == "target"]
         received, sent = (decoding_slots(slots) for slots in stage_slots(m))
         shapes = carry_shapes(m, Layout.R, len(tokens), 1, 1, slots=received)
         carry = self._through_stage(lambda: (*source, *m.embed_target(tokens, position)), received, sent, shapes,
                                     m.decoding_context(mask, position, step), decoder)
-        self._advance(progress, self._logits(carry), on_token)
+        self._advance(progress, self._logits(carry), on_token, caches)
 
     def _stage_start(self) -> int:
         """The boundary this stage receives at: its first layer's index (0 without a pipeline)."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from galaxy.config import ConfigError, resolved_plan
 from galaxy.inference.model import generation_task
 from galaxy.inference.prompts import Limits
-from galaxy.inference.sampling import Sampling
+from galaxy.inference.sampling import Beams, Sampling
 from galaxy.models.shape import read_model_shape
 from galaxy.peft import PeftOptions
 from galaxy.preflight.tokenizer import load_tokenizer
@@ -84,6 +84,39 @@ def sampling_of(args, default_seed: int) -> Sampling:
     if problems:
         raise ConfigError("--" + problems[0])
     return sampling
+
+
+def beams_of(args, sampling: Sampling) -> Beams:
+    """The beam-search flags (--num_beams, --length_penalty, --early_stopping); ConfigError naming
+    a bad one or one that beam search does not combine with."""
+    beams = Beams(args.num_beams, args.length_penalty, EARLY_STOPPING[args.early_stopping])
+    problems = beams.problems()
+    if problems:
+        raise ConfigError("--" + problems[0])
+    if beams.num_beams == 1:
+        if args.length_penalty != 1.0 or args.early_stopping != "false":
+            raise ConfigError("--length_penalty and --early_stopping apply to beam search only: add --num_beams K "
+                              "(K > 1) or drop them")
+        return beams
+    if not sampling.greedy:
+        raise ConfigError(f"--num_beams {beams.num_beams} searches beams without sampling (Hugging Face's "
+                          "do_sample=False): drop --temperature or use --num_beams 1")
+    if args.stop:
+        raise ConfigError("--stop is not applied under beam search: drop it or use --num_beams 1")
+    return beams
+
+
+EARLY_STOPPING = {"false": False, "true": True, "never": "never"}
+
+
+def add_beam_arguments(p) -> None:
+    p.add_argument("--num_beams", type=int, default=1, metavar="K",
+                   help="beam search with K beams per prompt, as Hugging Face's generate(num_beams=K, "
+                        "do_sample=False) (default 1: greedy or sampled)")
+    p.add_argument("--length_penalty", type=float, default=1.0,
+                   help="beam search: a finished beam scores its log-probability / length ** this (default 1)")
+    p.add_argument("--early_stopping", choices=sorted(EARLY_STOPPING), default="false",
+                   help="beam search: when a prompt is done, as Hugging Face's early_stopping (default false)")
 
 
 def add_sampling_arguments(p) -> None:

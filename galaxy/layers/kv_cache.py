@@ -72,6 +72,14 @@ class KVCache:
         n = self.length
         return self.k[:, :, :n], self.v[:, :, :n], self.keep[:, :n]
 
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Beam search: row i takes what row rows[i] holds ([b] indices; in place, so every view
+        of the cache stays valid). The same on every rank, whatever share of heads or slots it
+        keeps: the rows are the batch's, split by no plan."""
+        self.k.copy_(self.k.index_select(0, rows))
+        self.v.copy_(self.v.index_select(0, rows))
+        self.keep.copy_(self.keep.index_select(0, rows))
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.keep.nbytes
@@ -86,6 +94,12 @@ class Caches:
     @property
     def nbytes(self) -> int:
         return sum(m.kv_cache.nbytes for m in self.modules if m.kv_cache is not None)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Every cache's rows follow the beams chosen (KVCache.reorder): self- and cross-attention."""
+        for m in self.modules:
+            if m.kv_cache is not None:
+                m.kv_cache.reorder(rows)
 
     def close(self) -> None:
         """Free the caches: the modules compute as in training again."""

@@ -25,9 +25,10 @@ def requests_for(model_dir, prompts, max_new: int, sampling=Sampling(), **kw) ->
     return [Request(p, tuple(tok(p)["input_ids"]), max_new, sampling, **kw) for p in prompts]
 
 
-def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lora=None, fold=False):
+def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lora=None, fold=False, eos=None):
     """[(tokens, finish_reason)] of every request on this rank, and this rank's cache MiB, under
-    `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build."""
+    `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build;
+    eos: the tokens that end a row instead of the model's."""
     mesh = make_mesh(plan)
     model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh),
                         task=generation_task(read_model_shape(model_dir)))
@@ -39,18 +40,21 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lo
             fold_into_weights(model)
     tok = tokenizer_of(model_dir)
     engine = generation_engine(model, plan, mesh, tok)
+    if eos is not None:
+        engine.eos = frozenset(eos)
     out = generate_all(engine, requests, rows_per_batch)
     return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
 
 
-def galaxy_generate_plans(model_dir, plans, requests, rows_per_batch: int = 8):
+def galaxy_generate_plans(model_dir, plans, requests, rows_per_batch: int = 8, eos=None):
     """galaxy_generate under each of `plans` in one pool call: [its result per plan]."""
-    return [galaxy_generate(model_dir, plan, requests, rows_per_batch) for plan in plans]
+    return [galaxy_generate(model_dir, plan, requests, rows_per_batch, eos=eos) for plan in plans]
 
 
-def hf_generate(family, model_dir, prompts, max_new: int) -> list[list[int]]:
+def hf_generate(family, model_dir, prompts, max_new: int, eos=None, **beams) -> list[list[int]]:
     """Hugging Face generate(do_sample=False) with its cache on the left-padded batch: each row's
-    new tokens up to and including its first EOS."""
+    new tokens up to and including its first EOS. eos: the tokens that end a row instead of the
+    model's; beams: num_beams, length_penalty, early_stopping (beam search's best beam)."""
     from support.parity import HF_LOADERS
     tok = tokenizer_of(model_dir)
     tok.padding_side = "left"
@@ -59,10 +63,18 @@ def hf_generate(family, model_dir, prompts, max_new: int) -> list[list[int]]:
     enc = tok(list(prompts), return_tensors="pt", padding=True)
     model = HF_LOADERS[family](model_dir).eval()
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id)
-    eos = set(eos_ids(model.config, tok))
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.pad_token_id,
+                             **({} if eos is None else {"eos_token_id": list(eos)}), **beams)
+    eos = set(eos_ids(model.config, tok) if eos is None else eos)
     rows = []
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[:cut])
     return rows
+
+
+def galaxy_generate_cases(model_dir, plans, cases, rows_per_batch: int = 8):
+    """Every (requests, eos) case under each of `plans` in one pool call: [[(tokens, finish_reason)]
+    per case] per plan."""
+    return [[galaxy_generate(model_dir, plan, requests, rows_per_batch, eos=eos)[0] for requests, eos in cases]
+            for plan in plans]

@@ -72,10 +72,13 @@ def write_sharp_seq2seq(family: str, path: str) -> str:
     return path
 
 
-def hf_seq2seq_generate(model_dir: str, prompts, max_new: int, adapter: str | None = None) -> list[list[int]]:
+def hf_seq2seq_generate(model_dir: str, prompts, max_new: int, adapter: str | None = None, eos=None,
+                        num_beams: int = 1, **beams) -> list[list[int]]:
     """Hugging Face's plain greedy generate with its cache on the right-padded batch (no forced
     tokens, no n-gram or length rules, one beam): each row's tokens after the start token, up to
-    and including its first EOS. adapter: a peft LoRA folder applied to the model."""
+    and including its first EOS. adapter: a peft LoRA folder applied to the model; eos: the tokens
+    that end a row instead of the model's; num_beams and beams (length_penalty, early_stopping):
+    beam search's best beam."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     enc = tok(list(prompts), return_tensors="pt", padding=True)
@@ -84,11 +87,13 @@ def hf_seq2seq_generate(model_dir: str, prompts, max_new: int, adapter: str | No
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter).eval()
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, num_beams=1, min_length=0,
+        out = model.generate(**enc, max_new_tokens=max_new, do_sample=False, num_beams=num_beams, min_length=0,
                              no_repeat_ngram_size=0, forced_bos_token_id=None, forced_eos_token_id=None,
-                             repetition_penalty=1.0, use_cache=True)
-    eos = model.config.eos_token_id
+                             repetition_penalty=1.0, use_cache=True,
+                             **({} if eos is None else {"eos_token_id": list(eos)}), **beams)
+    eos = {model.config.eos_token_id} if eos is None else set(eos)
     rows = []
     for row in out[:, 1:].tolist():
-        rows.append(row[:row.index(eos) + 1] if eos in row else row)
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:cut])
     return rows
