@@ -171,3 +171,125 @@ def test_a_peft_method_is_refused_for_an_encoder_decoder(tmp_path, tiny_lm_dir, 
     assert err.startswith("plan.py profile-model: error: the config asks for lora; plan.py profile-model "
                           "profiles an encoder-decoder for full fine-tuning only"), err
     assert "\n" not in err
+
+
+# --- the cost model (galaxy.planner.encdec_cost) -------------------------------------------------
+
+def _device(rate):
+    return {"name": f"{rate:g}", "gemm_flops_per_s": rate, "memory_mib": 1e6, "baseline_mib": 0.0,
+            "optimizer_s_per_param": {"adamw": 0.0, "sgd": 0.0}}
+
+
+def _flops(fwd, memory=0):
+    return {"fwd": fwd, "bwd": 2 * fwd, "fwd_elementwise": 0, "bwd_elementwise": 0, **({"fwd_memory": memory}
+                                                                                        if memory else {})}
+
+
+def _synthetic(profiles):
+    """The tiny BART's profile with hand-written FLOPs: ATT 6e6, MLP 9e6 (encoder), ATT 3e6, XATT
+    5e6 of which 2e6 the memory's K/V, MLP 4e6 (decoder), head 1e6; CONs none."""
+    _, doc = profiles["bart"]
+    doc = json.loads(json.dumps(doc))
+    doc["stacks"]["encoder"]["flops_per_row"] = {"att": _flops(6e6), "mlp": _flops(9e6), "con": _flops(0)}
+    doc["stacks"]["decoder"]["flops_per_row"] = {"att": _flops(3e6), "xatt": _flops(5e6, 2e6), "mlp": _flops(4e6),
+                                                 "con": _flops(0)}
+    doc["flops_per_row"]["head"] = _flops(1e6)
+    return doc
+
+
+def _plan(**kw):
+    from galaxy.plan import Plan
+    return Plan(**{"att": "TP", "mlp": "TP", "con": "SP", "heads": (3, 1), "columns": (72, 24), "tokens": (9, 3),
+                   "decoder_tokens": (3, 3), "xatt": "TP", "checkpoint": (), **kw})
+
+
+def test_step_time_of_two_unequal_devices_by_hand(profiles):
+    """Devices at 3e9 and 1e9 FLOP/s, a free link, 4 rows: heads 3:1 and columns 72:24 balance every
+    TP sub-block (each takes its whole FLOPs / 4e9, backward twice the forward); the head on 3 + 3
+    target tokens waits for the slow rank; under XATT SP the slow rank sets XATT's time too, the
+    memory's K/V whole on both ranks."""
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.profiles import check_link
+
+    free = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
+    doc = _synthetic(profiles)
+    cost = EncDecCostModel(doc, [_device(3e9), _device(1e9)], free, batch_size=4)
+    rows, enc, dec = 4, 2, 2
+    balanced = 3 * (enc * (6e6 + 9e6) + dec * (3e6 + 5e6 + 4e6)) * rows / 4e9   # forward and backward
+    head = 3 * max(1e6 * 3 / 6 / 3e9, 1e6 * 3 / 6 / 1e9) * rows       # the head reads the decoder's 3 + 3 tokens
+    est = cost.estimate(_plan())
+    assert est.step_s - est.comm_s == pytest.approx(balanced + head, rel=1e-12)
+    assert est.comm_s < 1e-9
+    xatt_tp = 3 * dec * 5e6 * rows / 4e9
+    xatt_sp = 3 * dec * (2e6 + 3e6 * 3 / 6) * rows / 1e9              # the slow rank's 3 queries
+    est = cost.estimate(_plan(xatt="SP"))
+    assert est.step_s - est.comm_s == pytest.approx(balanced - xatt_tp + xatt_sp + head, rel=1e-12)
+
+
+def test_recomputation_adds_a_forward_and_keeps_the_carry(profiles):
+    """Recomputing the first layer (the encoder's) adds its forward to the step and replaces its
+    saved bytes by its input carry, plus one layer's while it is rebuilt."""
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.profiles import check_link
+
+    free = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
+    cost = EncDecCostModel(_synthetic(profiles), [_device(3e9), _device(1e9)], free, batch_size=4)
+    plain, recomputed = cost.estimate(_plan()), cost.estimate(_plan(checkpoint=(0,)))
+    extra = (recomputed.step_s - recomputed.comm_s) - (plain.step_s - plain.comm_s)
+    assert extra == pytest.approx((6e6 + 9e6) * 4 / 4e9, rel=1e-12)
+    k = cost.kinds(_plan(), 0)
+    layer, _ = cost.layer_acts("encoder", k["encoder"])
+    carry = cost.carry * 9 * cost.hidden * 4
+    total_plain, _, none = cost.acts_per_row(_plan(), 0)
+    total_ckpt, _, rebuilt = cost.acts_per_row(_plan(checkpoint=(0,)), 0)
+    assert none == 0 and total_plain - total_ckpt == pytest.approx(layer - carry)
+    assert rebuilt == max(layer, cost.layer_acts("decoder", k["decoder"])[0])
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_parameters_per_rank_equal_the_sharded_model(profiles, family):
+    """Each rank's parameters under uneven TP shares equal a galaxy model whose every ATT, XATT
+    and MLP is sharded by its own shard_tp to that rank's heads and columns."""
+    import copy
+
+    from galaxy.models.build import load_hf_config, model_class
+    from galaxy.models.registry import family_of
+    from galaxy.planner.encdec_cost import EncDecCostModel
+
+    model_path, doc = profiles[family]
+    cost = EncDecCostModel(doc, [_device(1e9)] * 2, None, batch_size=4)
+    hf = load_hf_config(model_path)
+    with torch.device("meta"):
+        whole = model_class(family_of(hf.model_type), "seq2seq")(hf)
+    for xatt in ("TP", "SP"):
+        plan = _plan(xatt=xatt)
+        for j in range(2):
+            model = copy.deepcopy(whole)
+            for layer in model.layers:
+                layer.att.shard_tp(plan.heads, j)
+                layer.mlp.shard_tp(plan.columns, j)
+                if xatt == "TP" and hasattr(layer, "xatt"):
+                    layer.xatt.shard_tp(plan.heads, j)
+            held = sum(p.numel() for p in model.parameters())
+            assert cost.params_of(plan, j) == held, (xatt, j)
+
+
+def test_bytes_sent_are_the_closed_forms(profiles):
+    """A rank's bytes a step are the family's closed form (galaxy.models.encdec_forms) at the
+    micro-batch's rows, every micro-batch's and the gradient sync's once."""
+    from galaxy.models.encdec_forms import encdec_plan_comm_bytes
+    from galaxy.models.bart import encdec_shape
+    from galaxy.planner.encdec_cost import EncDecCostModel, _hf_config
+    from galaxy.planner.profiles import check_link
+
+    _, doc = profiles["bart"]
+    link = check_link({"latency_s": 1e-4, "bytes_per_s": 1e8}, "link")
+    cost = EncDecCostModel(doc, [_device(1e9)] * 2, link, batch_size=4)
+    shape = encdec_shape(_hf_config(doc["hf_config"]))
+    for xatt, con in (("TP", "SP"), ("SP", "SP"), ("TP", "None")):
+        plan = _plan(xatt=xatt, con=con)
+        at = lambda b: sum(v["sent"] for v in encdec_plan_comm_bytes(   # noqa: E731
+            plan, shape, source_shares=plan.tokens, target_shares=plan.decoder_tokens, batch=b).values())
+        assert cost.estimate(plan).sent_bytes == [at(4)] * 2
+        two = cost.estimate(_plan(xatt=xatt, con=con, microbatches=2)).sent_bytes[0]
+        assert two == 2 * at(2) - (at(4) - 2 * (at(4) - at(2)))       # twice a half batch, the sync once

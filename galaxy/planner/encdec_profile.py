@@ -22,6 +22,7 @@ Measured in one process on one encoder layer and one decoder layer of the family
          "act_bytes_per_row": {kind: [c0, c1]},      # saved for backward at u units (con: one CON)
          "flops_per_row": {"att" | "mlp" | "con" [| "xatt"]: {"fwd", "bwd", "fwd_elementwise",
                                                               "bwd_elementwise"}}}},   # one sub-block, whole
+                                                     # (xatt also "fwd_memory": its K/V projections)
      "profiler": {...}}                              # the closed forms beside galaxy.profiler's count
 
 XATT's K/V come from the memory (the encoder's output, S tokens, whole on every rank): its
@@ -88,6 +89,7 @@ def closed_form_per_layer(family, hf, layers: dict, source: int, target: int, nu
     out = {stack: {sub: sum(parts[p] for p in names) // layers[stack] for sub, names in subs.items()}
            for stack, subs in CLOSED_PARTS.items()}
     out["head"] = parts.get("lm_head", parts.get("classifier", 0))
+    out["xatt_memory"] = parts["cross_kv"] // layers["decoder"]
     return out
 
 
@@ -113,6 +115,8 @@ def profile_encdec_model(cfg, num_labels: int | None) -> dict:
     report = profiler_run(bench.model, batch, repeats=0)
     stacks = {stack: _stack_section(bench, stack, layers[stack], report) for stack in ("encoder", "decoder")}
     closed = closed_form_per_layer(family, hf, layers, source, target, num_labels)
+    # XATT's K/V projections of the memory: every rank runs them whole under XATT SP
+    stacks["decoder"]["flops_per_row"]["xatt"]["fwd_memory"] = closed["xatt_memory"]
     head_fwd = closed["head"]
     measured = {stack: {sub: f["fwd"] for sub, f in stacks[stack]["flops_per_row"].items() if sub != "con"}
                 for stack in stacks}
