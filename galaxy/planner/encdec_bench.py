@@ -78,6 +78,7 @@ class EncDecBench:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
         self.model = model.train()
         self.layers = {"encoder": model.layers[0], "decoder": model.layers[1]}
+        self.seq, self.columns = source, _intermediate(hf)      # the GEMM rate's shape (device_profile)
         self.units = {"encoder": _stack_units(hf, source, "encoder"), "decoder": _stack_units(hf, target, "decoder")}
         self._gen = torch.Generator().manual_seed(seed)
 
