@@ -255,7 +255,8 @@ def test_recomputation_adds_a_forward_and_keeps_the_carry(profiles):
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_parameters_per_rank_equal_the_sharded_model(profiles, family):
     """Each rank's parameters under uneven TP shares equal a galaxy model whose every ATT, XATT
-    and MLP is sharded by its own shard_tp to that rank's heads and columns."""
+    and MLP (and T5's position bias tables) is sharded by its own shard_tp to that rank's heads
+    and columns."""
     import copy
 
     from galaxy.models.build import load_hf_config, model_class
@@ -271,6 +272,8 @@ def test_parameters_per_rank_equal_the_sharded_model(profiles, family):
         plan = _plan(xatt=xatt)
         for j in range(2):
             model = copy.deepcopy(whole)
+            for name in getattr(model, "att_params", ()):      # T5's position bias tables, as apply_plan splits them
+                getattr(model, name).shard_tp(plan.heads, j)
             for layer in model.layers:
                 layer.att.shard_tp(plan.heads, j)
                 layer.mlp.shard_tp(plan.columns, j)

@@ -112,6 +112,8 @@ class EncDecCostModel:
         k = self.kinds(plan, j)
         whole = self.model["params"]
         outside = whole["embed"] + whole["head"] - whole["tied"] + whole.get("other", 0)
+        if plan.att == "TP" and plan.group > 1:       # T5's position bias: the rank's heads' columns
+            outside -= whole.get("by_heads", 0) * (1 - plan.heads[j] / self.stacks["encoder"]["units"]["att_tp"][0])
         return outside + self.enc_layers * self.layer_params("encoder", k["encoder"]) + \
             self.dec_layers * self.layer_params("decoder", k["decoder"])
 

@@ -9,7 +9,8 @@ Measured in one process on one encoder layer and one decoder layer of the family
      "model_type", "family", "task", "num_labels", "pad_size", "target_pad_size", "dropout",
      "hf_config", "carry_tensors",                   # tensors a layer hands the next, per stack
      "units": {"embed": [S, S], "head": [T, 1]},    # the head reads target tokens
-     "params": {"embed", "head", "tied", "other", "total"},   # outside the layers, as version 1
+     "params": {"embed", "head", "tied", "other", "total",    # outside the layers, as version 1
+                "by_heads"},                                  # of "other": split by heads under ATT TP
      "act_bytes_per_row": {"embed": [c0, 0], "head": [c0, c1]},
      "flops_per_row": {"head": {"fwd", "bwd", ...}},  # the closed form's LM head (or classifier)
      "stacks": {"encoder" | "decoder": {
@@ -93,6 +94,11 @@ def closed_form_per_layer(family, hf, layers: dict, source: int, target: int, nu
     return out
 
 
+def _by_heads(model) -> int:
+    """Parameters outside the layers split by heads like ATT (T5's position bias tables; in "other")."""
+    return sum(p.numel() for name in getattr(model, "att_params", ()) for p in getattr(model, name).parameters())
+
+
 def profile_encdec_model(cfg, num_labels: int | None) -> dict:
     """The version-2 model profile of cfg's encoder-decoder (see the module docstring); cfg.task
     picks the head (null: the LM's), num_labels the classifier's outputs."""
@@ -128,7 +134,7 @@ def profile_encdec_model(cfg, num_labels: int | None) -> dict:
         "num_labels": num_labels, "pad_size": source, "target_pad_size": target, "dropout": cfg.dropout,
         "hf_config": raw, "carry_tensors": bench.model.carry_size,
         "units": {"embed": [source, source], "head": [target, 1]},
-        "params": part_counts(whole),
+        "params": {**part_counts(whole), "by_heads": _by_heads(whole)},
         "act_bytes_per_row": {"embed": [embed_acts, 0.0], "head": head_acts},
         "flops_per_row": {"head": {"fwd": head_fwd, "bwd": 2 * head_fwd, "fwd_elementwise": 0, "bwd_elementwise": 0}},
         "stacks": stacks,
