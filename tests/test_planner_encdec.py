@@ -151,7 +151,7 @@ def test_version_two_reads_and_search_refuses_what_it_cannot_cost(profiles, tmp_
     model.write_text(json.dumps(doc))
     devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "link": None, "devices": [
         {"name": "d", "memory_mib": 1000, "gemm_flops_per_s": 1e9}]}))
-    cases = [(dict(target_pad_size=TARGET + 2), [], f"model profile {model} was taken at target_pad_size {TARGET}, "
+    cases = [(dict(target_pad_size=TARGET + 2), [], f"model profile {model} was taken for target_pad_size {TARGET}, "
               f"the config has {TARGET + 2}; run plan.py profile-model on this config"),
              (dict(target_pad_size=TARGET), ["--pp", "2"], "an encoder-decoder's search covers pp 1 without --png "
               "so far; drop --pp / --png")]

@@ -306,12 +306,15 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
     if not model.get("encoder_decoder"):
         raise ModelProfileError(f"model profile {args.model} is not an encoder-decoder's; run plan.py profile-model "
                                 "on this config")
-    task = cfg.task or next(iter(family_of(shape["model_type"]).tasks))
+    task, enc, dec = cfg.task or next(iter(family_of(shape["model_type"]).tasks)), *model["stacks"].values()
     for what, theirs, ours in (("model_type", model["model_type"], shape["model_type"]), ("task", model["task"], task),
+                               ("num_attention_heads", enc["units"]["att_tp"][0], shape["num_attention_heads"]),
+                               ("intermediate_size", enc["units"]["mlp_tp"][0], shape["intermediate_size"]),
+                               ("num_hidden_layers", enc["layers"] + dec["layers"], shape["num_hidden_layers"]),
                                ("pad_size", model["pad_size"], cfg.pad_size),
                                ("target_pad_size", model["target_pad_size"], target_tokens(cfg))):
         if theirs != ours:
-            raise ConfigError(f"model profile {args.model} was taken at {what} {theirs!r}, the config has {ours!r}; "
+            raise ConfigError(f"model profile {args.model} was taken for {what} {theirs!r}, the config has {ours!r}; "
                               "run plan.py profile-model on this config")
     _refuse_encdec_method(cfg, family_of(shape["model_type"]))
     if any(pp != 1 for pp in args.pp or ()) or args.png:
