@@ -574,17 +574,17 @@ def test_profile_devices_on_two_gloo_ranks(tmp_path):
         assert fit["bytes_per_s"] > 0 and fit["latency_s"] >= 0
 
 
-@pytest.mark.parametrize("command", ["profile-devices", "profile-model"])
-def test_encoder_decoders_are_refused_before_any_process_group(tmp_path, tiny_lm_dir, command, capsys):
-    """BART / T5: one line naming the model type and what profiles them, exit 2 (profile-devices
-    used to fail inside the run with a traceback)."""
+def test_encoder_decoder_methods_are_refused_before_any_process_group(tmp_path, tiny_lm_dir, capsys):
+    """BART / T5 under a PEFT method: profile-devices says in one line that encoder-decoders are
+    profiled for full fine-tuning only, exit 2, before any process group starts (full fine-tuning:
+    tests/test_planner_encdec.py)."""
+    command = "profile-devices"
     base = tmp_path / "t5.json"
-    base.write_text(json.dumps(dict(model_path=tiny_lm_dir("t5"), pad_size=12, batch_size=3)))
+    base.write_text(json.dumps(dict(model_path=tiny_lm_dir("t5"), pad_size=12, batch_size=3, use_lora=True)))
     capsys.readouterr()                  # the fixture's own output
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--config_file", str(base), "--out", str(tmp_path / "out.json")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"plan.py {command}: error: model_path holds a 't5' encoder-decoder; the planner does not "
-                   "profile encoder-decoders yet: write their plan's keys by hand "
-                   "(profile_flops.py profiles them)"), err
+    assert err.startswith(f"plan.py {command}: error: the config asks for lora; the planner profiles and searches an "
+                          "encoder-decoder for full fine-tuning only"), err

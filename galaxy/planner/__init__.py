@@ -3,8 +3,11 @@
   profiles.py        device / link / cluster JSON: read, check, fit the link, compose
   harness.py         one layer's sub-blocks run alone at any share (time, saved bytes, parameters)
   model_profile.py   profile-model: parameters, activation bytes and FLOPs per sub-block and share
+  encdec_bench.py    an encoder-decoder's encoder and decoder layer, run one sub-block at a time
+  encdec_profile.py  profile-model of an encoder-decoder: the version-2 profile, one section per stack
   device_profile.py  profile-devices: every rank's compute and memory, the collectives between them
   cost.py            step time and peak memory per rank of any plan
+  encdec_cost.py     the same for an encoder-decoder's plans (pp 1 so far), per stack and layer kind
   search.py          the search: mesh x methods x micro-batches, shares and stages by local moves
   writer.py          the chosen plan over the base config, checked by galaxy.config
   draw.py            --png: the plan, ranks x sub-blocks, and predicted time per rank

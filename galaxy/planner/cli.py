@@ -23,6 +23,7 @@ import sys
 from types import SimpleNamespace
 
 from galaxy.config import ConfigError, apply_preset, load_config, with_plan
+from galaxy.config.world import target_tokens
 from galaxy.data import load_examples
 from galaxy.data.errors import DataError
 from galaxy.launch import main as launch_main
@@ -33,9 +34,13 @@ from galaxy.planner.cost import CostModel
 from galaxy.planner.device_compute import model_signature, tables_match
 from galaxy.planner.device_profile import run as profile_devices_run
 from galaxy.planner.draw import draw_plan
+from galaxy.planner.encdec_cost import EncDecCostModel
+from galaxy.planner.encdec_profile import profile_encdec_model
+from galaxy.planner.encdec_profile import summary as encdec_summary
 from galaxy.planner.method import config_signature
 from galaxy.planner.model_profile import ModelProfileError, check_method, check_model_profile, profile_model
 from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
+from galaxy.planner.encdec_search import search_encdec
 from galaxy.planner.search import divisors, search
 from galaxy.planner.table import mib, no_fit_line, table
 from galaxy.planner.writer import ranked_document, write_planned_config
@@ -105,17 +110,20 @@ def _devices_prepare(cfg, opts) -> DevicesJob:
     if opts.repeats < 1:
         raise ConfigError("--repeats must be at least 1")
     shape = read_model_shape(cfg.model_path)
-    _refuse_encoder_decoder(shape)
-    return DevicesJob(cfg, opts, num_labels_of(cfg, family_of(shape["model_type"])))
+    family = family_of(shape["model_type"])
+    if shape.get("is_encoder_decoder"):      # no compute table yet: the GEMM rate, memory, optimizer, link
+        _refuse_encdec_method(cfg, family)
+        return DevicesJob(cfg, opts, None)
+    return DevicesJob(cfg, opts, num_labels_of(cfg, family))
 
 
-def _refuse_encoder_decoder(shape: dict) -> None:
-    """The device and model profiles time and count one kind of layer over one token count:
-    an encoder-decoder (two kinds of layer, source and target tokens) is refused up front."""
-    if shape.get("is_encoder_decoder"):
-        raise ConfigError(f"model_path holds a {shape['model_type']!r} encoder-decoder; the planner does not "
-                          "profile encoder-decoders yet: write their plan's keys by hand "
-                          "(profile_flops.py profiles them)")
+def _refuse_encdec_method(cfg, family) -> None:
+    """An encoder-decoder's model profile is taken for full fine-tuning only (so far)."""
+    signature = config_signature(cfg, family)
+    if signature["method"] != "full":
+        raise ConfigError(f"the config asks for {signature['method']}; the planner profiles and searches an "
+                          "encoder-decoder for full fine-tuning only: remove use_lora / use_adapter / use_side / "
+                          "use_side_only from a copy of the config to profile it")
 
 
 def profile_devices(argv) -> None:
@@ -156,11 +164,20 @@ def profile_model_command(argv) -> None:
         if cfg.pad_size > shape["max_position_embeddings"]:
             raise ConfigError(f"pad_size {cfg.pad_size} exceeds the model's max_position_embeddings "
                               f"{shape['max_position_embeddings']}; lower pad_size")
-        _refuse_encoder_decoder(shape)
-        doc = profile_model(cfg, num_labels_of(cfg, family_of(shape["model_type"])))
+        family = family_of(shape["model_type"])
+        if shape.get("is_encoder_decoder"):
+            _refuse_encdec_method(cfg, family)
+            classifier = (cfg.task or next(iter(family.tasks))) == "classification"   # the LM's by default
+            doc = profile_encdec_model(cfg, num_labels_of(cfg, family) if classifier else None)
+        else:
+            doc = profile_model(cfg, num_labels_of(cfg, family))
         write_json(args.out, doc)
     except (ConfigError, DataError, FileNotFoundError) as e:
         fail("profile-model", e)
+    if doc.get("encoder_decoder"):
+        print(encdec_summary(doc))
+        print(f"wrote {args.out}")
+        return
     per_layer = doc["params"]["per_layer"]
     acts = doc["profiler"]["layer_act_bytes_per_row"]
     print(f"{doc['family']} {doc['model_type']}: {doc['params']['total']:,} parameters ({per_layer:,} per layer), "
@@ -266,6 +283,8 @@ def _search_inputs(args) -> SimpleNamespace:
     cfg = apply_preset(load_config(args.config_file), "galaxy")
     shape = read_model_shape(cfg.model_path)
     model = check_model_profile(read_json(args.model), args.model)
+    if model.get("encoder_decoder") or shape.get("is_encoder_decoder"):
+        return _encdec_search_inputs(args, cfg, shape, model)
     _check_model_matches(model, shape, cfg, args.model)
     signature = config_signature(cfg, family_of(shape["model_type"]))
     method = check_method(model, signature, args.model)
@@ -278,14 +297,44 @@ def _search_inputs(args) -> SimpleNamespace:
     return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, meshes=meshes,
                            cost=cost, method=method, total=counts["params"]["total"],
                            trainable=counts["trainable" if method else "params"]["total"],
-                           notes=_notes(model, devices, method))
+                           notes=_notes(model, devices, method), script=SCRIPTS.get(model["task"], "pretrain_galaxy.py"),
+                           search=lambda top: search(cost, budgets, top=top, dp_sharding=DP_SHARDING, meshes=meshes))
+
+
+def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespace:
+    """An encoder-decoder's search (galaxy.planner.encdec_search): full fine-tuning, pp 1."""
+    if not model.get("encoder_decoder"):
+        raise ModelProfileError(f"model profile {args.model} is not an encoder-decoder's; run plan.py profile-model "
+                                "on this config")
+    task, enc, dec = cfg.task or next(iter(family_of(shape["model_type"]).tasks)), *model["stacks"].values()
+    for what, theirs, ours in (("model_type", model["model_type"], shape["model_type"]), ("task", model["task"], task),
+                               ("num_attention_heads", enc["units"]["att_tp"][0], shape["num_attention_heads"]),
+                               ("intermediate_size", enc["units"]["mlp_tp"][0], shape["intermediate_size"]),
+                               ("num_hidden_layers", enc["layers"] + dec["layers"], shape["num_hidden_layers"]),
+                               ("pad_size", model["pad_size"], cfg.pad_size),
+                               ("target_pad_size", model["target_pad_size"], target_tokens(cfg))):
+        if theirs != ours:
+            raise ConfigError(f"model profile {args.model} was taken for {what} {theirs!r}, the config has {ours!r}; "
+                              "run plan.py profile-model on this config")
+    _refuse_encdec_method(cfg, family_of(shape["model_type"]))
+    if any(pp != 1 for pp in args.pp or ()) or args.png:
+        raise ConfigError("an encoder-decoder's search covers pp 1 without --png so far; drop --pp / --png")
+    clus = compose(args.devices, args.link)
+    devices, link = clus["devices"], clus["link"]
+    budgets = _budgets(args, devices, link)
+    meshes = meshes_of([1], args.dp, len(devices), shape["num_hidden_layers"])
+    cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
+    total = model["params"]["total"]
+    return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=None,
+                           total=total, trainable=total, notes=[], script=f"finetune_{model['model_type']}.py",
+                           search=lambda top: search_encdec(cost, budgets, top=top, meshes=meshes))
 
 
 def search_command(argv) -> None:
     args = _search_parser().parse_args(argv)
     try:
         run = _search_inputs(args)
-        result = search(run.cost, run.budgets, top=args.top, dp_sharding=DP_SHARDING, meshes=run.meshes)
+        result = run.search(args.top)
     except (ConfigError, ProfileError, ModelProfileError, DataError, FileNotFoundError) as e:
         fail("search", e)
     layers = run.shape["num_hidden_layers"]
@@ -309,8 +358,7 @@ def search_command(argv) -> None:
                              trainable=run.trainable)
     except ConfigError as e:     # a plan the engine refuses is a planner bug: say so, loudly
         fail("search", f"the written config fails galaxy.config's checks (a planner bug): {e}", 1)
-    script = SCRIPTS.get(run.model["task"], "pretrain_galaxy.py")
-    command = f"python {script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
+    command = f"python {run.script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
     print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; train it with: {command}")
     if args.png:
         print(f"plan drawn: {draw_plan(best, run.model, run.devices, args.png)}")

@@ -29,10 +29,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from galaxy.config.world import target_tokens
 from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
 from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.peft import PeftOptions
+from galaxy.planner.encdec_bench import EncDecBench
 from galaxy.planner.harness import KINDS, SubBlockBench
 from galaxy.planner.method import costed_options, method_signature
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
@@ -155,11 +157,11 @@ def measure_method(cfg, num_labels, device, *, quick: bool, repeats: int, warmup
 
 def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic: str = "median") -> float:
     """FLOPs per second of the model's largest projection (tokens x hidden -> intermediate)."""
-    hf = bench.hf
+    hf, columns = bench.hf, getattr(bench, "columns", None) or bench.hf.intermediate_size
     x = torch.randn(batch * bench.seq, hf.hidden_size, device=device)
-    w = torch.randn(hf.intermediate_size, hf.hidden_size, device=device)
+    w = torch.randn(columns, hf.hidden_size, device=device)
     seconds = timed(lambda: torch.nn.functional.linear(x, w), device, repeats, statistic)
-    return 2.0 * x.shape[0] * hf.hidden_size * hf.intermediate_size / seconds
+    return 2.0 * x.shape[0] * hf.hidden_size * columns / seconds
 
 
 def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> dict:
@@ -323,21 +325,15 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
     else:
         # the kernel holds the rank to its cgroup's limit, whatever the host has free
         memory = (limited.limit / 2 ** 20 if limited else available_mib()) / sharing
-    bench = SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
-                          device=env.device, seed=cfg.seed)
+    # An encoder-decoder's sub-blocks are not timed yet (no table: its plans are costed by FLOPs
+    # over the GEMM rate); its bench gives the GEMM's shape and the optimizer's parameters.
+    encdec = read_model_shape(cfg.model_path).get("is_encoder_decoder")
+    bench = EncDecBench(cfg.model_path, source=cfg.pad_size, target=target_tokens(cfg), dropout=cfg.dropout) \
+        if encdec else SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
+                                     device=env.device, seed=cfg.seed)
     dist.barrier()                      # every rank measures at the same time, as it will train
-    compute = measure_compute(bench, cfg.batch_size, quick=quick, repeats=repeats, warmup=warmup,
-                              statistic=statistic)
-    hf = bench.hf
-    compute["model"] = {"model_type": hf.model_type, "hidden_size": hf.hidden_size,
-                        "num_attention_heads": hf.num_attention_heads,
-                        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                        "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
-                        "pad_size": cfg.pad_size}
-    method = measure_method(cfg, num_labels, env.device, quick=quick, repeats=repeats, warmup=warmup,
-                            statistic=statistic)
-    if method is not None:
-        compute["peft"] = method
+    compute = None if encdec else _compute(cfg, num_labels, bench, env, quick=quick, repeats=repeats,
+                                           warmup=warmup, statistic=statistic)
     return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type,
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
@@ -345,7 +341,22 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             "optimizer_fused": step_kind("adamw", list(bench.model.parameters()), lr=1e-4) == "fused",
             "grad_accumulate_s_per_param": accumulate_rate(env.device, max(3, repeats), statistic),
             "freed_memory_kept": cpu_allocator.kept(),
-            "compute": compute}
+            **({"compute": compute} if compute else {})}
+
+
+def _compute(cfg, num_labels, bench, env, **measuring) -> dict:
+    """The compute table of the model's sub-blocks (and of the config's PEFT method)."""
+    compute = measure_compute(bench, cfg.batch_size, **measuring)
+    hf = bench.hf
+    compute["model"] = {"model_type": hf.model_type, "hidden_size": hf.hidden_size,
+                        "num_attention_heads": hf.num_attention_heads,
+                        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                        "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
+                        "pad_size": cfg.pad_size}
+    method = measure_method(cfg, num_labels, env.device, **measuring)
+    if method is not None:
+        compute["peft"] = method
+    return compute
 
 
 def run(job, env) -> None:

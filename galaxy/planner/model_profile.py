@@ -43,6 +43,7 @@ from galaxy.planner.method import describe
 from galaxy.planner.method_profile import method_section
 
 FORMAT, VERSION = "galaxy-model-profile", 1
+ENCDEC_VERSION = 2     # an encoder-decoder's (galaxy.planner.encdec_profile)
 ROWS = 2     # activation bytes are measured on 2 rows and divided (they are linear in rows)
 
 
@@ -139,14 +140,30 @@ def check_model_profile(doc, where: str) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ModelProfileError(f"{where} is not a model profile (format {FORMAT!r}); write one with "
                                 f"plan.py profile-model")
+    if doc.get("version") == ENCDEC_VERSION and doc.get("encoder_decoder"):
+        return _check_encdec(doc, where)
     if doc.get("version") != VERSION:
-        raise ModelProfileError(f"{where} has version {doc.get('version')!r}; this galaxy reads version {VERSION}")
+        raise ModelProfileError(f"{where} has version {doc.get('version')!r}; this galaxy reads version {VERSION} "
+                                f"(version {ENCDEC_VERSION}: an encoder-decoder's)")
     for key in ("hf_config", "units", "params", "act_bytes_per_row", "flops_per_row", "pad_size", "carry_tensors"):
         if key not in doc:
             raise ModelProfileError(f"{where} has no '{key}'; write it again with plan.py profile-model")
     for key in ("signature", "backbone", "params", "trainable", "summed_outside", "act_bytes_per_row"):
         if "peft" in doc and key not in doc["peft"]:
             raise ModelProfileError(f"{where} has no 'peft' '{key}'; write it again with plan.py profile-model")
+    return doc
+
+
+def _check_encdec(doc: dict, where: str) -> dict:
+    """A version-2 profile: an encoder-decoder's, one section per stack."""
+    for key in ("hf_config", "units", "params", "act_bytes_per_row", "flops_per_row", "pad_size",
+                "target_pad_size", "carry_tensors", "stacks"):
+        if key not in doc:
+            raise ModelProfileError(f"{where} has no '{key}'; write it again with plan.py profile-model")
+    for stack in ("encoder", "decoder"):
+        for key in ("layers", "tokens", "units", "params", "act_bytes_per_row", "flops_per_row"):
+            if key not in doc["stacks"].get(stack, {}):
+                raise ModelProfileError(f"{where} has no '{stack}' '{key}'; write it again with plan.py profile-model")
     return doc
 
 

@@ -12,7 +12,11 @@ def describe(plan) -> dict:
         splits.append("cols " + ",".join(map(str, plan.columns)))
     if g > 1 and "SP" in (plan.att, plan.mlp, plan.con):
         splits.append("tok " + ",".join(map(str, plan.tokens)))
+    if g > 1 and plan.decoder_tokens and "SP" in (plan.att, plan.mlp, plan.con, plan.xatt):
+        splits.append("dec tok " + ",".join(map(str, plan.decoder_tokens)))     # an encoder-decoder's target
     methods = f"{plan.att} {plan.mlp} {plan.con}" if g > 1 else "-"
+    if g > 1 and plan.xatt:
+        methods += f" X{plan.xatt}"      # an encoder-decoder's XATT
     mb = f"{plan.microbatches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
     ck = "none" if not plan.checkpoint else ",".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp))
     extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""

@@ -1,0 +1,99 @@
+"""The plan search for an encoder-decoder (BART, T5): galaxy.planner.search's local search over
+galaxy.planner.encdec_cost, with the encoder-decoder's two more choices.
+
+Enumerated: dp dividing the world and the batch (the Galaxy group the rest; no pipeline yet: the
+cost model covers pp 1), the methods ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one
+choice for a group of 1), the micro-batches (gradient accumulation), no dp_sharding. The shares
+start proportional to speed: heads (ATT and XATT under TP), MLP columns, source tokens and target
+tokens (decoder_seq_scatter_list), each then moved unit by unit as the search moves the others;
+each plan recomputes the fewest leading layers (the encoder's first) that make it fit.
+"""
+from __future__ import annotations
+
+import itertools
+
+from galaxy.plan import METHODS as PLAN_METHODS
+from galaxy.plan import Plan
+from galaxy.planner.encdec_cost import DECODER_SUBS, ENCODER_SUBS, EncDecCostModel
+from galaxy.planner.search import MAX_MICROBATCHES, SearchResult, Searcher, divisors, proportional
+
+METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_METHODS["con"],
+                                 PLAN_METHODS["xatt"]))
+
+
+class EncDecSearcher(Searcher):
+    def __init__(self, cost: EncDecCostModel, budgets: list[float], *, meshes=None, max_moves: int = 400):
+        self.cost, self.budgets = cost, list(budgets)
+        self.model = cost.model
+        self.sharding = ("none",)
+        self.meshes, self.methods, self.max_moves = meshes, None, max_moves
+        self.tried = 0
+        self._seen: dict[Plan, tuple] = {}
+        units = cost.stacks["encoder"]["units"]
+        self.heads, self.head_unit = units["att_tp"][0], 1
+        self.columns = units["mlp_tp"][0]
+        self.seq, self.target = cost.source, cost.target
+        self.layers = cost.layers
+        self.speed = [self._speed(r) for r in range(cost.world)]
+
+    def _speed(self, r: int) -> float:
+        """1 / the device's seconds for one of each stack's layers whole, on the whole batch."""
+        whole = {"att": ("att_tp", self.heads), "xatt": ("xatt_tp", self.heads), "mlp": ("mlp_tp", self.columns)}
+        t = 0.0
+        for stack, subs, tokens in (("encoder", ENCODER_SUBS, self.seq), ("decoder", DECODER_SUBS, self.target)):
+            for sub in subs:
+                kind, units = whole.get(sub, ("con", tokens))
+                t += sum(self.cost.flops_time(r, stack, kind, units, self.cost.batch))
+        return 1.0 / max(t, 1e-12)
+
+    def candidates(self):
+        W, batch = self.cost.world, self.cost.batch
+        for dp in divisors(W):
+            if (self.meshes is not None and (1, dp) not in self.meshes) or batch % dp:
+                continue
+            g = W // dp
+            methods = [("TP", "TP", "SP", "TP")] if g == 1 else [m for m in METHODS if self._feasible(m, g)]
+            mbs = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES]
+            for (att, mlp, con, xatt), m in itertools.product(methods, mbs):
+                yield dp, g, att, mlp, con, xatt, m
+
+    def _feasible(self, methods, g: int) -> bool:
+        att, mlp, con, xatt = methods
+        if "TP" in (att, xatt) and self.heads < g:
+            return False
+        if mlp == "TP" and self.columns < g:
+            return False
+        return "SP" not in methods or min(self.seq, self.target) >= g
+
+    def initial(self, dp, g, att, mlp, con, xatt, m) -> Plan:
+        pos = [min(self.speed[d * g + j] for d in range(dp)) for j in range(g)]
+
+        def split(total):
+            return proportional(total, 1, pos) if total >= g else (total,) * g
+        return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=1, dp=dp, heads=split(self.heads),
+                    columns=split(self.columns), tokens=split(self.seq), decoder_tokens=split(self.target),
+                    stages=(self.layers,), microbatches=m, schedule="1f1b", checkpoint=(), dp_sharding="none")
+
+    def _vectors(self, plan: Plan):
+        """(field, unit, sub-blocks that use it) of the shares this plan uses."""
+        if plan.group == 1:
+            return []
+        out = []
+        tp = tuple(s for s, on in (("ATT", plan.att == "TP"), ("XATT", plan.xatt == "TP")) if on)
+        if tp:
+            out.append(("heads", 1, tp))
+        if plan.mlp == "TP":
+            out.append(("columns", 1, ("MLP",)))
+        sp = tuple(s for s, on in (("ATT", plan.att == "SP"), ("MLP", plan.mlp == "SP"), ("CON", plan.con == "SP"))
+                   if on)
+        if sp:
+            out.append(("tokens", 1, sp))
+        dec = sp + (("XATT",) if plan.xatt == "SP" else ()) + (("HEAD",) if plan.con == "SP" else ())
+        if dec:
+            out.append(("decoder_tokens", 1, dec))
+        return out
+
+
+def search_encdec(cost: EncDecCostModel, budgets: list[float], *, top: int = 5, meshes=None) -> SearchResult:
+    return EncDecSearcher(cost, budgets, meshes=meshes).run(top)
+
