@@ -7,7 +7,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 from support.dist_pool import close_pools, pool_of  # noqa: E402
-from support.tiny_models import MAKE_TINY_LM, make_tiny_bert, write_sharp_lm  # noqa: E402
+from support.tiny_models import MAKE_TINY_LM, make_tiny_bert, make_tiny_encdec_classifier, write_sharp_lm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,19 @@ def tiny_lm_dir(tmp_path_factory):
         if key not in made:
             made[key] = MAKE_TINY_LM[family](str(tmp_path_factory.mktemp(f"tiny_{family}")), **overrides)
         return made[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def encdec_classifier_dir(tmp_path_factory):
+    """encdec_classifier_dir(family) -> a tiny BartForSequenceClassification or
+    T5ForSequenceClassification ("bart", "t5"), written once per session."""
+    made: dict = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = make_tiny_encdec_classifier(family, str(tmp_path_factory.mktemp(f"{family}_cls")))
+        return made[family]
     return get
 
 

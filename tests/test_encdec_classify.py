@@ -23,7 +23,7 @@ from support.parity import check_labelled_reports, check_report
 from support.parity_runners import (export_and_reload_classifier, train_plans_and_compare,
                                      train_runner_and_compare, train_runners_and_compare)
 from support.peft_runners import lora_plan_vs_peft, write_peft_adapter
-from support.tiny_models import (TINY_SEQ, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
+from support.tiny_models import (TINY_SEQ, tiny_encdec_cls_batch,
                                  tiny_t5_cls_batch)
 
 from galaxy.config.world import workload
@@ -48,17 +48,6 @@ SHARES = {   # heads, MLP columns, source tokens, decoder tokens (the source shi
 WORLD3 = [("TP", "TP", "SP", "TP"), ("SP", "SP", "SP", "SP")]
 
 
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = make_tiny_encdec_classifier(family, str(tmp_path_factory.mktemp(f"{family}_cls")))
-        return made[family]
-    return get
-
-
 def plan_of(case):
     return Plan(*case[:3], xatt=case[3]) if case else Plan()
 
@@ -71,33 +60,33 @@ def run(dist_pool, world, family, model_dir, cases):
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
-def test_world2_uneven_plans_match_hf(dist_pool, classifier_dir, family):
-    run(dist_pool, 2, family, classifier_dir(family), COMBOS)
+def test_world2_uneven_plans_match_hf(dist_pool, encdec_classifier_dir, family):
+    run(dist_pool, 2, family, encdec_classifier_dir(family), COMBOS)
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
-def test_world3_and_serial_match_hf(dist_pool, classifier_dir, family):
-    run(dist_pool, 3, family, classifier_dir(family), WORLD3)
-    run(dist_pool, 1, family, classifier_dir(family), [()])
+def test_world3_and_serial_match_hf(dist_pool, encdec_classifier_dir, family):
+    run(dist_pool, 3, family, encdec_classifier_dir(family), WORLD3)
+    run(dist_pool, 1, family, encdec_classifier_dir(family), [()])
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
-def test_dp2_matches_hf(dist_pool, classifier_dir, family):
+def test_dp2_matches_hf(dist_pool, encdec_classifier_dir, family):
     """Two replicas under DDP, 4 rows each, against HF on the global batch of 8."""
-    for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, classifier_dir(family), Plan(),
+    for rank, report in enumerate(dist_pool(2).run(train_runner_and_compare, family, encdec_classifier_dir(family), Plan(),
                                                    1, 2, SHARES[1], BATCHES[family], CLASSIFY)):
         check_report(report, rank)
 
 
 @pytest.mark.parametrize("family,targets,case", [("bart", ["q_proj", "v_proj"], ("TP", "TP", "SP", "SP")),
                                                  ("t5", ["q", "v", "wo"], ("SP", "TP", "SP", "TP"))])
-def test_lora_matches_peft(dist_pool, classifier_dir, tmp_path, family, targets, case):
+def test_lora_matches_peft(dist_pool, encdec_classifier_dir, tmp_path, family, targets, case):
     """LoRA from one random peft SEQ_CLS adapter (classification_head in modules_to_save): losses,
     logits, and the adapter's tensors and head after 5 SGD steps equal peft's on HF's classifier.
     At lr 0.1 the T5 adapter's 3-row trajectory amplifies rounding: after one step every tensor is
     within 2e-7 of peft's, after 5 the encoder's q.lora_B 2.5e-5 apart (lr 0.05: 1.3e-6; 0.02:
     3e-7; serially 0), so the steps run at 0.05."""
-    model_dir = classifier_dir(family)
+    model_dir = encdec_classifier_dir(family)
     adapter = write_peft_adapter(family, model_dir, str(tmp_path / "lora"), targets, task="classification")
     for rank, report in enumerate(dist_pool(2).run(lora_plan_vs_peft, family, model_dir, adapter, plan_of(case),
                                                    SHARES[2], BATCHES[family], 5, LORA_LR, "classification")):
@@ -118,9 +107,9 @@ def export_and_reload(family, model_dir, out_dir):
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
-def test_export_loads_in_hf(dist_pool, classifier_dir, tmp_path, family):
+def test_export_loads_in_hf(dist_pool, encdec_classifier_dir, tmp_path, family):
     out = str(tmp_path / "export")
-    for err, architectures, labels in dist_pool(2).run(export_and_reload, family, classifier_dir(family), out):
+    for err, architectures, labels in dist_pool(2).run(export_and_reload, family, encdec_classifier_dir(family), out):
         assert err < 1e-5, err
         assert architectures == [f"{'Bart' if family == 'bart' else 'T5'}ForSequenceClassification"]
         assert labels == {0: "a", 1: "b", 2: "c"}
@@ -167,7 +156,7 @@ def test_conditional_generation_checkpoint_trains_a_new_head(dist_pool, tiny_lm_
         assert report["biases"] == [0.0, 0.0] and 0.01 < report["weight_std"] < 0.03, report
 
 
-def test_a_head_of_other_classes_is_refused_or_replaced(classifier_dir, tiny_lm_dir):
+def test_a_head_of_other_classes_is_refused_or_replaced(encdec_classifier_dir, tiny_lm_dir):
     """A checkpoint's 3-class head for a 2-class task: one line naming its out_proj, unless
     ignore_mismatched_sizes, which keeps dense and draws a new out_proj (zero bias). A
     ...ForConditionalGeneration checkpoint has no head: a new one, no error."""
@@ -178,7 +167,7 @@ def test_a_head_of_other_classes_is_refused_or_replaced(classifier_dir, tiny_lm_
     from galaxy.preflight.weights import check_weights
     from galaxy.runtime.assemble import build_model
     from galaxy.train.head import replace_classifier
-    model_dir = classifier_dir("t5")
+    model_dir = encdec_classifier_dir("t5")
     msg = str(pytest.raises(ConfigError, check_weights, model_dir, "model_path", 2, task="classification").value)
     assert "its classifier (classification_head.out_proj.weight in model.safetensors) has 3 outputs but the task " \
            "has 2 classes" in msg, msg
@@ -236,20 +225,20 @@ def run_pp(pool, cases):
     return ranks
 
 
-def test_pp2_boundaries_inside_and_after_the_encoder_match_hf(dist_pool, classifier_dir):
+def test_pp2_boundaries_inside_and_after_the_encoder_match_hf(dist_pool, encdec_classifier_dir):
     """BART and T5 classifiers as 2-stage pipelines: the last stage's head pools each row's last
     EOS (11, 7, 3, 3, ... of 12) from positions the runner computes off the source ids, per
     micro-batch; loss, logits, every gradient and the weights after 5 SGD steps as HF's."""
-    cases = pp_cases("bart", classifier_dir("bart")) + pp_cases("t5", classifier_dir("t5"))
+    cases = pp_cases("bart", encdec_classifier_dir("bart")) + pp_cases("t5", encdec_classifier_dir("t5"))
     ranks = run_pp(dist_pool(2), cases)
     assert [r["stage"] for r in ranks[1]] == [[1, 2, 3], [2, 3]] * 2
 
 
-def test_pp2_x_galaxy2_matches_hf(dist_pool, classifier_dir):
+def test_pp2_x_galaxy2_matches_hf(dist_pool, encdec_classifier_dir):
     """Each stage an uneven Galaxy group under CON SP: the last stage's pooled tokens sit on either
     of its ranks (the decoder's 5 / 7 token shares)."""
     plan = Plan("TP", "SP", "SP", xatt="TP")
-    cases = [(f"{family}-pp2-galaxy2", family, classifier_dir(family), plan, 2, 1, SHARES[2], BATCHES[family],
+    cases = [(f"{family}-pp2-galaxy2", family, encdec_classifier_dir(family), plan, 2, 1, SHARES[2], BATCHES[family],
               {**CLASSIFY, "stage_layers": stages, "schedule": "1f1b", "num_microbatches": 2})
              for family, stages in (("t5", [1, 3]), ("bart", [2, 2]))]
     run_pp(dist_pool(4), cases)

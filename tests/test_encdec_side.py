@@ -16,8 +16,8 @@ runs them without autograd; frozen weights get no gradient.
 import pytest
 import torch
 
-from support.peft_runners import base_outputs_kept, peft_cases_vs_serial, serial_group
-from support.tiny_models import (TINY_SEQ, TINY_TARGET, make_tiny_encdec_classifier, tiny_encdec_cls_batch,
+from support.peft_runners import base_outputs_kept, peft_cases_vs_serial, record_layer_outputs, serial_group
+from support.tiny_models import (TINY_SEQ, TINY_TARGET, tiny_encdec_cls_batch,
                                  tiny_seq2seq_batch, tiny_t5_cls_batch)
 
 from galaxy.peft import PeftOptions, apply_peft, export_peft
@@ -36,17 +36,6 @@ CLS_BATCHES = {"bart": tiny_encdec_cls_batch, "t5": tiny_t5_cls_batch}
 # (sums in another order, amplified over 5 steps), at 0.1 they stay at rounding.
 LR = 0.1
 MODELS = {"bart": ("bart", {}), "t5": ("t5", {}), "t5-v1.1": ("t5", {"v1_1": True})}
-
-
-@pytest.fixture(scope="module")
-def classifier_dir(tmp_path_factory):
-    made = {}
-
-    def get(family):
-        if family not in made:
-            made[family] = make_tiny_encdec_classifier(family, str(tmp_path_factory.mktemp(f"{family}_cls")))
-        return made[family]
-    return get
 
 
 def plan_of(case) -> Plan:
@@ -82,8 +71,8 @@ def test_seq2seq_plans_match_serial(dist_pool, tiny_lm_dir, model):
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
-def test_classifier_plans_match_serial(dist_pool, classifier_dir, family):
-    cases, labels = plan_cases(classifier_dir(family), CLS_SHARES[2], CLS_BATCHES[family], "classification")
+def test_classifier_plans_match_serial(dist_pool, encdec_classifier_dir, family):
+    cases, labels = plan_cases(encdec_classifier_dir(family), CLS_SHARES[2], CLS_BATCHES[family], "classification")
     check(dist_pool(2).run(peft_cases_vs_serial, cases), labels)
 
 
@@ -93,19 +82,19 @@ def mesh_case(model_dir, method, pp, dp, batch_fn, shares, task=None, stages=Non
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
-def test_dp2_and_pipelines_match_serial(dist_pool, tiny_lm_dir, classifier_dir, family):
+def test_dp2_and_pipelines_match_serial(dist_pool, tiny_lm_dir, encdec_classifier_dir, family):
     """dp 2 (seq2seq and classification; FSDP2 no_reshard: the frozen backbone's layers gather and
     never reduce); pp 2 split inside the encoder and between the stacks (seq2seq, and a classifier,
     whose last stage pools from positions the runner hands it)."""
     lm, serial = tiny_lm_dir(family), SEQ2SEQ_SHARES[1]
     cases = [mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial),
-             mesh_case(classifier_dir(family), "side_only", 1, 2, CLS_BATCHES[family], CLS_SHARES[1],
+             mesh_case(encdec_classifier_dir(family), "side_only", 1, 2, CLS_BATCHES[family], CLS_SHARES[1],
                        "classification"),
              mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
              mesh_case(lm, "side_only", 2, 1, tiny_seq2seq_batch, serial, stages=[1, 3]),
              mesh_case(lm, "side", 2, 1, tiny_seq2seq_batch, serial, stages=[2, 2]),
              mesh_case(lm, "side", 1, 2, tiny_seq2seq_batch, serial, sharding="no_reshard"),
-             mesh_case(classifier_dir(family), "side", 2, 1, CLS_BATCHES[family], CLS_SHARES[1], "classification",
+             mesh_case(encdec_classifier_dir(family), "side", 2, 1, CLS_BATCHES[family], CLS_SHARES[1], "classification",
                        stages=[2, 2])]
     labels = ["side dp2", "side_only classifier dp2", "side pp2 [1, 3]", "side_only pp2 [1, 3]", "side pp2 [2, 2]",
               "side dp2 sharded", "side classifier pp2 [2, 2]"]
@@ -122,13 +111,13 @@ def test_pipeline_of_galaxy_groups_matches_serial(dist_pool, tiny_lm_dir):
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
-def test_step_zero_is_the_base_model(dist_pool, tiny_lm_dir, classifier_dir, family):
+def test_step_zero_is_the_base_model(dist_pool, tiny_lm_dir, encdec_classifier_dir, family):
     """up = 0 at the start: the base model's logits, bit for bit (forwards without autograd)."""
     side = OPTIONS["side"]
     assert dist_pool(1).run(base_outputs_kept, tiny_lm_dir(family), Plan(), SEQ2SEQ_SHARES[1], side,
                             tiny_seq2seq_batch, None, False)[0]
     for model_dir, shares, batch_fn, task in ((tiny_lm_dir(family), SEQ2SEQ_SHARES[2], tiny_seq2seq_batch, None),
-                                              (classifier_dir(family), CLS_SHARES[2], CLS_BATCHES[family],
+                                              (encdec_classifier_dir(family), CLS_SHARES[2], CLS_BATCHES[family],
                                                "classification")):
         assert all(dist_pool(2).run(base_outputs_kept, model_dir, plan_of(PLANS[0]), shares, side, batch_fn,
                                     task, False))
@@ -139,18 +128,10 @@ def serial(model_dir, method, task=None):
     return model, apply_peft(model, OPTIONS[method], seed=0)
 
 
-def layer_outputs(model) -> list:
-    """Whether each backbone layer's output needs a gradient, as the layers run."""
-    seen = []
-    for layer in model.layers:
-        layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].requires_grad))
-    return seen
-
-
 @pytest.mark.parametrize("family", ["bart", "t5"])
 def test_side_only_never_runs_the_backbone_layers(tiny_lm_dir, family):
     model, trainable = serial(tiny_lm_dir(family), "side_only")
-    seen = layer_outputs(model)
+    seen = record_layer_outputs(model)
     model(**tiny_seq2seq_batch(0))[1].backward()
     assert seen == []
     assert {n for n, p in model.named_parameters() if p.grad is not None} == set(trainable)
@@ -161,11 +142,11 @@ def test_side_only_never_runs_the_backbone_layers(tiny_lm_dir, family):
 
 
 @pytest.mark.parametrize("family", ["bart", "t5"])
-def test_side_runs_the_backbone_without_autograd(tiny_lm_dir, classifier_dir, family):
+def test_side_runs_the_backbone_without_autograd(tiny_lm_dir, encdec_classifier_dir, family):
     for model_dir, task, batch in ((tiny_lm_dir(family), None, tiny_seq2seq_batch(0)),
-                                   (classifier_dir(family), "classification", CLS_BATCHES[family](0))):
+                                   (encdec_classifier_dir(family), "classification", CLS_BATCHES[family](0))):
         model, trainable = serial(model_dir, "side", task)
-        seen = layer_outputs(model)
+        seen = record_layer_outputs(model)
         model(**batch)[1].backward()
         assert seen == [False] * 4                 # 2 encoder and 2 decoder layers ran, nothing kept
         graded = {n for n, p in model.named_parameters() if p.grad is not None}

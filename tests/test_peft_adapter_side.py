@@ -12,7 +12,8 @@ use_side runs the backbone without autograd; frozen weights get no gradient.
 import pytest
 import torch
 
-from support.peft_runners import base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, serial_group
+from support.peft_runners import (base_outputs_kept, mesh_vs_serial, peft_plan_vs_serial, record_layer_outputs,
+                                  serial_group)
 from support.tiny_models import TINY_SEQ, make_tiny_llama, tiny_batch, tiny_lm_batch
 
 from galaxy.runtime.assemble import build_model
@@ -114,13 +115,6 @@ def test_step_zero_is_the_base_model(dist_pool, tiny_bert_dir, method):
 def serial(model_dir, method):
     model = build_model(model_dir, Plan(), serial_group(SERIAL), num_labels=3)
     return model, apply_peft(model, OPTIONS[method], seed=0)
-
-
-def record_layer_outputs(model) -> list:
-    seen = []
-    for layer in model.layers:
-        layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].requires_grad))
-    return seen
 
 
 def test_side_only_skips_the_backbone_layers(tiny_bert_dir):

@@ -120,6 +120,15 @@ def lora_train_and_export(model_dir, adapter_dir, out_dir, merge, plan, shares, 
         return full_sequence_logits(model, model.eval()(**batch_fn(seed=9))[0])
 
 
+def record_layer_outputs(model) -> list:
+    """A list that fills, as the model's layers run, with whether each layer's output needs a
+    gradient (side-tuning runs the backbone without autograd; side-only never runs it)."""
+    seen = []
+    for layer in model.layers:
+        layer.register_forward_hook(lambda mod, args, out: seen.append(out[0].requires_grad))
+    return seen
+
+
 def serial_group(shares) -> GalaxyGroup:
     """One rank holding every head, column and token (an encoder-decoder's decoder tokens too)."""
     return GalaxyGroup.serial(*(sum(s) for s in shares[:3]))
