@@ -213,6 +213,14 @@ def _search_parser() -> argparse.ArgumentParser:
                    help="search only these pipeline degrees (default: every divisor of the world)")
     p.add_argument("--dp", type=int, nargs="+", metavar="N",
                    help="search only these data-parallel degrees (--pp 1 --dp 1: one Galaxy group of every rank)")
+    p.add_argument("--objective", choices=("step", "latency"), default="step",
+                   help="step: the fastest training step (default); latency: the quickest generation of one "
+                        "request at batch 1, forward only with a KV cache, dp 1 (written for generate.py)")
+    p.add_argument("--prompt_tokens", type=int, metavar="N",
+                   help="--objective latency: the prompt's tokens (default: the config's pad_size)")
+    p.add_argument("--new_tokens", type=int, metavar="M",
+                   help="--objective latency: the tokens generated (default 64; generate.py's --max_new_tokens "
+                        "is a flag, not a config key)")
     return p
 
 
@@ -332,6 +340,11 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
 
 def search_command(argv) -> None:
     args = _search_parser().parse_args(argv)
+    if args.objective == "latency":
+        from galaxy.planner.latency_cli import latency_search_command     # it imports this module's helpers
+        return latency_search_command(args)
+    if args.prompt_tokens is not None or args.new_tokens is not None:
+        fail("search", "--prompt_tokens and --new_tokens size a generation request; add --objective latency")
     try:
         run = _search_inputs(args)
         result = run.search(args.top)
