@@ -57,8 +57,12 @@ def latency_planned(job) -> str:
     out = str(tmp / "latency.json")
     plan_cli.main(["profile-model", "--config_file", base, "--out", str(tmp / "model.json")])
     plan_cli.main(["search", "--objective", "latency", "--config_file", base, "--devices", str(devices), "--model",
-                   str(tmp / "model.json"), "--new_tokens", str(NEW), "--out", out])
+                   str(tmp / "model.json"), "--new_tokens", str(NEW), "--out", out, "--json", str(tmp / "plans.json")])
     planned = json.loads(open(out).read())
+    best = json.loads((tmp / "plans.json").read_text())["plans"][0]        # --json: training's fields and the parts
+    assert best["keys"] == {k: planned[k] for k in best["keys"]}
+    assert best["predicted_step_s"] == pytest.approx(best["prefill_s"] + (NEW - 1) * best["decode_s_per_token"],
+                                                     abs=1e-6)   # (predicted_step_s: 6 decimals)
     splits = [planned[k] for k in ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
               if k in planned]
     assert planned["dp_deg"] == 1 and planned["_planned"]["objective"] == "latency", planned
