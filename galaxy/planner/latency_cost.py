@@ -172,20 +172,27 @@ class LatencyCostModel(ModelTerms):
         shares, total = (plan.heads, self.heads) if sub == "att" else (plan.columns, sum(plan.columns))
         return [s / total for s in shares]
 
-    @functools.lru_cache(maxsize=4096)
     def _decode_attention(self, plan: Plan, rate: tuple) -> tuple[list[float], float]:
-        """(each Galaxy rank's seconds of ATT over the M - 1 steps, the steps' sum of the slowest
-        rank's: the step's collective waits for it). A rank's step: projections at its heads'
-        share, 4 x heads x d FLOPs per key it attends to (step k, 0-based: TP and serial P + k + 1
-        keys; SP its s_r prompt tokens and the decoded tokens it owns, owner k mod group)."""
-        g, P = plan.group, self.prefill_tokens(plan)
-        frac = self._decode_fraction(plan, "att")
-        sp = g > 1 and plan.att == "SP"
+        """(each Galaxy rank's seconds of ATT over the S = M - 1 steps, the steps' sum of the
+        slowest rank's: the step's collective waits for it). A rank's step k (0-based): c FLOPs of
+        projections and e FLOPs per key (4 x heads x d), at its heads' share f_r under TP, over
+        P + k + 1 keys (TP, serial); under SP all of them over its s_r prompt tokens and the
+        decoded tokens it owns (owner k mod group)."""
+        c, e, steps = self.token_flops["att"], 4 * self.heads * self.head_dim, self.new - 1
+        if plan.group > 1 and plan.att == "SP":
+            return self._sp_decode_attention(plan.tokens, rate)
+        # every rank's step is f_r / rate_r x the same FLOPs: the slowest rank is the same at every step
+        total = steps * c + e * (steps * (self.prefill_tokens(plan) + 1) + steps * (steps - 1) / 2)
+        own = [f / r * total for f, r in zip(self._decode_fraction(plan, "att"), rate)]
+        return own, max(own)
+
+    @functools.lru_cache(maxsize=4096)
+    def _sp_decode_attention(self, tokens: tuple, rate: tuple) -> tuple[list[float], float]:
+        """_decode_attention under SP, step by step (the slowest rank changes as keys arrive)."""
+        g, c, e = len(tokens), self.token_flops["att"], 4 * self.heads * self.head_dim
         own, path = [0.0] * g, 0.0
         for k in range(self.new - 1):
-            keys = [plan.tokens[j] + max(0, (k - j) // g + 1) if sp else P + k + 1 for j in range(g)]
-            t = [(frac[j] * self.token_flops["att"] + 4 * frac[j] * self.heads * self.head_dim * keys[j]) / rate[j]
-                 for j in range(g)]
+            t = [(c + e * (tokens[j] + max(0, (k - j) // g + 1))) / rate[j] for j in range(g)]
             own = [a + b for a, b in zip(own, t)]
             path += max(t)
         return own, path
