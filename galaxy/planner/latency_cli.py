@@ -6,7 +6,7 @@ from galaxy.config import ConfigError, apply_preset, load_config
 from galaxy.files import write_json_atomic
 from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
-from galaxy.planner.cli import _budgets, _check_model_matches, fail, meshes_of
+from galaxy.planner.cli import _budgets, _check_model_matches, _notes, fail, meshes_of
 from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.latency_search import latency_document, latency_prediction, latency_table, search_latency
 from galaxy.planner.method import config_signature
@@ -62,9 +62,9 @@ def _inputs(args):
         raise ConfigError("--objective latency plans dp 1 only (replicas serve other requests, they do not shorten "
                           "one); drop --dp")
     cost = LatencyCostModel(model, devices, link, prompt_tokens=prompt, new_tokens=new)
-    note = None if signature["method"] == "full" else \
-        f"note: {describe_method(signature)} costed as the base model (its own products are not counted)"
-    return shape, model, devices, budgets, cost, note
+    notes = _notes(model, devices, None) + ([] if signature["method"] == "full" else [
+        f"note: {describe_method(signature)} costed as the base model (its own products are not counted)"])
+    return shape, model, devices, budgets, cost, notes
 
 
 def no_fit_line(result, devices, prompt: int, new: int) -> str:
@@ -81,7 +81,7 @@ def no_fit_line(result, devices, prompt: int, new: int) -> str:
 
 def latency_search_command(args) -> None:
     try:
-        shape, model, devices, budgets, cost, note = _inputs(args)
+        shape, model, devices, budgets, cost, notes = _inputs(args)
         result = search_latency(cost, budgets, top=args.top, pps=args.pp)
     except (ConfigError, ProfileError, ModelProfileError, FileNotFoundError) as e:
         fail("search", e)
@@ -90,8 +90,8 @@ def latency_search_command(args) -> None:
         write_json(args.json, latency_document(result, layers, total, cost.prompt, cost.new))
     if not result.ranked:
         fail("search", no_fit_line(result, devices, cost.prompt, cost.new))
-    if note:
-        print(note)
+    for line in notes:
+        print(line)
     print(f"searched {result.tried:,} plans in {result.seconds:.1f} s: world {len(devices)}, {layers} layers, "
           f"memory budgets (MiB) {', '.join(mib(b) for b in budgets)}" +
           (f" ({args.headroom:g}% headroom kept)" if args.headroom else ""))
