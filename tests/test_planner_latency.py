@@ -149,6 +149,7 @@ def _base(tmp_path, model_dir) -> str:
     (["--dp", "2"], "--objective latency plans dp 1 only"),
     (["--prompt_tokens", "30"], "--prompt_tokens 30 must be from 1 to the config's pad_size 24"),
     (["--new_tokens", "0"], "--new_tokens must be at least 1"),
+    (["--memory_mib", "0.1"], "no plan fits the memory budgets for a 24-token prompt and 64 new tokens; under"),
     (["--objective", "step", "--new_tokens", "8"], "--prompt_tokens and --new_tokens size a generation request"),
 ])
 def test_bad_latency_requests_are_one_line_exit_2(tmp_path, capsys, extra, words):
