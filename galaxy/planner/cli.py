@@ -41,6 +41,7 @@ from galaxy.planner.method import config_signature
 from galaxy.planner.model_profile import ModelProfileError, check_method, check_model_profile, profile_model
 from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
 from galaxy.planner.encdec_search import search_encdec
+from galaxy.planner.latency_search import add_objective_arguments
 from galaxy.planner.search import divisors, search
 from galaxy.planner.table import mib, no_fit_line, table
 from galaxy.planner.writer import ranked_document, write_planned_config
@@ -213,14 +214,7 @@ def _search_parser() -> argparse.ArgumentParser:
                    help="search only these pipeline degrees (default: every divisor of the world)")
     p.add_argument("--dp", type=int, nargs="+", metavar="N",
                    help="search only these data-parallel degrees (--pp 1 --dp 1: one Galaxy group of every rank)")
-    p.add_argument("--objective", choices=("step", "latency"), default="step",
-                   help="step: the fastest training step (default); latency: the quickest generation of one "
-                        "request at batch 1, forward only with a KV cache, dp 1 (written for generate.py)")
-    p.add_argument("--prompt_tokens", type=int, metavar="N",
-                   help="--objective latency: the prompt's tokens (default: the config's pad_size)")
-    p.add_argument("--new_tokens", type=int, metavar="M",
-                   help="--objective latency: the tokens generated (default 64; generate.py's --max_new_tokens "
-                        "is a flag, not a config key)")
+    add_objective_arguments(p)
     return p
 
 

@@ -8,15 +8,14 @@ from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.planner.cli import _budgets, _check_model_matches, _notes, fail, meshes_of
 from galaxy.planner.latency_cost import LatencyCostModel
-from galaxy.planner.latency_search import latency_document, latency_prediction, latency_table, search_latency
+from galaxy.planner.latency_search import (DEFAULT_NEW_TOKENS, latency_document, latency_prediction, latency_table,
+                                           search_latency)
 from galaxy.planner.method import config_signature
 from galaxy.planner.method import describe as describe_method
 from galaxy.planner.model_profile import ModelProfileError, check_model_profile
 from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
 from galaxy.planner.table import describe, mib
 from galaxy.planner.writer import write_planned_config
-
-DEFAULT_NEW_TOKENS = 64
 
 
 def request_size(args, cfg, shape: dict) -> tuple[int, int]:

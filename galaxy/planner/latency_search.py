@@ -15,6 +15,21 @@ from galaxy.planner.table import describe, mib
 from galaxy.planner.writer import plan_keys, prediction
 
 
+DEFAULT_NEW_TOKENS = 64
+
+
+def add_objective_arguments(p) -> None:
+    """search's --objective and the request's size."""
+    p.add_argument("--objective", choices=("step", "latency"), default="step",
+                   help="step: the fastest training step (default); latency: the quickest generation of one "
+                        "request at batch 1, forward only with a KV cache, dp 1 (written for generate.py)")
+    p.add_argument("--prompt_tokens", type=int, metavar="N",
+                   help="--objective latency: the prompt's tokens (default: the config's pad_size)")
+    p.add_argument("--new_tokens", type=int, metavar="M",
+                   help=f"--objective latency: the tokens generated (default {DEFAULT_NEW_TOKENS}; generate.py's "
+                        "--max_new_tokens is a flag, not a config key)")
+
+
 def search_latency(cost: LatencyCostModel, budgets: list[float], *, top: int = 5,
                    pps: list[int] | None = None) -> SearchResult:
     """The plans that fit, quickest request first (pps: the pipeline degrees to try; default all)."""
