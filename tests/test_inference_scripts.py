@@ -1,8 +1,9 @@
 """generate.py and --predict, run as users run them.
 
-generate.py under the Galaxy plan at world 2 (uneven shares) writes one JSON line per prompt, in
-input order, whose tokens are Hugging Face generate's greedy ones, alone or in the chat template,
-or with --num_beams its best beams;
+generate.py under the Galaxy plan at world 2 (uneven shares; for the greedy tokens, the plan
+plan.py search --objective latency wrote) writes one JSON line per prompt, in input order, whose
+tokens are Hugging Face generate's greedy ones, alone or in the chat template, or with --num_beams
+its best beams;
 a stop string cuts the text; bad input is one line and exit status 2 before any process group.
 pretrain_galaxy.py --predict at world 2 writes Hugging Face's class probabilities and the
 accuracy; "train": false predicts the test set with pretrain_bert.py.
@@ -15,6 +16,8 @@ import torch
 from support.generation_runners import hf_generate
 from support.script_runner import run_script, run_scripts
 from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
+
+from galaxy.planner import cli as plan_cli
 
 
 PAD, NEW = 24, 8
@@ -43,9 +46,34 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
+def latency_planned(job) -> str:
+    """plan.py search --objective latency's config for two devices at speeds 2:1 (synthetic profile)
+    and the model's own profile: a plan with uneven shares, the quicker rank taking more."""
+    tmp, base = job["tmp"], config(job, "latency-base")
+    devices = tmp / "devices.json"
+    devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "link": {"latency_s": 1e-5,
+                                   "bytes_per_s": 1e9}, "devices": [{"name": f"dev{i}", "gemm_flops_per_s": rate,
+                                                                    "memory_mib": 4000} for i, rate in enumerate((2e9, 1e9))]}))
+    out = str(tmp / "latency.json")
+    plan_cli.main(["profile-model", "--config_file", base, "--out", str(tmp / "model.json")])
+    plan_cli.main(["search", "--objective", "latency", "--config_file", base, "--devices", str(devices), "--model",
+                   str(tmp / "model.json"), "--new_tokens", str(NEW), "--out", out, "--json", str(tmp / "plans.json")])
+    planned = json.loads(open(out).read())
+    best = json.loads((tmp / "plans.json").read_text())["plans"][0]        # --json: training's fields and the parts
+    assert best["keys"] == {k: planned[k] for k in best["keys"]}
+    assert best["predicted_step_s"] == pytest.approx(best["prefill_s"] + (NEW - 1) * best["decode_s_per_token"],
+                                                     abs=1e-6)   # (predicted_step_s: 6 decimals)
+    splits = [planned[k] for k in ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
+              if k in planned]
+    assert planned["dp_deg"] == 1 and planned["_planned"]["objective"] == "latency", planned
+    assert splits and all(s[0] >= s[1] for s in splits) and any(s[0] > s[1] for s in splits), planned
+    return out
+
+
 def test_generate_writes_hf_greedy_tokens_in_order(lm):
+    """Under the plan plan.py search --objective latency wrote (uneven shares at world 2)."""
     out = lm["tmp"] / "out.jsonl"
-    run_script("generate.py", config(lm, "galaxy", **GALAXY), 2, "--prompts", lm["prompts"], "--out", str(out),
+    run_script("generate.py", latency_planned(lm), 2, "--prompts", lm["prompts"], "--out", str(out),
                "--max_new_tokens", str(NEW))
     records = read_jsonl(out)
     want = [hf_generate("llama", lm["model_dir"], [p], NEW)[0] for p in PROMPTS]

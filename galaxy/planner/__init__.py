@@ -9,6 +9,9 @@
   cost.py            step time and peak memory per rank of any plan
   encdec_cost.py     the same for an encoder-decoder's plans (pp 1 so far), per stack and layer kind
   search.py          the search: mesh x methods x micro-batches, shares and stages by local moves
+  latency_cost.py    --objective latency: one request's prefill, decode steps and KV cache per rank
+  latency_search.py  the search on that cost model (dp 1), its table and --json
+  latency_cli.py     search --objective latency: the request's size, the refusals, the written config
   writer.py          the chosen plan over the base config, checked by galaxy.config
   draw.py            --png: the plan, ranks x sub-blocks, and predicted time per rank
   cli.py             the three subcommands

@@ -41,6 +41,7 @@ from galaxy.planner.method import config_signature
 from galaxy.planner.model_profile import ModelProfileError, check_method, check_model_profile, profile_model
 from galaxy.planner.profiles import ProfileError, compose, read_json, write_json
 from galaxy.planner.encdec_search import search_encdec
+from galaxy.planner.latency_search import add_objective_arguments
 from galaxy.planner.search import divisors, search
 from galaxy.planner.table import mib, no_fit_line, table
 from galaxy.planner.writer import ranked_document, write_planned_config
@@ -213,6 +214,7 @@ def _search_parser() -> argparse.ArgumentParser:
                    help="search only these pipeline degrees (default: every divisor of the world)")
     p.add_argument("--dp", type=int, nargs="+", metavar="N",
                    help="search only these data-parallel degrees (--pp 1 --dp 1: one Galaxy group of every rank)")
+    add_objective_arguments(p)
     return p
 
 
@@ -332,6 +334,11 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
 
 def search_command(argv) -> None:
     args = _search_parser().parse_args(argv)
+    if args.objective == "latency":
+        from galaxy.planner.latency_cli import latency_search_command     # it imports this module's helpers
+        return latency_search_command(args)
+    if args.prompt_tokens is not None or args.new_tokens is not None:
+        fail("search", "--prompt_tokens and --new_tokens size a generation request; add --objective latency")
     try:
         run = _search_inputs(args)
         result = run.search(args.top)

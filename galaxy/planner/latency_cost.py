@@ -1,0 +1,287 @@
+"""The latency cost model (plan.py search --objective latency): how long one generation request
+takes under a plan, and what each rank holds while it runs.
+
+One prompt of N tokens at batch 1, then M new tokens, forward only, as galaxy.inference.engine
+runs them: the prefill runs the prompt under the plan and chooses the first new token; each of the
+M - 1 decode steps runs the token chosen last, attending to every key cached before it and its own.
+No backward, no weight gradients, no optimizer state, no micro-batches: one request crosses the
+pipeline's stages one after the other (nothing overlaps at batch 1), and data-parallel replicas
+would serve other requests, not cut this one's time (the search keeps dp 1).
+
+Prefill. The prompt is padded to P tokens: pad_size where the plan splits tokens (the shares are
+made for it), else N. Each sub-block takes its slowest rank's forward at its share and one row
+(the device profile's table, taken at pad_size tokens, scaled by P / pad_size: the attention
+scores' quadratic part taken as linear), each layer its plan's forward transitions at P tokens
+(TP: an all-reduce out, or under CON SP an all-gather in and a reduce-scatter out; SP under CON
+None: an all-gather out; SP attention: its K/V all-gather), each stage boundary one send of the
+carry. The sampler (the last Galaxy rank of the last stage) runs the LM head on the last position.
+
+Decode. One token, so no token split: CON and an SP MLP run the whole token on every rank, an SP
+ATT projects it with every head and attends to its own cached keys (its prompt tokens and the
+decoded tokens it owns, round-robin), a TP sub-block its heads or columns. Timed as matrix FLOPs
+(the model profile's per token, and 4 x heads x head_dim per cached key for the scores) over the
+device's GEMM rate: the profiled tables hold pad_size tokens, not one (a decode point in
+profile-devices would time the weight-bound products better). Per layer: one all-reduce of [1, h]
+per TP sub-block, one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT,
+each a few bytes: their per-call latency is what counts (the link's smallest measured call, or
+its fit's latency). Each pass ends with the sampler's [1, 2] broadcast over the group and the
+pipeline (timed as a one-call all-gather of 16 bytes).
+
+Memory per rank: the baseline + the weights of its shards (fp32) + its KV caches as
+galaxy.layers.cached_attention allocates them (TP and serial: its K/V heads of P + M slots; SP:
+every K/V head of its s_r prompt tokens + ceil(M / group) decoded ones; k, v and a keep mask per
+layer) + the prefill's working activations (the largest sub-block's bytes at its share, P / pad_size
+of the profiled row, and the carry), counted once: no backward keeps them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from galaxy.distributed.comm_bytes import ring_bytes
+from galaxy.models.shape import with_shape_keys
+from galaxy.plan import Plan
+from galaxy.planner.cost import SUB_BLOCKS, Estimate
+from galaxy.planner.model_terms import FP32, MIB, ModelTerms
+from galaxy.planner.profiles import ProfileError, link_time
+
+TOKEN_MESSAGE_BYTES = 16            # the sampler's [1, 2] int64 (token, status)
+
+
+@dataclass
+class LatencyEstimate(Estimate):
+    """Estimate with step_s = prefill + (M - 1) decode steps, and its parts."""
+    prefill_s: float = 0.0
+    decode_s_per_token: float = 0.0          # the mean decode step
+    cache_mib: list[float] = field(default_factory=list)   # per rank
+
+
+@dataclass
+class _Pass:
+    """One forward pass's figures per global rank, filled in stage by stage."""
+    compute: list
+    comm: list
+    sent: list
+    sub: list
+    seconds: float = 0.0
+
+
+class LatencyCostModel(ModelTerms):
+    """estimate(plan): one request's prefill and decode time and every rank's memory (module
+    docstring). The plan search (galaxy.planner.search.Searcher) drives it as it drives CostModel."""
+
+    def __init__(self, model: dict, devices: list[dict], link: dict | None, *, prompt_tokens: int,
+                 new_tokens: int):
+        super().__init__(model, devices, link, batch_size=1)
+        hf = with_shape_keys(dict(model["hf_config"]), "the model profile")
+        self.heads = hf["num_attention_heads"]
+        self.kv_heads = hf.get("num_key_value_heads") or self.heads
+        self.head_dim = hf.get("head_dim") or self.hidden // self.heads
+        self.prompt, self.new = prompt_tokens, new_tokens
+        for r, d in enumerate(devices):
+            if not d.get("gemm_flops_per_s"):
+                raise ProfileError(f"rank {r}'s device profile has no gemm_flops_per_s, which times decode steps; "
+                                   "run plan.py profile-devices")
+        per_token = {k: v["fwd"] / self.seq for k, v in model["flops_per_row"].items()}
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # one token's matrix FLOPs, whole sub-blocks: ATT's projections (q, k, v in; o out), the MLP,
+        # one CON, the LM head (the profile's "head" row: embeddings and head)
+        self.token_flops = {"att": 2 * self.hidden * (q + 2 * kv) + 2 * q * self.hidden, "mlp": per_token["mlp"],
+                            "con": per_token["con"], "head": per_token["head"]}
+
+    @property
+    def backward_through_backbone(self) -> bool:
+        return False                  # no backward: nothing to recompute
+
+    def sub_blocks(self) -> list[tuple[int, str]]:
+        return list(enumerate(SUB_BLOCKS))
+
+    def prefill_tokens(self, plan: Plan) -> int:
+        """P: pad_size where the plan splits tokens (galaxy.inference.engine.prefill_length), else N."""
+        return self.seq if plan.group > 1 and plan.uses("tokens") else self.prompt
+
+    # --- time -----------------------------------------------------------------------------------
+
+    def estimate(self, plan: Plan) -> LatencyEstimate:
+        world = plan.world
+        blank = lambda: _Pass([0.0] * world, [0.0] * world, [0.0] * world, [dict() for _ in range(world)])  # noqa: E731
+        prefill, decode = blank(), blank()
+        for p in range(plan.pp):
+            self._prefill_stage(plan, p, prefill)
+            self._decode_stage(plan, p, decode)
+        for one in (prefill, decode):
+            self._broadcasts(plan, one, self.new - 1 if one is decode else 1)
+        steps = max(1, self.new - 1)
+        memory, cache = self.estimate_memory(plan), self.cache_mib(plan)
+        add = lambda a, b: [x + y for x, y in zip(a, b)]       # noqa: E731
+        subs = [{k: a.get(k, 0.0) + b.get(k, 0.0) for k in {**a, **b}} for a, b in zip(prefill.sub, decode.sub)]
+        return LatencyEstimate(plan, prefill.seconds + decode.seconds, memory,
+                               [int(x) for x in add(prefill.sent, decode.sent)], add(prefill.compute, decode.compute),
+                               max(add(prefill.comm, decode.comm)), add(prefill.comm, decode.comm), subs,
+                               prefill_s=prefill.seconds, decode_s_per_token=decode.seconds / steps, cache_mib=cache)
+
+    def _ranks(self, plan: Plan, p: int) -> list[int]:
+        return [p * plan.group + j for j in range(plan.group)]
+
+    def _prefill_stage(self, plan: Plan, p: int, out: _Pass) -> None:
+        """Stage p's part of the prefill: its layers' sub-blocks at the slowest rank, their
+        transitions, the embedding (first stage), the head on the last position (the sampler),
+        the carry's send to the next stage."""
+        L, ranks, P = plan.stages[p], self._ranks(plan, p), self.prefill_tokens(plan)
+        scale = 1.0 if P == self.seq else P / self.seq
+        kinds = [self._kinds(plan, j) for j in range(plan.group)]
+        for label, pick in (("ATT", lambda k: k[0]), ("CON", lambda k: ("con", k[2])), ("MLP", lambda k: k[1]),
+                            ("CON", lambda k: ("con", k[2]))):
+            times = [self.compute[r](*pick(kinds[j]), 1)[0] * scale for j, r in enumerate(ranks)]
+            self._charge(out, ranks, label, [L * t for t in times])
+        if p == 0:
+            self._charge(out, ranks, "EMB", [self.compute[r]("embed", self.seq, 1)[0] * scale for r in ranks])
+        if p == plan.pp - 1:
+            self._charge(out, ranks[-1:], "HEAD", [self.compute[ranks[-1]]("head", self.seq, 1)[0] / self.seq])
+        calls = self.prefill_calls(plan, P)
+        self._communicate(plan, out, ranks, calls, L)
+        if p < plan.pp - 1:
+            tokens = max(plan.tokens) if plan.con == "SP" and plan.group > 1 else P
+            self._hop(out, ranks, self.carry * tokens * self.hidden * FP32)
+
+    def _decode_stage(self, plan: Plan, p: int, out: _Pass) -> None:
+        """Stage p's part of the M - 1 decode steps (module docstring): ATT's time grows with the
+        keys cached, the other sub-blocks' does not."""
+        L, ranks, steps = plan.stages[p], self._ranks(plan, p), self.new - 1
+        if steps < 1:
+            return
+        rate = [self.devices[r]["gemm_flops_per_s"] for r in ranks]
+        own, path = self._decode_attention(plan, tuple(rate))
+        self._charge(out, ranks, "ATT", [L * t for t in own], L * path)
+        mlp = self._decode_fraction(plan, "mlp")
+        con, f = self.token_flops["con"], self.token_flops["mlp"]
+        self._charge(out, ranks, "MLP", [L * steps * f * mlp[j] / rate[j] for j in range(plan.group)])
+        self._charge(out, ranks, "CON", [L * steps * 2 * con / rate[j] for j in range(plan.group)])
+        if p == plan.pp - 1:
+            self._charge(out, ranks[-1:], "HEAD", [steps * self.token_flops["head"] / rate[-1]])
+        self._communicate(plan, out, ranks, self.decode_calls(plan), L * steps)
+        if p < plan.pp - 1:
+            self._hop(out, ranks, self.carry * self.hidden * FP32, steps)
+
+    def _decode_fraction(self, plan: Plan, sub: str) -> list[float]:
+        """Per Galaxy rank, its share of a sub-block's matrix work for one token: TP its heads or
+        columns, SP (and a group of one) all of it."""
+        if plan.group == 1 or getattr(plan, sub) != "TP":
+            return [1.0] * plan.group
+        shares, total = (plan.heads, self.heads) if sub == "att" else (plan.columns, sum(plan.columns))
+        return [s / total for s in shares]
+
+    def _decode_attention(self, plan: Plan, rate: tuple) -> tuple[list[float], float]:
+        """(each Galaxy rank's seconds of ATT over the S = M - 1 steps, the steps' sum of the
+        slowest rank's: the step's collective waits for it). A rank's step k (0-based): c FLOPs of
+        projections and e FLOPs per key (4 x heads x d), at its heads' share f_r under TP, over
+        P + k + 1 keys (TP, serial); under SP all of them over its s_r prompt tokens and the
+        decoded tokens it owns (owner k mod group)."""
+        c, e, steps = self.token_flops["att"], 4 * self.heads * self.head_dim, self.new - 1
+        if plan.group > 1 and plan.att == "SP":
+            return self._sp_decode_attention(plan.tokens, rate)
+        # every rank's step is f_r / rate_r x the same FLOPs: the slowest rank is the same at every step
+        total = steps * c + e * (steps * (self.prefill_tokens(plan) + 1) + steps * (steps - 1) / 2)
+        own = [f / r * total for f, r in zip(self._decode_fraction(plan, "att"), rate)]
+        return own, max(own)
+
+    @functools.lru_cache(maxsize=4096)
+    def _sp_decode_attention(self, tokens: tuple, rate: tuple) -> tuple[list[float], float]:
+        """_decode_attention under SP, step by step (the slowest rank changes as keys arrive)."""
+        g, c, e = len(tokens), self.token_flops["att"], 4 * self.heads * self.head_dim
+        own, path = [0.0] * g, 0.0
+        for k in range(self.new - 1):
+            t = [(c + e * (tokens[j] + max(0, (k - j) // g + 1))) / rate[j] for j in range(g)]
+            own = [a + b for a, b in zip(own, t)]
+            path += max(t)
+        return own, path
+
+    def _charge(self, out: _Pass, ranks: list[int], label: str, seconds: list[float],
+                path: float | None = None) -> None:
+        """Ranks run a sub-block side by side: the pass takes the slowest (path, when the slowest
+        changes from step to step), each rank its own seconds."""
+        for r, t in zip(ranks, seconds):
+            out.compute[r] += t
+            out.sub[r][label] = out.sub[r].get(label, 0.0) + t
+        out.seconds += max(seconds) if path is None else path
+
+    def prefill_calls(self, plan: Plan, P: int) -> list[tuple[str, int]]:
+        """(kind, elements per rank) of one layer's forward transitions in the prefill."""
+        if plan.group == 1:
+            return []
+        con_s = plan.con == "SP"
+        shard, full = max(plan.tokens) * self.hidden, P * self.hidden
+        calls = []
+        for method in (plan.att, plan.mlp):
+            if method == "TP":
+                calls += [("all_gather", shard), ("reduce_scatter", shard)] if con_s else [("all_reduce", full)]
+            elif not con_s:
+                calls.append(("all_gather", shard))         # S -> R out (R -> S in is a local split)
+        if plan.att == "SP":
+            calls.append(("all_gather", max(plan.tokens) * 2 * self.kv_heads * self.head_dim))
+        return calls
+
+    def decode_calls(self, plan: Plan) -> list[tuple[str, int]]:
+        """(kind, elements per rank) of one layer's collectives in a decode step."""
+        if plan.group == 1:
+            return []
+        calls = [("all_reduce", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))]
+        return calls + ([("all_reduce", self.hidden)] if plan.mlp == "TP" else [])
+
+    def _communicate(self, plan: Plan, out: _Pass, ranks, calls, times: int) -> None:
+        """`times` rounds of `calls` over the stage's group: on the path, and each rank's."""
+        g, uneven = plan.group, len(set(plan.tokens)) > 1
+        for kind, numel in calls:
+            b = ring_bytes(kind, numel, FP32, g)
+            t = times * link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce")
+            for r in ranks:
+                out.comm[r] += t
+                out.sent[r] += times * b
+            out.seconds += t
+
+    def _hop(self, out: _Pass, ranks, nbytes: float, times: int = 1) -> None:
+        """The carry's sends (one per carry tensor) to the next stage."""
+        t = times * self.carry * link_time(self.link, "send_recv", 2, nbytes / self.carry, 1)
+        for r in ranks:
+            out.comm[r] += t
+            out.sent[r] += times * nbytes
+        out.seconds += t
+
+    def _broadcasts(self, plan: Plan, out: _Pass, times: int) -> None:
+        """The sampler's token broadcast after every pass: over the group, then the pipeline."""
+        for n in (plan.group, plan.pp):
+            if n > 1 and times > 0:
+                t = times * link_time(self.link, "all_gather", n, TOKEN_MESSAGE_BYTES * (n - 1), 1)
+                out.seconds += t
+                for r in range(plan.world):
+                    out.comm[r] += t
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def cache_bytes(self, plan: Plan, p: int, j: int) -> int:
+        """Rank j of stage p's KV caches, as galaxy.layers.cached_attention.start_cache makes them:
+        k and v [1, kv_heads_r, slots, d] (fp32) and keep [1, slots] (bool) per layer."""
+        g = plan.group
+        if g > 1 and plan.att == "SP":
+            kv, slots = self.kv_heads, plan.tokens[j] + math.ceil(self.new / g)
+        else:
+            kv = plan.heads[j] // (self.heads // self.kv_heads) if g > 1 else self.kv_heads
+            slots = self.prefill_tokens(plan) + self.new
+        return plan.stages[p] * (2 * kv * slots * self.head_dim * FP32 + slots)
+
+    def cache_mib(self, plan: Plan) -> list[float]:
+        return [self.cache_bytes(plan, r // plan.group, r % plan.group) / MIB for r in range(plan.world)]
+
+    def estimate_memory(self, plan: Plan) -> list[float]:
+        """MiB per rank: baseline, weights, KV caches, the prefill's working activations."""
+        out = []
+        P = self.prefill_tokens(plan)
+        for r in range(plan.world):
+            p, j = divmod(r, plan.group)
+            weights = self.params_of(plan, p, j) * FP32
+            (ak, au), (mk, mu), con = self._kinds(plan, j)
+            working = max(self._act(ak, au), self._act(mk, mu), self._act("con", con)) * P / self.seq
+            working += self.carry * con * self.hidden * FP32 * P / self.seq
+            out.append(self.devices[r].get("baseline_mib", 0.0) + (weights + self.cache_bytes(plan, p, j) + working) / MIB)
+        return out

@@ -1,0 +1,175 @@
+"""plan.py search --objective latency: one request's prefill and decode time by hand on synthetic
+profiles, the search giving the quicker device more of the work, every rank's KV cache equal to
+what galaxy.inference allocates for the same plan, and the refusals. The end-to-end run (a
+searched config that generate.py runs at world 2 with Hugging Face's tokens) is in
+tests/test_inference_scripts.py."""
+import json
+import os
+
+import pytest
+import torch
+
+from galaxy.distributed.group import GalaxyGroup
+from galaxy.layers.kv_cache import open_caches
+from galaxy.plan import Plan
+from galaxy.planner import cli
+from galaxy.planner.latency_cost import LatencyCostModel
+from galaxy.planner.latency_search import search_latency
+from galaxy.planner.profiles import check_link
+from galaxy.runtime.assemble import build_model
+
+# tiny-llama's shape (models/tiny-llama): hidden 128, 4 heads of 32 in 2 K/V groups, 344 MLP columns
+H, HEADS, KV, D, COLS, LAYERS, SEQ = 128, 4, 2, 32, 344, 4, 24
+ATT_F, MLP_F, HEAD_F = 4e6, 6e6, 3e6        # forward matrix FLOPs per row at SEQ tokens, whole sub-blocks
+PROJ = 2 * H * (HEADS * D + 2 * KV * D) + 2 * HEADS * D * H      # one token's q, k, v and o products
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+TINY_T5, TINY_LLAMA = os.path.join(MODELS, "tiny-t5"), os.path.join(MODELS, "tiny-llama")
+FREE_LINK = check_link({"latency_s": 0.0, "bytes_per_s": 1e18}, "free link")
+
+
+def causal_lm_profile():
+    """A hand-written model profile of a causal LM of tiny-llama's shape: FLOPs in ATT, MLP and the head."""
+    flops = lambda f: {"fwd": f, "bwd": 2 * f, "fwd_elementwise": 0, "bwd_elementwise": 0}  # noqa: E731
+    return {
+        "format": "galaxy-model-profile", "version": 1, "model_type": "llama", "family": "llama",
+        "task": "causal_lm", "pad_size": SEQ, "dropout": 0.0,
+        "hf_config": {"model_type": "llama", "hidden_size": H, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+                      "num_key_value_heads": KV, "head_dim": D, "intermediate_size": COLS, "vocab_size": 1000,
+                      "max_position_embeddings": 512},
+        "carry_tensors": 1,
+        "units": {"att_tp": [HEADS, HEADS // KV], "att_sp": [SEQ, 1], "mlp_tp": [COLS, 1], "mlp_sp": [SEQ, 1],
+                  "con": [SEQ, 1], "embed": [SEQ, SEQ], "head": [SEQ, 1]},
+        "params": {"embed": 1000, "head": 2000, "tied": 0, "other": 0, "total": 3000 + LAYERS * 100 * (HEADS + COLS),
+                   "layer": {"att_tp": [0, 100], "mlp_tp": [0, 100], "att_sp": 100 * HEADS, "mlp_sp": 100 * COLS,
+                             "con": 0}},
+        "act_bytes_per_row": {k: [0, 0] for k in ("att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head")},
+        "flops_per_row": {"att": flops(ATT_F), "mlp": flops(MLP_F), "con": flops(0), "head": flops(HEAD_F)},
+    }
+
+
+def device(rate, memory=1e6, name=None):
+    return {"name": name or f"{rate:g} FLOP/s", "gemm_flops_per_s": rate, "memory_mib": memory, "baseline_mib": 0.0}
+
+
+def plan(att, mlp, con, heads, columns, tokens, stages=(LAYERS,)):
+    return Plan(att=att, mlp=mlp, con=con, pp=len(stages), dp=1, heads=heads, columns=columns, tokens=tokens,
+                stages=stages, microbatches=1, schedule="1f1b", checkpoint=(), dp_sharding="none")
+
+
+def test_prefill_and_decode_by_hand():
+    """Two devices at 2R and R. TP ATT and MLP, CON None: the prompt's N tokens are not padded to
+    pad_size, so the prefill is N / SEQ of each profiled sub-block at the slower rank's share; each
+    of the M - 1 decode steps runs one token, its projections at the rank's heads and 4 d FLOPs per
+    head and key over the N + k + 1 keys of step k; the LM head runs on one token on the sampler (the
+    last rank). A link of latency lat (no bandwidth cost) adds per pass two all-reduces a layer
+    (2 (n - 1) steps each) and the token's broadcast (n - 1 steps). A pipeline of the two devices
+    (3 layers, then 1) adds its stages' times: at batch 1 nothing overlaps."""
+    R, N, M, lat = 1e9, 12, 5, 1e-4
+    rate = (2 * R, R)
+    cost = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], FREE_LINK, prompt_tokens=N, new_tokens=M)
+    heads, cols = (2, 2), (230, 114)
+    est = cost.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
+    layer = max(ATT_F * h / HEADS / r for h, r in zip(heads, rate)) + max(MLP_F * c / COLS / r for c, r in zip(cols, rate))
+    prefill = LAYERS * layer * N / SEQ + HEAD_F / SEQ / R
+    assert est.prefill_s == pytest.approx(prefill, rel=1e-9)
+    steps = [LAYERS * (max((PROJ * h / HEADS + 4 * h * D * (N + k + 1)) / r for h, r in zip(heads, rate))
+                       + max(MLP_F / SEQ * c / COLS / r for c, r in zip(cols, rate))) + HEAD_F / SEQ / R
+             for k in range(M - 1)]
+    assert est.decode_s_per_token == pytest.approx(sum(steps) / (M - 1), rel=1e-9)
+    assert est.step_s == pytest.approx(prefill + sum(steps), rel=1e-9)
+
+    slow = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], check_link(
+        {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M)
+    passes = 1 + (M - 1)
+    again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
+    assert again.step_s - est.step_s == pytest.approx(passes * (LAYERS * 2 * 2 * lat + lat), rel=1e-6)
+
+    pipe = cost.estimate(plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1)))
+    whole = (ATT_F + MLP_F) * N / SEQ
+    assert pipe.prefill_s == pytest.approx(3 * whole / (2 * R) + whole / R + HEAD_F / SEQ / R, rel=1e-9)
+    step = lambda k, layers, r: layers * ((PROJ + 4 * HEADS * D * (N + k + 1)) + MLP_F / SEQ) / r  # noqa: E731
+    assert pipe.decode_s_per_token * (M - 1) == pytest.approx(
+        sum(step(k, 3, 2 * R) + step(k, 1, R) + HEAD_F / SEQ / R for k in range(M - 1)), rel=1e-9)
+
+
+def test_sequence_parallel_attention_decodes_against_its_own_keys():
+    """ATT SP, MLP SP, CON SP on equal devices: the prompt is padded to pad_size (16 and 8 tokens),
+    every rank projects each decoded token with all heads and the whole MLP, and attends to its
+    prompt tokens and the decoded tokens it owns (step k's goes to rank k mod 2)."""
+    R, N, M = 1e9, 10, 4
+    cost = LatencyCostModel(causal_lm_profile(), [device(R), device(R)], FREE_LINK, prompt_tokens=N, new_tokens=M)
+    est = cost.estimate(plan("SP", "SP", "SP", (2, 2), (172, 172), (16, 8)))
+    assert est.prefill_s == pytest.approx(LAYERS * (ATT_F + MLP_F) * 16 / SEQ / R + HEAD_F / SEQ / R, rel=1e-9)
+    owned = [[1, 0], [1, 1], [2, 1]]                # decoded keys per rank after steps 0, 1, 2
+    steps = [LAYERS * (PROJ + 4 * HEADS * D * max(16 + owned[k][0], 8 + owned[k][1]) + MLP_F / SEQ) / R
+             + HEAD_F / SEQ / R for k in range(M - 1)]
+    assert est.decode_s_per_token * (M - 1) == pytest.approx(sum(steps), rel=1e-9)
+
+
+def test_search_gives_the_quicker_device_more_work():
+    """Speeds 3:1 on a free link, one Galaxy group: every split the best plan uses gives rank 0
+    more; a pipeline is dearer (its stages add up) and ranks below."""
+    R = 1e9
+    cost = LatencyCostModel(causal_lm_profile(), [device(3 * R), device(R)], FREE_LINK, prompt_tokens=SEQ,
+                            new_tokens=8)
+    result = search_latency(cost, [1e6, 1e6], top=40)
+    best = result.ranked[0].plan
+    assert best.pp == 1 and best.dp == 1 and all(e.plan.dp == 1 for e in result.ranked)
+    shares = [getattr(best, name) for name in ("heads", "columns", "tokens") if best.uses(name)]
+    assert shares and all(s[0] > s[1] for s in shares), best
+    assert any(e.plan.pp == 2 for e in result.ranked)
+
+
+def test_cache_memory_is_what_inference_allocates():
+    """Each rank's predicted KV cache equals the bytes galaxy.layers.kv_cache.open_caches allocates
+    on the model galaxy.runtime builds for that rank and stage (no process group: shapes only)."""
+    path = TINY_LLAMA
+    N, M = 10, 7
+    cost = LatencyCostModel(causal_lm_profile(), [device(1e9), device(1e9)], FREE_LINK, prompt_tokens=N, new_tokens=M)
+    cases = [(plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1)), 0, 0),       # serial stage
+             (plan("TP", "TP", "None", (2, 2), (200, 144), (12, 12)), 0, 1),                  # its K/V group
+             (plan("SP", "TP", "SP", (2, 2), (200, 144), (16, 8)), 0, 0)]                     # its tokens
+    for p, stage, j in cases:
+        group = GalaxyGroup(j, p.group, None, p.heads, p.columns, p.tokens)
+        first, last = stage == 0, stage == p.pp - 1
+        model = build_model(path, p, group, task="causal_lm",
+                            stage=None if p.pp == 1 else (p.stage_layers()[stage], first, last))
+        caches = open_caches(model, 1, cost.prefill_tokens(p), M, torch.float32, "cpu")
+        assert cost.cache_bytes(p, stage, j) == caches.nbytes, p
+        assert cost.cache_mib(p)[stage * p.group + j] * 2 ** 20 == pytest.approx(caches.nbytes)
+
+
+def _base(tmp_path, model_dir) -> str:
+    path = tmp_path / "base.json"
+    path.write_text(json.dumps({"model_path": model_dir, "pad_size": SEQ, "batch_size": 2}))
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--dp", "2"], "--objective latency plans dp 1 only"),
+    (["--prompt_tokens", "30"], "--prompt_tokens 30 must be from 1 to the config's pad_size 24"),
+    (["--new_tokens", "0"], "--new_tokens must be at least 1"),
+    (["--memory_mib", "0.1"], "no plan fits the memory budgets for a 24-token prompt and 64 new tokens; under"),
+    (["--objective", "step", "--new_tokens", "8"], "--prompt_tokens and --new_tokens size a generation request"),
+])
+def test_bad_latency_requests_are_one_line_exit_2(tmp_path, capsys, extra, words):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(causal_lm_profile()))
+    devices = tmp_path / "devices.json"
+    devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "devices": [device(1e9), device(1e9)],
+                                   "link": {"latency_s": 1e-5, "bytes_per_s": 1e9}}))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--objective", "latency", "--config_file", _base(tmp_path, TINY_LLAMA),
+                  "--devices", str(devices), "--model", str(model), "--out", str(tmp_path / "x.json"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_encoder_decoders_are_refused(tmp_path, capsys):
+    """Before any profile is read: one line, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--objective", "latency", "--config_file", _base(tmp_path, TINY_T5),
+                  "--devices", "absent.json", "--model", "absent.json", "--out", str(tmp_path / "x.json")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert "--objective latency plans causal LMs only so far" in err[0]
