@@ -3,7 +3,8 @@
 - pretrain_galaxy.py (a tiny BERT, uneven TP+SP shares) reports HF's serial losses, as every
   parity test demands, with the ranks binding gloo to the interface that routes to rank 0
   (without that binding gloo offers 127.0.0.1 and the ranks never connect);
-- plan.py profile-devices records each device's memory limit from its cgroup, and its name;
+- plan.py profile-devices records each device's memory limit from its cgroup, its name, and every
+  pair's send rate (the slower end's link);
 - a rank whose rendezvous cannot connect fails within timeout_s with one line naming the address
   and the interface it tried.
 """
@@ -38,15 +39,22 @@ def test_galaxy_plan_on_two_devices_reports_hf_losses(job, tmp_path):  # noqa: F
 def test_profile_devices_records_each_device_and_its_memory_limit(job, tmp_path):  # noqa: F811
     base = tmp_path / "base.json"
     base.write_text(json.dumps({"model_path": job["model_dir"], "pad_size": 12, "batch_size": 4, "timeout_s": 60}))
-    cluster = write_cluster(tmp_path / "two.json", device("big", 1.0, 1500, 1000), device("small", 0.5, 1000, 300))
+    cluster = write_cluster(tmp_path / "three.json", device("big", 1.0, 1500, 1000), device("small", 0.5, 1000, 300),
+                            device("tiny", 0.5, 1000, 100))
     out = tmp_path / "devices.json"
     done = edge("run", "--cluster", cluster, "--", PYTHON, "plan.py", "profile-devices", "--config_file", str(base),
                 "--out", str(out), "--quick")
     assert done.returncode == 0, done.stdout + done.stderr
-    devices = json.loads(out.read_text())["devices"]
-    assert [d["name"] for d in devices] == ["big rank 0", "small rank 1"]
-    assert [d["memory_mib"] for d in devices] == [1500, 1000]
-    assert [d["threads"] for d in devices] == [1, 1]
+    profile = json.loads(out.read_text())
+    devices = profile["devices"]
+    assert [d["name"] for d in devices] == ["big rank 0", "small rank 1", "tiny rank 2"]
+    assert [d["memory_mib"] for d in devices] == [1500, 1000, 1000]
+    assert [d["threads"] for d in devices] == [1, 1, 1]
+    # a send between every pair, each at the slower end's link (through one switch)
+    rates = {tuple(p["ranks"]): p["bytes_per_s"] * 8 / 1e6 for p in profile["link"]["pairs"]}
+    assert sorted(rates) == [(0, 1), (0, 2), (1, 2)]
+    for pair, mbit in ((0, 1), 300), ((0, 2), 100), ((1, 2), 100):
+        assert abs(rates[pair] - mbit) <= 0.15 * mbit, rates
 
 
 def test_rendezvous_that_cannot_connect_names_address_and_interface(job, tmp_path):  # noqa: F811

@@ -18,9 +18,10 @@ from galaxy.planner.cost import CostModel
 from galaxy.planner.draw import step_parts
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
+from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_device, check_link, compose, fit_link,
-                                     link_time, load_devices, write_json)
+                                     load_devices, write_json)
 from galaxy.planner.search import Searcher, proportional, search
 from galaxy.train.metrics import read_metrics
 
@@ -361,6 +362,40 @@ def test_link_time_reads_the_measured_points_between_their_sizes():
     # a hand-written link (no measured points) is its fit everywhere
     hand = check_link({"latency_s": 1e-4, "bytes_per_s": 1e9}, "link")
     assert link_time(hand, "all_reduce", 2, 1e6, 1) == pytest.approx(2e-4 + 1e-3, rel=1e-9)
+
+
+def test_unequal_links_per_pair_by_hand():
+    """Three devices through one switch, on links of 4B, B and B bytes/s (no latency): the world's
+    collectives run at B; a send between ranks 0 and 1, and a collective over them alone, at 4B;
+    a three-stage pipeline pays each boundary's own send, F0 + h01 + F1 + h12 + F2 + B2 + h12 + ..."""
+    B = 1.25e7
+    one = {"latency_s": 0.0, "bytes_per_s": B}
+    pairs = [{"ranks": [0, 1], "latency_s": 0.0, "bytes_per_s": 4 * B},
+             {"ranks": [0, 2], "latency_s": 0.0, "bytes_per_s": B}, {"ranks": [2, 1], "latency_s": 0.0, "bytes_per_s": B}]
+    link = check_link({"fit": {k: dict(one) for k in ("all_gather", "reduce_scatter", "all_reduce", "send_recv")},
+                       "pairs": pairs}, "link")
+    assert link_time(link, "send_recv", 2, 1e6, 1, ranks=(1, 0)) == pytest.approx(1e6 / (4 * B), rel=1e-12)
+    assert link_time(link, "send_recv", 2, 1e6, 1, ranks=(1, 2)) == pytest.approx(1e6 / B, rel=1e-12)
+    assert link_time(link, "all_reduce", 2, 1e6, 3, ranks=(0, 1)) == pytest.approx(1e6 / (4 * B), rel=1e-12)
+    assert link_time(link, "all_reduce", 3, 1e6, 3, ranks=(0, 1, 2)) == pytest.approx(1e6 / B, rel=1e-12)
+    assert link_time(link, "all_reduce", 3, 1e6, 3) == pytest.approx(1e6 / B, rel=1e-12)    # no ranks: the world
+    R, rows = 1e10, 16
+    cost = CostModel(synthetic_model(), [device(R)] * 3, link, batch_size=rows)
+    est = cost.estimate(P(3, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (2, 2, 2), 1, "gpipe"))
+    carry = rows * 48 * 384 * 4
+    layers = 6 * rows * 3 * (ATT_F + MLP_F) / R
+    assert est.step_s == pytest.approx(layers + 2 * (carry / (4 * B) + carry / B), rel=1e-9)
+    # dp 3 replicas all-reduce over every link; a Galaxy group of ranks 0 and 1 beside a lone rank
+    # is not a mesh, so a 2-rank group is timed on a 4-device world: ranks (0, 1) and (2, 3)
+    quad = check_link({"fit": link["fit"], "pairs": pairs + [{"ranks": [a, 3], "latency_s": 0.0, "bytes_per_s": B}
+                                                            for a in (0, 1, 2)]}, "link")
+    cost4 = CostModel(synthetic_model(), [device(R)] * 4, quad, batch_size=rows)
+    est4 = cost4.estimate(P(2, 1, "TP", "TP", "None", (6, 6), (768, 768), (48, 48), (3, 3), 1, "gpipe"))
+    slow = CostModel(synthetic_model(), [device(R)] * 4, check_link({"fit": link["fit"]}, "link"), batch_size=rows)
+    est_slow = slow.estimate(P(2, 1, "TP", "TP", "None", (6, 6), (768, 768), (48, 48), (3, 3), 1, "gpipe"))
+    assert est4.step_s < est_slow.step_s          # stage 0's group is on the quick pair; stage 1's is not
+    with pytest.raises(ProfileError, match=r"pairs\[0\]: 'ranks' must be two different ranks"):
+        check_link({"fit": link["fit"], "pairs": [{"ranks": [1, 1], "latency_s": 0.0, "bytes_per_s": B}]}, "link")
 
 
 def test_profiles_round_trip_and_compose(tmp_path):

@@ -40,7 +40,7 @@ from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import stage_ends
-from galaxy.planner.profiles import link_time
+from galaxy.planner.link_model import group_scale, link_time
 
 DDP_BUCKET_BYTES = 25 * MIB          # torch DDP's default bucket_cap_mb
 SUB_BLOCKS = ("ATT", "CON", "MLP", "CON")
@@ -73,7 +73,7 @@ class _Step:
     forms: dict                    # the Galaxy group's collectives (CommForms)
     padded: bool                   # uneven token shares: padded gathers and scatters
     kinds: list                    # per Galaxy rank: (att kind, units), (mlp kind, units), con tokens
-    hop: float                     # one stage-to-stage send
+    hops: tuple                    # one send across each stage boundary (p to p + 1)
     carry_bytes: float             # what a stage sends forward per micro-batch
     grad_bytes: float              # what it sends back (the carry's gradient)
     compute_s: list = field(default_factory=list)
@@ -101,15 +101,16 @@ class CostModel(MemoryModel):
         kinds = [self._kinds(plan, j) for j in range(g)]
         carry_bytes, grad_bytes = self._carry_bytes(rows * max(k[2] for k in kinds))
         world = g * pp * dp
-        s = _Step(plan, rows, self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1, kinds,
-                  link_time(self.link, "send_recv", 2, carry_bytes, 1) if pp > 1 else 0.0, carry_bytes, grad_bytes,
+        hops = tuple(self._hop(plan, p, carry_bytes) for p in range(pp - 1))
+        s = _Step(plan, rows, self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1, kinds, hops,
+                  carry_bytes, grad_bytes,
                   [0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
         fwds, bwds, extras, comm_path = [], [], [], 0.0
         for p in range(pp):
             fwd, bwd, extra, path = self._stage(s, p)
             fwds.append(fwd), bwds.append(bwd), extras.append(extra)
             comm_path = max(comm_path, path)
-        ends = list(stage_ends(tuple(fwds), tuple(bwds), s.hop, m, plan.schedule))
+        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule))
         if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
             ends[0] = ends[-1] = max(ends[0], ends[-1])
         step = max(e + x for e, x in zip(ends, extras))
@@ -123,7 +124,7 @@ class CostModel(MemoryModel):
         first, last = p == 0, p == plan.pp - 1
         c = self.recomputed(plan, p)
         comm = self._stage_comm(s, p, c)
-        p2p = ((0 if last else 1) + (0 if first else 1)) * s.hop     # this stage's sends per micro-batch
+        p2p = (0 if last else s.hops[p]) + (0 if first else s.hops[p - 1])    # its sends per micro-batch
         worst_fwd = worst_bwd = extra = 0.0
         for d in range(plan.dp):
             ranks = [(p * plan.dp + d) * plan.group + j for j in range(plan.group)]
@@ -142,30 +143,47 @@ class CostModel(MemoryModel):
         plan, g = s.plan, s.plan.group
         L, last = plan.stages[p], p == plan.pp - 1
         out = _StageComm()
+        group = self._slowest_group(plan, p)
         for kind, f, fwd_share in s.forms:
             b = s.rows * (L * f["a_layer"] + (f["a_fixed"] if last else 0))
             calls = L * f["c_layer"] + (f["c_fixed"] if last else 0)
             rb, rc = 0.5 * c * s.rows * f["a_layer"], 0.5 * c * f["c_layer"]   # recomputed forwards
-            out.mb += link_time(self.link, kind, g, b + rb, calls + rc, s.padded)
-            out.fwd += fwd_share * link_time(self.link, kind, g, b, calls, s.padded)
+            out.mb += link_time(self.link, kind, g, b + rb, calls + rc, s.padded, group)
+            out.fwd += fwd_share * link_time(self.link, kind, g, b, calls, s.padded, group)
             out.mb_bytes += b + rb
             sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
             if sb:
-                out.step += link_time(self.link, kind, g, sb, 0)
+                out.step += link_time(self.link, kind, g, sb, 0, ranks=group)
                 out.step_bytes += sb
         if not self.trains_backbone:
-            self._method_sum(plan, p, out)
+            self._method_sum(plan, p, out, group)
         elif s.forms and not last and any(f["s_layer"] for _, f, _ in s.forms):
-            out.step += link_time(self.link, "all_reduce", g, 0, 1)     # the stage's own "sum" call
+            out.step += link_time(self.link, "all_reduce", g, 0, 1, ranks=group)    # the stage's own "sum" call
         return out
 
-    def _method_sum(self, plan: Plan, p: int, out: _StageComm) -> None:
+    def _slowest_group(self, plan: Plan, p: int) -> tuple[int, ...]:
+        """The global ranks of stage p's Galaxy group whose link is slowest (the replicas' groups
+        wait for one another at the step's end; a link profiled per pair tells them apart)."""
+        groups = [tuple((p * plan.dp + d) * plan.group + j for j in range(plan.group)) for d in range(plan.dp)]
+        if self.link is None or len(groups) == 1:
+            return groups[0]
+        return min(groups, key=lambda ranks: group_scale(self.link, ranks))
+
+    def _hop(self, plan: Plan, p: int, carry_bytes: float) -> float:
+        """One micro-batch's send from stage p to stage p + 1: every rank sends its counterpart
+        the carry at once, so the slowest pair's time."""
+        g, dp = plan.group, plan.dp
+        return max(link_time(self.link, "send_recv", 2, carry_bytes, 1,
+                             ranks=((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j))
+                   for d in range(dp) for j in range(g))
+
+    def _method_sum(self, plan: Plan, p: int, out: _StageComm, group: tuple[int, ...]) -> None:
         """The Galaxy group's sum of a method's trained "sum" gradients, once per step (stage p)."""
         g = plan.group
         summed = plan.stages[p] * self.summed_layer_params_of(plan, 0) + self.summed_outside_of(plan, p)
         if summed:
             b = ring_bytes("all_reduce", int(summed), FP32, g)
-            out.step += link_time(self.link, "all_reduce", g, b, 1)
+            out.step += link_time(self.link, "all_reduce", g, b, 1, ranks=group)
             out.step_bytes += b
 
     def _forms(self, plan: Plan) -> list[tuple[str, dict, float]]:
@@ -248,10 +266,12 @@ class CostModel(MemoryModel):
         first, last = p == 0, p == plan.pp - 1
         n = self.params_of(plan, p, j)
         t = self.trainable_of(plan, p, j, n)
-        dp_time, dp_bytes = self._dp_comm(plan, n, t)
+        d = r // plan.group - p * plan.dp          # rank r's replica
+        dp_time, dp_bytes = self._dp_comm(plan, n, t, tuple((p * plan.dp + e) * plan.group + j for e in range(plan.dp)))
         if plan.pp > 1 and self.tied and (first or last):     # the tied weight's two ends sum gradients
             tied_bytes = ring_bytes("all_reduce", self.tied, FP32, 2)
-            dp_time += link_time(self.link, "all_reduce", 2, tied_bytes, 1)
+            ends = (d * plan.group + j, ((plan.pp - 1) * plan.dp + d) * plan.group + j)
+            dp_time += link_time(self.link, "all_reduce", 2, tied_bytes, 1, ranks=ends)
             dp_bytes += tied_bytes
         held = t / self._opt_divisor(plan)
         opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * held
@@ -269,7 +289,7 @@ class CostModel(MemoryModel):
     def _opt_divisor(self, plan: Plan) -> int:
         return plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else 1
 
-    def _dp_comm(self, plan: Plan, n: float, t: float) -> tuple[float, float]:
+    def _dp_comm(self, plan: Plan, n: float, t: float, ranks: tuple[int, ...]) -> tuple[float, float]:
         """Seconds and bytes of one rank's data-parallel traffic per step (n parameters held, t of
         them trained): DDP all-reduces the trained gradients; FSDP gathers every weight (again in
         backward under "full", where backward runs through it) and reduce-scatters the trained
@@ -282,12 +302,12 @@ class CostModel(MemoryModel):
                 return 0.0, 0.0
             b = ring_bytes("all_reduce", int(t), FP32, dp)
             calls = max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))
-            return link_time(self.link, "all_reduce", dp, b, calls), b
+            return link_time(self.link, "all_reduce", dp, b, calls, ranks=ranks), b
         shard = int(math.ceil(n / dp))
         passes = 2 if self.backward_through_backbone else 1
         gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
         ag = ring_bytes("all_gather", shard, FP32, dp)
         rs = ring_bytes("reduce_scatter", int(math.ceil(t / dp)), FP32, dp)
-        t = link_time(self.link, "all_gather", dp, gathers * ag, gathers * plan.stages[0]) + \
-            link_time(self.link, "reduce_scatter", dp, rs, plan.stages[0])
+        t = link_time(self.link, "all_gather", dp, gathers * ag, gathers * plan.stages[0], ranks=ranks) + \
+            link_time(self.link, "reduce_scatter", dp, rs, plan.stages[0], ranks=ranks)
         return t, gathers * ag + rs

@@ -17,7 +17,8 @@ time (so that ranks sharing a host contend as they will in training):
 then, on the real process group, every collective kind a plan uses (all-gather and reduce-scatter
 with even and uneven shares, padded as galaxy.distributed.collectives pads them; all-reduce;
 send/receive between ranks 0 and 1) over a range of sizes, each call after a burst of compute as
-a step makes it; a call's time is the slowest rank's mean (measure_link).
+a step makes it; a call's time is the slowest rank's mean (galaxy.planner.link_profile); on more
+than two ranks, a send between every pair of ranks.
 Rank 0 writes the cluster description (galaxy.planner.profiles) to --out.
 """
 from __future__ import annotations
@@ -30,13 +31,13 @@ import torch
 import torch.distributed as dist
 
 from galaxy.config.world import target_tokens
-from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
 from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.peft import PeftOptions
 from galaxy.planner.encdec_bench import EncDecBench
 from galaxy.planner.harness import KINDS, SubBlockBench
 from galaxy.planner.method import costed_options, method_signature
+from galaxy.planner.link_profile import PAIR_SIZES, link_sizes, measure_link, measure_pairs
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
 from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.runtime import cgroup, cpu_allocator
@@ -59,9 +60,6 @@ def rows_grid(batch: int, quick: bool) -> list[int]:
 
 
 STATISTICS = {"median": statistics.median, "min": min, "mean": statistics.mean}
-# The link profile (measure_link): batches of calls about LINK_BATCH_S long, at most MAX_CALLS,
-# each call after BURST_S of GEMMs on BURST_GEMM x BURST_GEMM matrices.
-LINK_BATCH_S, MAX_CALLS, BURST_S, BURST_GEMM = 0.06, 32, 0.003, 128
 # statistic "mean": every table point keeps its rounds going until it has run this long in all.
 # A device that shares its core with other work hands the core over in scheduler slices (4 ms
 # ticks here), so one short call either fits in a slice or loses a whole one: its median is the
@@ -195,112 +193,6 @@ def accumulate_rate(device, repeats: int, statistic: str = "median", numel: int 
     return timed(lambda: grad.add_(new), device, repeats, statistic) / numel
 
 
-# --- collectives ----------------------------------------------------------------------------------
-
-def measure_link(env, sizes: list[int], repeats: int) -> list[dict]:
-    """Timed collectives on the world group: [{"kind", "group", "bytes", "uneven", "seconds"}]
-    (bytes: what one rank sends, ring convention; seconds: the slowest rank's mean per call).
-
-    Every call is timed as a step makes it: after BURST_S of GEMMs on every rank, the work a
-    sub-block does before its collective. Back-to-back calls meet warm buffers, a busy gloo thread
-    and ranks in lockstep; a call after compute meets what a sub-block leaves behind (the peer a
-    little early or late, the communication thread asleep), and took 1.3-2.6x as long on this
-    project's 2-core VM at the sizes a step moves (bench/results/plan_accuracy.md). The mean of
-    every call is kept whatever --statistic says: a step pays every call, its slow ones too (a
-    waiting thread woken a scheduler tick late: 4 ms on some VMs, against 0.3 ms typical)."""
-    timer = _LinkTimer(env, repeats)
-    for size in sizes:
-        timer.gathers(size)
-        timer.all_reduce(size)
-        timer.send_recv(size)
-    return timer.out
-
-
-class _LinkTimer:
-    """The collectives of measure_link, each timed after a burst of GEMMs, recorded at the slowest rank."""
-
-    WIDTH = 64          # features per token of the gathered and scattered activations
-
-    def __init__(self, env, repeats: int):
-        self.n, self.rank, self.device, self.repeats = env.world, env.rank, env.device, repeats
-        self.pg = dist.group.WORLD
-        self.sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        self.square = torch.randn(BURST_GEMM, BURST_GEMM, device=self.device)
-        self.out: list[dict] = []
-
-    def burst(self) -> None:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < BURST_S:
-            self.square @ self.square
-            self.sync()
-
-    def timed(self, fn) -> float:
-        """Mean seconds per call, each call after a burst, over `repeats` batches of calls; a batch
-        is about LINK_BATCH_S long (at least one call, at most MAX_CALLS), judged by one call."""
-        self.sync()
-        t0 = time.perf_counter()
-        fn()
-        self.sync()
-        once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(once, op=dist.ReduceOp.MAX)           # every rank must make as many calls
-        calls = self.repeats * max(1, min(MAX_CALLS, int(LINK_BATCH_S / (BURST_S + max(once.item(), 1e-6)))))
-        spent = 0.0
-        for _ in range(calls):
-            self.burst()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            spent += time.perf_counter() - t0
-        return spent / calls
-
-    def record(self, kind: str, wire, uneven: bool, seconds: float, group: int | None = None) -> None:
-        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self.out.append({"kind": kind, "group": group or self.n, "bytes": int(wire), "uneven": uneven,
-                         "seconds": float(t.item())})
-
-    def gathers(self, size: int) -> None:
-        """All-gather and reduce-scatter of token shards, even and (where there are tokens to
-        spare) uneven, the largest shard moving about `size` bytes in all."""
-        n, width = self.n, self.WIDTH
-        longest = max(1, size // (4 * width * (n - 1)))           # tokens of the largest shard
-        for uneven in (False, True):
-            if uneven and longest < 2:
-                continue
-            shares = [longest] * n if not uneven else [longest] + [max(1, longest // 2)] * (n - 1)
-            x = torch.randn(1, shares[self.rank], width, device=self.device)
-            full = torch.randn(1, sum(shares), width, device=self.device)
-            wire = (n - 1) * longest * width * 4
-            dist.barrier()
-            self.record("all_gather", wire, uneven, self.timed(lambda: all_gather_sequence(x, shares, self.pg)))
-            dist.barrier()
-            self.record("reduce_scatter", wire, uneven,
-                        self.timed(lambda: reduce_scatter_sequence(full, shares, self.rank, self.pg)))
-
-    def all_reduce(self, size: int) -> None:
-        n = self.n
-        numel = max(n, size // (8 * (n - 1)) * n)
-        y = torch.randn(numel, device=self.device)
-        dist.barrier()
-        self.record("all_reduce", 2 * (n - 1) * -(-numel // n) * 4, False, self.timed(lambda: all_reduce(y, self.pg)))
-
-    def send_recv(self, size: int) -> None:
-        z = torch.randn(max(1, size // 4), device=self.device)
-        dist.barrier()
-
-        def exchange():
-            if self.rank == 0:
-                dist.send(z, dst=1)
-            elif self.rank == 1:
-                dist.recv(z, src=0)
-        # ranks past 1 call a no-op, as many times
-        self.record("send_recv", z.numel() * 4, False, self.timed(exchange), group=2)
-
-
-def link_sizes(quick: bool) -> list[int]:
-    return [1 << 12, 1 << 18, 1 << 22] if quick else [1 << k for k in range(10, 25, 2)]
-
-
 def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
                       statistic: str = "median") -> dict:
     """This rank's DEVICE entry (galaxy.planner.profiles)."""
@@ -374,6 +266,8 @@ def run(job, env) -> None:
         fit = fit_link(measured)
         link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
                 "measured": measured}
+        if env.world > 2:
+            link["pairs"] = measure_pairs(env, PAIR_SIZES, repeats=max(2, repeats))
     if env.rank == 0:
         write_json(opts.out, cluster(devices, link))
         print(summary_lines(devices, link, opts.out), flush=True)
@@ -390,5 +284,8 @@ def summary_lines(devices, link, out) -> str:
         for kind, f in link["fit"].items():
             lines.append(f"link {kind}: {f['latency_s'] * 1e6:.0f} us per ring step, "
                          f"{f['bytes_per_s'] / 1e9:.2f} GB/s")
+        for pair in link.get("pairs") or ():
+            a, b = pair["ranks"]
+            lines.append(f"send {a} -> {b}: {pair['latency_s'] * 1e6:.0f} us, {pair['bytes_per_s'] / 1e9:.3f} GB/s")
     lines.append(f"wrote {out}")
     return "\n".join(lines)

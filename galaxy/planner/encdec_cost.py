@@ -32,7 +32,7 @@ from galaxy.plan import Plan
 from galaxy.planner.cost import DDP_BUCKET_BYTES, Estimate
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
 from galaxy.planner.model_terms import FP32, MIB
-from galaxy.planner.profiles import link_time
+from galaxy.planner.link_model import link_time
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
 DECODER_SUBS = ("att", "con", "xatt", "con", "mlp", "con")

@@ -84,6 +84,8 @@ class SubBlockBench:
         self.layer = self.model.layers[0]
         self.units = unit_totals(hf, seq)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
+        self._leaves: list[torch.Tensor] = []      # inputs that take gradients, of the runner being built
+        self._inputs: dict[tuple, torch.Tensor] = {}
         self._contexts: dict[int, dict] = {}
 
     @property
@@ -108,8 +110,15 @@ class SubBlockBench:
         return self._contexts[rows]
 
     def _rand(self, *shape, grad=True):
-        t = torch.randn(*shape, generator=self._gen, device=self.device)
-        return t.requires_grad_(grad)
+        """A random input of `shape`, one per shape: the points of a profile share their inputs
+        (each of 120 points holding its own kept 240 MiB at batch 12, pad 128)."""
+        t = self._inputs.get((shape, grad))
+        if t is None:
+            t = self._inputs[shape, grad] = torch.randn(*shape, generator=self._gen, device=self.device)
+            t.requires_grad_(grad)
+        if grad:
+            self._leaves.append(t)
+        return t
 
     def module(self, kind: str, units: int):
         """The module `kind` runs at `units` (a sharded copy for TP)."""
@@ -179,14 +188,17 @@ class SubBlockBench:
     def runner(self, kind: str, units: int, rows: int):
         """A function running one forward and one backward of `kind` at `units` on `rows` rows,
         returning their seconds (prepared once: a point can be timed many times, interleaved)."""
+        self._leaves = []
         mod, fwd = self.prepare(kind, units, rows)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        params = list(mod.parameters())
+        # What backward writes gradients into. They are dropped after every run: a profile keeps a
+        # runner per point (120 for MiniLM) and interleaves them, so gradients kept between runs
+        # held 0.5 GB at batch 12 and pad 128, more than a 900 MiB device has (a step's own
+        # gradients are fresh each step too).
+        params, leaves = list(mod.parameters()), self._leaves
         grads = []
 
         def run() -> tuple[float, float]:
-            for p in params:
-                p.grad = None
             sync()
             t0 = time.perf_counter()
             out = fwd()
@@ -197,10 +209,13 @@ class SubBlockBench:
             if not out:
                 return t1 - t0, 0.0
             if not grads:
-                grads.extend(torch.ones_like(o) if o.dim() == 0 else torch.randn_like(o) for o in out)
+                grads.extend(torch.ones_like(o) if o.dim() == 0 else self._rand(*o.shape, grad=False).to(o.dtype) for o in out)
             torch.autograd.backward(out, grads)
             sync()
-            return t1 - t0, time.perf_counter() - t1
+            t2 = time.perf_counter()
+            for t in (*params, *leaves):
+                t.grad = None
+            return t1 - t0, t2 - t1
         return run
 
     def time(self, kind: str, units: int, rows: int, repeats: int = 3, warmup: int = 1) -> tuple[float, float]:

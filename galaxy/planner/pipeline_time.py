@@ -33,11 +33,13 @@ def stage_order(schedule: str, p: int, pp: int, m: int) -> list[tuple[str, int]]
 
 
 @functools.lru_cache(maxsize=65536)       # the search asks for the same stage times many times
-def stage_ends(fwd: tuple[float, ...], bwd: tuple[float, ...], hop: float, m: int,
+def stage_ends(fwd: tuple[float, ...], bwd: tuple[float, ...], hop: float | tuple[float, ...], m: int,
                schedule: str) -> tuple[float, ...]:
     """Seconds from the step's start until each stage has run its last op (fwd / bwd: one micro-
-    batch's forward / backward on each stage; hop: one send between neighbouring stages)."""
+    batch's forward / backward on each stage; hop: one send between neighbouring stages, or one
+    per boundary, p to p + 1, where the links differ)."""
     pp = len(fwd)
+    hops = tuple(hop) if isinstance(hop, tuple) else (hop,) * max(pp - 1, 0)
     orders = [stage_order(schedule, p, pp, m) for p in range(pp)]
     done: dict[tuple[str, int, int], float] = {}       # (op, micro-batch, stage) -> end time
     free = [0.0] * pp
@@ -54,7 +56,7 @@ def stage_ends(fwd: tuple[float, ...], bwd: tuple[float, ...], hop: float, m: in
                     dep = ("B", i, p + 1) if p < pp - 1 else None
                 if dep is not None and dep not in done:
                     break
-                ready = done[dep] + hop if dep is not None else 0.0
+                ready = done[dep] + hops[min(p, dep[2])] if dep is not None else 0.0
                 start = max(free[p], ready)
                 free[p] = done[op, i, p] = start + (fwd[p] if op == "F" else bwd[p])
                 nxt[p] += 1

@@ -28,14 +28,13 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
 
     LINK = {"backend": str, "world": int,
             "fit": {kind: {"latency_s": float, "bytes_per_s": float}},   # all_gather, reduce_scatter,
-            "measured": [{"kind", "group", "bytes", "uneven", "seconds"}]}  # all_reduce, send_recv
+            "measured": [{"kind", "group", "bytes", "uneven", "seconds"}],  # all_reduce, send_recv
+            "pairs": [PAIR, ...] | absent}       # every pair of ranks, on more than two ranks
 
-A collective of `kind` over a group of n ranks moving `wire` bytes per rank (the ring convention of
-galaxy.distributed.comm_bytes.ring_bytes) takes latency_s x steps + wire / bytes_per_s, with steps the
-ring's rounds: n - 1 for all-gather and reduce-scatter, 2 (n - 1) for all-reduce, 1 for a send.
-Where `measured` holds calls of that kind and group size, a call's time is read off them instead
-(measured_time); a hand-edited fit applies everywhere once `measured` is removed.
-A hand-written link may give one {"latency_s", "bytes_per_s"} for every kind.
+    PAIR = {"ranks": [a, b], "latency_s": float, "bytes_per_s": float,   # a send from a to b
+            "measured": [{"bytes", "seconds"}]}
+
+What the link costs a plan: galaxy.planner.link_model.
 
 A device file may also be a single DEVICE object, and a link file a bare LINK (or a cluster, whose
 link is taken): `compose` joins devices profiled alone and a link measured between two of them
@@ -43,7 +42,6 @@ into one cluster description (a user with three different boxes cannot always ru
 """
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -67,55 +65,6 @@ def ring_steps(kind: str, n: int) -> int:
     if n <= 1:
         return 0
     return 2 * (n - 1) if kind == "all_reduce" else n - 1
-
-
-def link_time(link: dict | None, kind: str, n: int, wire_bytes: float, calls: float = 1,
-              uneven: bool = False) -> float:
-    """Seconds for `calls` collectives of `kind` over n ranks moving wire_bytes per rank in all
-    (uneven: the shares differ, so all-gathers and reduce-scatters move padded shards)."""
-    if n <= 1 and kind != "send_recv" or (calls == 0 and wire_bytes == 0):
-        return 0.0
-    if link is None:
-        raise ProfileError("the plan communicates but the devices profile has no link; profile the "
-                           "devices together, or compose them with --link")
-    fit = link["fit"][kind]
-    if calls > 0:
-        per_call = measured_time(link, kind, n, wire_bytes / calls, uneven)
-        if per_call is not None:
-            return calls * per_call
-    return calls * fit["latency_s"] * ring_steps(kind, n) + wire_bytes / fit["bytes_per_s"]
-
-
-def measured_time(link: dict, kind: str, n: int, wire: float, uneven: bool = False) -> float | None:
-    """One call's seconds read off the link's measured points of this kind and group size (the
-    uneven ones for uneven shares, where measured), linear between the two sizes around `wire`;
-    past the largest, that point plus the fit's bandwidth; below the smallest, the smallest.
-    None without two measured sizes: the fit alone. The points hold what a call costs at each size,
-    which the two-parameter fit bends (this project's gloo link: 1.26 ms measured at 1 MiB, 0.59 ms
-    fitted), and a step's collectives sit between 100 KiB and a few MiB."""
-    points = _measured_points(link, kind, n, uneven)
-    if points is None:
-        return None
-    sizes, seconds = points
-    if wire <= sizes[0]:
-        return seconds[0]
-    if wire >= sizes[-1]:
-        return seconds[-1] + (wire - sizes[-1]) / link["fit"][kind]["bytes_per_s"]
-    i = bisect.bisect_right(sizes, wire) - 1
-    f = (wire - sizes[i]) / (sizes[i + 1] - sizes[i])
-    return seconds[i] + f * (seconds[i + 1] - seconds[i])
-
-
-def _measured_points(link: dict, kind: str, n: int, uneven: bool):
-    """(sizes, mean seconds at each) of the measured calls that apply, or None."""
-    rows = [m for m in link.get("measured") or () if m.get("kind") == kind and m.get("group") == n]
-    want = uneven and any(m.get("uneven") for m in rows)
-    by_size: dict[int, list[float]] = {}
-    for m in rows:
-        if bool(m.get("uneven")) == want:
-            by_size.setdefault(int(m["bytes"]), []).append(float(m["seconds"]))
-    sizes = sorted(by_size)
-    return (sizes, [sum(by_size[b]) / len(by_size[b]) for b in sizes]) if len(sizes) >= 2 else None
 
 
 def fit_link(measured: list[dict]) -> dict:
@@ -242,7 +191,24 @@ def check_link(link, where: str) -> dict:
             raise ProfileError(f"{where} fit has no '{kind}'")
         _number(f"{where} fit {kind}", fit[kind], "latency_s", positive=False)
         _number(f"{where} fit {kind}", fit[kind], "bytes_per_s")
+    for i, pair in enumerate(out.get("pairs") or ()):
+        _check_pair(pair, f"{where} pairs[{i}]")
     return out
+
+
+def _check_pair(pair, where: str) -> None:
+    ranks = pair.get("ranks") if isinstance(pair, dict) else None
+    if not isinstance(ranks, list) or len(ranks) != 2 or len(set(ranks)) != 2 or \
+            any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+        raise ProfileError(f"{where}: 'ranks' must be two different ranks like [0, 2]")
+    _number(where, pair, "latency_s", positive=False)
+    _number(where, pair, "bytes_per_s")
+
+
+def fit_pair(a: int, b: int, measured: list[dict]) -> dict:
+    """A PAIR entry from sends timed between ranks a and b ([{"bytes", "seconds"}])."""
+    fit = fit_link([{"kind": "send_recv", "group": 2, **m} for m in measured])["send_recv"]
+    return {"ranks": [a, b], **fit, "measured": measured}
 
 
 def read_json(path: str) -> dict:
