@@ -43,8 +43,9 @@ from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.models.shape import with_shape_keys
 from galaxy.plan import Plan
 from galaxy.planner.cost import SUB_BLOCKS, Estimate
+from galaxy.planner.link_model import link_time
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
-from galaxy.planner.profiles import ProfileError, link_time
+from galaxy.planner.profiles import ProfileError
 
 TOKEN_MESSAGE_BYTES = 16            # the sampler's [1, 2] int64 (token, status)
 
@@ -234,15 +235,18 @@ class LatencyCostModel(ModelTerms):
         g, uneven = plan.group, len(set(plan.tokens)) > 1
         for kind, numel in calls:
             b = ring_bytes(kind, numel, FP32, g)
-            t = times * link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce")
+            t = times * link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce", tuple(ranks))
             for r in ranks:
                 out.comm[r] += t
                 out.sent[r] += times * b
             out.seconds += t
 
     def _hop(self, out: _Pass, ranks, nbytes: float, times: int = 1) -> None:
-        """The carry's sends (one per carry tensor) to the next stage."""
-        t = times * self.carry * link_time(self.link, "send_recv", 2, nbytes / self.carry, 1)
+        """The carry's sends (one per carry tensor) to the next stage (dp 1: its ranks follow these;
+        every rank sends its counterpart at once, so the slowest pair's link)."""
+        ranks = list(ranks)
+        t = times * self.carry * max(link_time(self.link, "send_recv", 2, nbytes / self.carry, 1, ranks=(r, r + len(ranks)))
+                                     for r in ranks)
         for r in ranks:
             out.comm[r] += t
             out.sent[r] += times * nbytes
