@@ -1,0 +1,64 @@
+"""The summed token cross-entropy of a language-model head, computed a block of rows at a time.
+
+    loss = sum over kept rows n of  logsumexp(logits[n]) - logits[n, target[n]]
+
+is F.cross_entropy(logits, targets, ignore_index=..., reduction="sum"), the same numbers to fp32
+rounding, for less memory traffic. Torch's composite keeps log_softmax's output [n, vocab] for
+backward, then in backward allocates and zero-fills the NLL gradient [n, vocab] and writes
+log_softmax's gradient into a third [n, vocab]: three fresh tensors the size of the logits a
+step (32 MB each for 1024 tokens of an 8000-word vocabulary, each one new pages the kernel must
+fault in and zero on CPU) and four passes over them. Here the forward writes the softmax (the
+gradient's only vocabulary-sized part) block by block while the block of logits is in cache, and
+saves that instead of log_softmax's output: one tensor of that size in forward, one in backward
+(the softmax times the incoming gradient), and no fill. The gradient is exact:
+d loss / d logits[n] = softmax(logits[n]) - onehot(target[n]) for kept rows, 0 for ignored ones.
+"""
+from __future__ import annotations
+
+import torch
+
+# Rows per block: about 1M logits (4 MB in fp32), so that a block's softmax stays in cache
+# between its passes (max, exp, sum, divide); at least one row.
+BLOCK_ELEMENTS = 1 << 20
+
+
+class _SummedTokenCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index: int):
+        # logits [n, V] float, targets [n] int64 (ignore_index: no loss, no gradient)
+        kept = targets != ignore_index                                     # [n]
+        picked = targets.where(kept, 0)[:, None]                           # [n, 1], ignored rows: column 0
+        lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)   # [n]
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        rows = max(1, BLOCK_ELEMENTS // max(1, logits.shape[1]))
+        for start in range(0, logits.shape[0], rows):
+            block = slice(start, start + rows)
+            lse[block] = _block_softmax(logits[block], None if grad is None else grad[block])
+        loss = ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
+        if grad is not None:
+            # softmax - onehot on kept rows, 0 on ignored ones: the gradient of the summed loss
+            grad.mul_(kept[:, None]).scatter_add_(1, picked, -kept[:, None].to(grad.dtype))
+            ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None
+
+
+def _block_softmax(x, out):
+    """logsumexp of each row of x [rows, V] -> [rows]; with out ([rows, V]), softmax(x) into it."""
+    top = x.amax(-1, keepdim=True)                                         # [rows, 1]
+    if out is None:
+        return (x - top).exp_().sum(-1).log_().add_(top.squeeze(-1))
+    torch.sub(x, top, out=out).exp_()
+    total = out.sum(-1, keepdim=True)                                      # [rows, 1]
+    out.div_(total)
+    return total.log_().add_(top).squeeze(-1)
+
+
+def summed_token_cross_entropy(logits, targets, ignore_index: int = -100):
+    """logits [n, V] (float), targets [n] -> the summed cross-entropy over rows whose target is not
+    ignore_index (a scalar); ignored rows pass no gradient."""
+    return _SummedTokenCrossEntropy.apply(logits, targets, ignore_index)
