@@ -33,11 +33,11 @@ class _SummedTokenCrossEntropy(torch.autograd.Function):
         rows = max(1, BLOCK_ELEMENTS // max(1, logits.shape[1]))
         for start in range(0, logits.shape[0], rows):
             block = slice(start, start + rows)
-            lse[block] = _block_softmax(logits[block], None if grad is None else grad[block])
+            lse[block] = _block_softmax(logits[block], None if grad is None else grad[block], kept[block, None])
         loss = ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
         if grad is not None:
             # softmax - onehot on kept rows, 0 on ignored ones: the gradient of the summed loss
-            grad.mul_(kept[:, None]).scatter_add_(1, picked, -kept[:, None].to(grad.dtype))
+            grad.scatter_add_(1, picked, -kept[:, None].to(grad.dtype))
             ctx.save_for_backward(grad)
         return loss
 
@@ -47,14 +47,15 @@ class _SummedTokenCrossEntropy(torch.autograd.Function):
         return grad * grad_loss, None, None
 
 
-def _block_softmax(x, out):
-    """logsumexp of each row of x [rows, V] -> [rows]; with out ([rows, V]), softmax(x) into it."""
+def _block_softmax(x, out, kept):
+    """logsumexp of each row of x [rows, V] -> [rows]; with out ([rows, V]), softmax(x) into it,
+    rows whose kept [rows, 1] is False zeroed (in the same pass, while the block is in cache)."""
     top = x.amax(-1, keepdim=True)                                         # [rows, 1]
     if out is None:
         return (x - top).exp_().sum(-1).log_().add_(top.squeeze(-1))
     torch.sub(x, top, out=out).exp_()
     total = out.sum(-1, keepdim=True)                                      # [rows, 1]
-    out.div_(total)
+    out.mul_(kept / total)
     return total.log_().add_(top).squeeze(-1)
 
 
