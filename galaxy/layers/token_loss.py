@@ -17,28 +17,35 @@ from __future__ import annotations
 
 import torch
 
-# Rows per block: about 1M logits (4 MB in fp32), so that a block's softmax stays in cache
-# between its passes (max, exp, sum, divide); at least one row.
+# Rows per block on CPU: about 1M logits (4 MB in fp32), so that a block's softmax stays in cache
+# between its passes (max, exp, sum, divide); at least one row. An accelerator takes all rows at
+# once: there a block costs kernel launches, not cache misses.
 BLOCK_ELEMENTS = 1 << 20
+
+
+def _loss_and_gradient(logits, targets, ignore_index: int, with_gradient: bool):
+    """(summed loss, its gradient d loss / d logits [n, V] or None) for logits [n, V] (float) and
+    targets [n] (int64; ignore_index: no loss, no gradient)."""
+    kept = targets != ignore_index                                         # [n]
+    picked = targets.where(kept, 0)[:, None]                               # [n, 1], ignored rows: column 0
+    lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)   # [n]
+    grad = torch.empty_like(logits) if with_gradient else None
+    rows = max(1, BLOCK_ELEMENTS // max(1, logits.shape[1]) if logits.device.type == "cpu" else len(logits))
+    for start in range(0, logits.shape[0], rows):
+        block = slice(start, start + rows)
+        lse[block] = _block_softmax(logits[block], None if grad is None else grad[block], kept[block, None])
+    loss = ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
+    if grad is not None:
+        # softmax - onehot on kept rows, 0 on ignored ones: the gradient of the summed loss
+        grad.scatter_add_(1, picked, -kept[:, None].to(grad.dtype))
+    return loss, grad
 
 
 class _SummedTokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, ignore_index: int):
-        # logits [n, V] float, targets [n] int64 (ignore_index: no loss, no gradient)
-        kept = targets != ignore_index                                     # [n]
-        picked = targets.where(kept, 0)[:, None]                           # [n, 1], ignored rows: column 0
-        lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)   # [n]
-        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        rows = max(1, BLOCK_ELEMENTS // max(1, logits.shape[1]))
-        for start in range(0, logits.shape[0], rows):
-            block = slice(start, start + rows)
-            lse[block] = _block_softmax(logits[block], None if grad is None else grad[block], kept[block, None])
-        loss = ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
-        if grad is not None:
-            # softmax - onehot on kept rows, 0 on ignored ones: the gradient of the summed loss
-            grad.scatter_add_(1, picked, -kept[:, None].to(grad.dtype))
-            ctx.save_for_backward(grad)
+        loss, grad = _loss_and_gradient(logits, targets, ignore_index, with_gradient=True)
+        ctx.save_for_backward(grad)
         return loss
 
     @staticmethod
@@ -61,5 +68,8 @@ def _block_softmax(x, out, kept):
 
 def summed_token_cross_entropy(logits, targets, ignore_index: int = -100):
     """logits [n, V] (float), targets [n] -> the summed cross-entropy over rows whose target is not
-    ignore_index (a scalar); ignored rows pass no gradient."""
-    return _SummedTokenCrossEntropy.apply(logits, targets, ignore_index)
+    ignore_index (a scalar); ignored rows pass no gradient. Without autograd (no_grad, or logits
+    that need no gradient) no softmax is written."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _SummedTokenCrossEntropy.apply(logits, targets, ignore_index)
+    return _loss_and_gradient(logits, targets, ignore_index, with_gradient=False)[0]
