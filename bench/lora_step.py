@@ -10,7 +10,11 @@ serial    one process: a LoRA training step (zero_grad, forward with the loss, b
           of the medians <= 1.0. Also counted, load-independent: each side's GEMM calls and GFLOPs
           per forward and backward (torch.profiler); with --ops N, each side's operator table
           over N more steps of each (interleaved): calls per step and share of the step's
-          operator self time, printed where the two sides differ.
+          operator self time, printed where the two sides differ. --cpu_allocator keep gives
+          this process what galaxy's trainer does by default (galaxy.runtime.cpu_allocator: freed
+          memory stays mapped), for both sides alike: without it each step's big tensors (the
+          [tokens, vocab] logits and their gradients, 32 MB each for Llama) land on fresh pages
+          0-38k times a step, 0-150 MB of page faults that fall on either side by chance.
 galaxy2   world 2 under the Galaxy preset (even shares; pinned with --pin, or on the edge testbed's
           --cluster FILE): pretrain_galaxy.py on all-MiniLM-L6-v2 with use_lora, and with full
           fine-tuning, same plan, batch and data;
@@ -21,6 +25,7 @@ Prints every figure and the two ratios, and writes --out/results.json.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/lora_step.py [--parts serial galaxy2] [--threads 1] [--steps 20]
         [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--cluster FILE] [--ops 4]
+        [--cpu_allocator keep]
         [--out runs/bench/lora_step]
 """
 from __future__ import annotations
@@ -217,6 +222,8 @@ def main() -> None:
     p.add_argument("--llama_hidden", type=int, default=512)
     p.add_argument("--llama_layers", type=int, default=4)
     p.add_argument("--ops", type=int, default=0, help="serial: operator tables over this many more steps of each")
+    p.add_argument("--cpu_allocator", choices=("system", "keep"), default="system",
+                   help="serial: keep = glibc keeps freed memory mapped (the trainer's default), both sides")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train_steps", type=int, default=8, help="steps of each world-2 run")
     p.add_argument("--pin", action="store_true", help="world 2: rank r on core r (taskset)")
@@ -229,6 +236,9 @@ def main() -> None:
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
+    if args.cpu_allocator == "keep":
+        from galaxy.runtime.cpu_allocator import keep_freed_memory
+        keep_freed_memory()
     results = {"args": vars(args), "torch": torch.__version__, "load": os.getloadavg()}
     if "serial" in args.parts:
         llama = write_llama(out, args.llama_hidden, args.llama_layers)
