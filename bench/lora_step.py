@@ -8,7 +8,13 @@ serial    one process: a LoRA training step (zero_grad, forward with the loss, b
           the same; same targets, rank, batch, dropout (0: the loss check is exact), threads.
           Steps alternate between the two (galaxy, peft, peft, galaxy, ...). Target: galaxy / peft
           of the medians <= 1.0. Also counted, load-independent: each side's GEMM calls and GFLOPs
-          per forward and backward (torch.profiler).
+          per forward and backward (torch.profiler); with --ops N, each side's operator table
+          over N more steps of each (interleaved): calls per step and share of the step's
+          operator self time, printed where the two sides differ. --cpu_allocator keep gives
+          this process what galaxy's trainer does by default (galaxy.runtime.cpu_allocator: freed
+          memory stays mapped), for both sides alike: without it each step's big tensors (the
+          [tokens, vocab] logits and their gradients, 32 MB each for Llama) land on fresh pages
+          0-38k times a step, 0-150 MB of page faults that fall on either side by chance.
 galaxy2   world 2 under the Galaxy preset (even shares; pinned with --pin, or on the edge testbed's
           --cluster FILE): pretrain_galaxy.py on all-MiniLM-L6-v2 with use_lora, and with full
           fine-tuning, same plan, batch and data;
@@ -18,7 +24,8 @@ galaxy2   world 2 under the Galaxy preset (even shares; pinned with --pin, or on
 Prints every figure and the two ratios, and writes --out/results.json.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/lora_step.py [--parts serial galaxy2] [--threads 1] [--steps 20]
-        [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--cluster FILE]
+        [--batch_size 8] [--pad_size 128] [--lora_dim 8] [--rounds 3] [--pin] [--cluster FILE] [--ops 4]
+        [--cpu_allocator keep]
         [--out runs/bench/lora_step]
 """
 from __future__ import annotations
@@ -121,6 +128,37 @@ def step_work(model, loss_fn, batch) -> dict:
     return {"gemm_calls": sum(e.count for e in events), "gemm_gflops": sum(e.flops for e in events) / 1e9}
 
 
+def op_tables(fns: dict, opts: dict, batch, steps: int) -> dict:
+    """{side: {op: [calls per step, share of the step's operator self time]}} over `steps` training
+    steps of each side, alternating. Shares and counts mean the same on a loaded machine as on a
+    quiet one; the milliseconds do not, so they are left out."""
+    from step_time_vs_hf import step
+    from torch.profiler import ProfilerActivity, profile
+    totals = {k: {} for k in fns}
+    for i in range(steps):
+        for k in (("galaxy", "peft") if i % 2 == 0 else ("peft", "galaxy")):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                step(*fns[k], opts[k], batch)
+            for e in prof.key_averages():
+                calls, self_us = totals[k].get(e.key, (0, 0.0))
+                totals[k][e.key] = (calls + e.count, self_us + e.self_cpu_time_total)
+    tables = {}
+    for k, ops in totals.items():
+        whole = sum(us for _, us in ops.values()) or 1.0
+        tables[k] = {op: [calls / steps, us / whole] for op, (calls, us) in ops.items()}
+    return tables
+
+
+def print_op_differences(family: str, tables: dict, min_share: float = 0.002) -> None:
+    """The operators whose calls differ, or whose share differs by min_share or more."""
+    g, p = tables["galaxy"], tables["peft"]
+    rows = [(op, g.get(op, [0, 0.0]), p.get(op, [0, 0.0])) for op in set(g) | set(p)]
+    rows = [r for r in rows if r[1][0] != r[2][0] or abs(r[1][1] - r[2][1]) >= min_share]
+    print(f"serial {family}: operators that differ (calls per step galaxy / peft, share of self time)")
+    for op, (gc, gs), (pc, ps) in sorted(rows, key=lambda r: -max(r[1][1], r[2][1]))[:30]:
+        print(f"    {op[:60]:60s} {gc:6.0f} / {pc:<6.0f} {100 * gs:6.2f}% / {100 * ps:.2f}%")
+
+
 def serial_pair(family: str, path: str, args, out: Path) -> dict:
     """Interleaved LoRA steps of galaxy and peft on one model: medians, mins, ratios, the loss check."""
     from step_time_vs_hf import step
@@ -148,11 +186,12 @@ def serial_pair(family: str, path: str, args, out: Path) -> dict:
         for k in (("galaxy", "peft") if i % 2 == 0 else ("peft", "galaxy")):
             times[k].append(step(*fns[k], opts[k], batch))
     med = {k: statistics.median(v) for k, v in times.items()}
+    ops = op_tables(fns, opts, batch, args.ops) if args.ops else None
     return {"model": path, "targets": list(targets), "trainable": trainable, "loss": losses, "work": work,
             "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
             "ratio": med["galaxy"] / med["peft"],
             "paired_ratio": statistics.median(g / p for g, p in zip(times["galaxy"], times["peft"])),
-            "times_s": times}
+            "times_s": times, "ops": ops}
 
 
 def galaxy_world2(args, out: Path) -> dict:
@@ -182,6 +221,9 @@ def main() -> None:
     p.add_argument("--lora_dim", type=int, default=8)
     p.add_argument("--llama_hidden", type=int, default=512)
     p.add_argument("--llama_layers", type=int, default=4)
+    p.add_argument("--ops", type=int, default=0, help="serial: operator tables over this many more steps of each")
+    p.add_argument("--cpu_allocator", choices=("system", "keep"), default="system",
+                   help="serial: keep = glibc keeps freed memory mapped (the trainer's default), both sides")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train_steps", type=int, default=8, help="steps of each world-2 run")
     p.add_argument("--pin", action="store_true", help="world 2: rank r on core r (taskset)")
@@ -194,6 +236,9 @@ def main() -> None:
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
+    if args.cpu_allocator == "keep":
+        from galaxy.runtime.cpu_allocator import keep_freed_memory
+        keep_freed_memory()
     results = {"args": vars(args), "torch": torch.__version__, "load": os.getloadavg()}
     if "serial" in args.parts:
         llama = write_llama(out, args.llama_hidden, args.llama_layers)
@@ -206,6 +251,8 @@ def main() -> None:
                   + "; median step galaxy "
                   f"{r['median_s']['galaxy'] * 1e3:.1f} ms, peft {r['median_s']['peft'] * 1e3:.1f} ms: "
                   f"{r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x, target <= {SERIAL_TARGET})", flush=True)
+            if r["ops"]:
+                print_op_differences(family, r["ops"])
     if "galaxy2" in args.parts:
         r = results["galaxy2"] = galaxy_world2(args, out)
         print(f"world 2, Galaxy preset: LoRA {r['step_s']['lora'] * 1e3:.1f} ms, full {r['step_s']['full'] * 1e3:.1f} "

@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from support.parity import HF_LOADERS, rel_err
 from support.peft_runners import lora_mesh_vs_peft, lora_plan_vs_peft, lora_train_and_export, write_peft_adapter
@@ -212,3 +213,44 @@ def test_exactly_one_method():
     assert PeftOptions.from_config(SimpleNamespace()).method == "full"
     with pytest.raises(ValueError, match="full_model is false"):
         PeftOptions.from_config(SimpleNamespace(full_model=False, _given=frozenset({"full_model"})))
+
+
+
+class ProjectionProducts(TorchDispatchMode):
+    """Counts the matrix products of projections (mm, addmm: the attention core's products are
+    each kernel's own affair) and their FLOPs, 2 per multiply-add."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2:]                                  # [m, k] @ [k, n]
+            self.calls, self.flops = self.calls + 1, self.flops + 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def projection_products(model, loss_of, batch) -> tuple[int, int]:
+    """(calls, FLOPs) of the projections' products in one forward with the loss and its backward."""
+    with ProjectionProducts() as counted:
+        loss_of(model(**batch)).backward()
+    return counted.calls, counted.flops
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_serial_lora_step_multiplies_what_peft_does(tiny_bert_dir, adapter_dir, decoder_lora, family):
+    """A LoRA step computes no gradient of a frozen weight (no weight-gradient product) and no
+    product peft's step on Hugging Face's model does not: the same products, the same FLOPs."""
+    from support.peft_runners import peft_reference
+    if family == "bert":
+        model_dir, adapter, group, batch = tiny_bert_dir, adapter_dir, GalaxyGroup.serial(6, 96, TINY_SEQ), tiny_batch(0)
+    else:
+        (model_dir, adapter), batch = decoder_lora("llama"), tiny_lm_batch(0)
+        group = GalaxyGroup.serial(*(sum(s) for s in DECODERS["llama"][2]))
+    ours = build_model(model_dir, Plan(), group, num_labels=3 if family == "bert" else None)
+    apply_peft(ours, PeftOptions("lora", lora_path=adapter))
+    theirs = peft_reference(family, model_dir, adapter)
+    products = projection_products(ours.train(), lambda out: out[1], batch)
+    assert products == projection_products(theirs, lambda out: out.loss, batch)
+    assert products[0] > 0

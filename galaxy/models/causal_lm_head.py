@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from galaxy.distributed.comm_bytes import plan_comm_bytes
 from galaxy.distributed.transitions import Layout, copy_for_sharded_consumer, reduce_to_replicated
+from galaxy.layers.token_loss import summed_token_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -59,8 +60,9 @@ class CausalLMHead:
         shift = self.label_shift
         targets = F.pad(labels, (0, shift), value=IGNORE_INDEX)[:, shift:]     # [b, S]
         count = (targets != IGNORE_INDEX).sum().clamp_min(1)
-        local = F.cross_entropy(logits.float().flatten(0, 1), targets[:, rows].flatten(),
-                                ignore_index=IGNORE_INDEX, reduction="sum") / count
+        # F.cross_entropy's numbers with a third of its vocabulary-sized tensors (token_loss)
+        local = summed_token_cross_entropy(logits.float().flatten(0, 1), targets[:, rows].flatten(),
+                                           IGNORE_INDEX) / count
         loss = reduce_to_replicated(local, self.head_group) if self.head_group is not None else local
         return logits, loss
 
