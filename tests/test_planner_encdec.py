@@ -166,17 +166,23 @@ def test_version_two_reads_and_search_refuses_what_it_cannot_cost(profiles, tmp_
         assert capsys.readouterr().err.strip() == f"plan.py search: error: {line}"
 
 
-def test_a_peft_method_is_refused_for_an_encoder_decoder(tmp_path, tiny_lm_dir, capsys):
-    base = tmp_path / "lora.json"
-    base.write_text(json.dumps(dict(model_path=tiny_lm_dir("bart"), pad_size=SOURCE, batch_size=3, use_lora=True)))
+def test_search_refuses_a_profile_of_another_method(profiles, tmp_path, capsys):
+    """A LoRA config searched with a profile taken for full fine-tuning: one line, exit 2."""
+    model_path, doc = profiles["bart"]
+    model, devices, base = tmp_path / "model.json", tmp_path / "devices.json", tmp_path / "lora.json"
+    model.write_text(json.dumps(doc))
+    devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "link": None, "devices": [
+        {"name": "d", "memory_mib": 1000, "gemm_flops_per_s": 1e9}]}))
+    base.write_text(json.dumps(dict(model_path=model_path, pad_size=SOURCE, target_pad_size=TARGET, batch_size=3,
+                                    use_lora=True)))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["profile-model", "--config_file", str(base), "--out", str(tmp_path / "m.json")])
+        cli.main(["search", "--config_file", str(base), "--devices", str(devices), "--model", str(model),
+                  "--out", str(tmp_path / "planned.json")])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("plan.py profile-model: error: the config asks for lora; the planner profiles and "
-                          "searches an encoder-decoder for full fine-tuning only"), err
-    assert "\n" not in err
+    assert capsys.readouterr().err.strip() == (
+        f"plan.py search: error: model profile {model} was taken for full fine-tuning, the config asks for LoRA r 8 "
+        "on q_proj, v_proj; run plan.py profile-model on this config")
 
 
 # --- the cost model (galaxy.planner.encdec_cost) -------------------------------------------------
@@ -328,6 +334,110 @@ def test_search_splits_by_speed_and_caps_by_memory(profiles):
     assert capped.plan != best.plan
 
 
+# --- PEFT methods and FSDP (galaxy.planner.encdec_method, encdec_terms) -----------------------------
+
+METHODS = ("lora", "adapter", "side", "side_only")
+SERIAL = _plan(heads=(4,), columns=(96,), tokens=(SOURCE,), decoder_tokens=(TARGET,))
+
+
+@pytest.fixture(scope="module")
+def method_profiles(profiles):
+    """(family, method) -> the family's profile with that method's "peft" section (the configs'
+    defaults: LoRA r 8 on the family's q / v targets, adapters 64 wide, side width hidden / 8)."""
+    from types import SimpleNamespace
+
+    from galaxy.models.build import load_hf_config
+    from galaxy.planner.encdec_method import encdec_method_section
+    out = {}
+    for family in ("bart", "t5"):
+        model_path, doc = profiles[family]
+        hf = load_hf_config(model_path)
+        for method in METHODS:
+            cfg = SimpleNamespace(model_path=model_path, dropout=None, seed=0, **{f"use_{method}": True})
+            out[family, method] = {**doc, "peft": encdec_method_section(cfg, hf, "seq2seq", None, SOURCE, TARGET)}
+    return out
+
+
+def _method_cost(doc, devices, link=None):
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    return EncDecCostModel(doc, devices, link, batch_size=4, method=doc["peft"]["signature"])
+
+
+def _galaxy_model(model_path, method, plan, j):
+    """Galaxy's own model (meta device) as rank j of `plan` builds it, the method applied."""
+    from galaxy.distributed.group import GalaxyGroup
+    from galaxy.models.build import load_hf_config, model_class
+    from galaxy.models.registry import family_of
+    from galaxy.parallel.plan import apply_plan
+    from galaxy.peft import PeftOptions, apply_peft
+
+    hf = load_hf_config(model_path)
+    with torch.device("meta"):
+        model = model_class(family_of(hf.model_type), "seq2seq")(hf)
+    group = GalaxyGroup(j, plan.group, None, plan.heads, plan.columns, plan.tokens,
+                        plan.decoder_tokens if plan.group > 1 else None)
+    apply_plan(model, plan, group)
+    apply_peft(model, PeftOptions(method), seed=0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["bart", "t5"])
+def test_parameters_under_each_method_equal_the_galaxy_models(method_profiles, family):
+    """Under LoRA, adapters, side-tuning and side-only: the whole model's parameters and those that
+    train, and each rank's under uneven shares (heads 3:1, columns 72:24, tokens 9:3 and 3:3; ATT
+    and XATT TP, then SP), equal galaxy's own model with the plan and the method applied."""
+    model_path = method_profiles[family, "lora"]["model_path"]
+    for method in METHODS:
+        doc = method_profiles[family, method]
+        cost = _method_cost(doc, [_device(1e9)] * 2)
+        serial = _galaxy_model(model_path, method, SERIAL, 0)
+        assert doc["peft"]["params"]["total"] == sum(p.numel() for p in serial.parameters()), method
+        assert doc["peft"]["trainable"]["total"] == sum(p.numel() for p in serial.parameters() if p.requires_grad)
+        for att in ("TP", "SP"):
+            plan = _plan(att=att, xatt=att)
+            for j in range(2):
+                model = _galaxy_model(model_path, method, plan, j)
+                assert cost.params_of(plan, j) == sum(p.numel() for p in model.parameters()), (method, att, j)
+                assert cost.trainable_of(plan, j) == sum(p.numel() for p in model.parameters() if p.requires_grad), \
+                    (method, att, j)
+
+
+def test_memory_and_data_parallel_bytes_under_lora_and_fsdp_by_hand(method_profiles):
+    """T5 under LoRA at dp 2 (AdamW, a fused step, a CUDA device: activations and state simply
+    add): every rank's memory is the weights (a 1/2 shard under FSDP, plus two gathered layers
+    under "full", plus every weight under "no_reshard"), the trained parameters' gradients and
+    two moments (sharded alike), DDP's or FSDP's copy of the trained gradients, and the
+    activations, which sharding leaves alone; DDP sends the trained gradients' all-reduce, FSDP
+    gathers every weight in forward and backward and reduce-scatters the trained gradients.
+    Full fine-tuning, the same plan, trains and syncs every weight."""
+    from galaxy.distributed.comm_bytes import ring_bytes
+
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.profiles import check_link
+
+    doc = method_profiles["t5", "lora"]
+    device = {**_device(1e9), "device": "cuda", "optimizer_fused": True}
+    link = check_link({"latency_s": 1e-4, "bytes_per_s": 1e8}, "link")
+    cost = _method_cost(doc, [device] * 2, link)
+    n, t = doc["peft"]["params"]["total"], doc["peft"]["trainable"]["total"]
+    serial = _plan(**{**SERIAL.__dict__, "dp": 2})
+    total, biggest, _ = cost.acts_per_row(serial, 0)
+    acts = 2 * (total + biggest)                 # 2 rows a replica
+    layer = max(cost.layer_params(s, cost.kinds(serial, 0)[s]) for s in ("encoder", "decoder"))
+    weights = {"none": n, "full": n / 2 + 2 * layer, "no_reshard": n / 2 + n}
+    for shard, w in weights.items():
+        held = t if shard == "none" else t / 2
+        est = cost.estimate(_plan(**{**serial.__dict__, "dp_sharding": shard}))
+        want = 4 * (w + held + 2 * held + t) + acts
+        assert est.memory_mib == [pytest.approx(want / 2 ** 20, rel=1e-12)] * 2, shard
+        sent = ring_bytes("all_reduce", t, 4, 2) if shard == "none" else \
+            (2 if shard == "full" else 1) * ring_bytes("all_gather", n // 2, 4, 2) + ring_bytes("reduce_scatter", t // 2, 4, 2)
+        assert est.sent_bytes == [sent] * 2, shard
+    full = EncDecCostModel(doc, [device] * 2, link, batch_size=4)
+    assert full.trainable_of(serial, 0) == full.params_of(serial, 0) == doc["params"]["total"]
+    assert full.estimate(serial).sent_bytes == [ring_bytes("all_reduce", doc["params"]["total"], 4, 2)] * 2
+
+
 # --- end to end: profile-model, profile-devices on 2 gloo ranks, search, train -----------------------
 
 def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              # noqa: F811
@@ -335,8 +445,9 @@ def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              
     write a config for one Galaxy group of 2 (--dp 1, rank 1's GEMM rate halved in the measured
     profile) whose every key galaxy.config accepts and whose shares favour rank 0;
     finetune_t5.py --world 2 trains it with Hugging Face's losses (1e-5 relative), each rank's
-    peak memory within 10% of the search's prediction."""
-    from support.script_runner import launch
+    peak memory within 10% of the search's prediction. Then the same under LoRA: the searched
+    config trains with the serial LoRA run's losses."""
+    from support.script_runner import launch, run_scripts
     from test_entry_scripts_encdec import hf_losses, write_config
 
     from galaxy.train.metrics import read_metrics
@@ -372,3 +483,21 @@ def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              
     assert len(steps) == len(want)
     for r, ref in zip(steps, want):
         assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
+    # Under LoRA (the config's default q / v targets): profile-model and search for the method on the
+    # same devices; the planned world-2 run reports the serial LoRA run's losses (both on the drivers)
+    lora_base, lora_metrics = write_config(work, "t5", "train.jsonl", name="planned-lora", distributed_backend="gloo",
+                                           use_lora=True)
+    serial, serial_metrics = write_config(work, "t5", "train.jsonl", name="serial-lora", use_lora=True)
+    lora_model, lora_out = str(tmp_path / "lora_model.json"), str(tmp_path / "lora_planned.json")
+    cli.main(["profile-model", "--config_file", lora_base, "--out", lora_model])
+    cli.main(["search", "--config_file", lora_base, "--devices", devices, "--model", lora_model, "--dp", "1",
+              "--out", lora_out])
+    planned = json.loads(open(lora_out).read())
+    assert planned["use_lora"] and planned["dp_deg"] == 1 and planned["pp_deg"] == 1, planned
+    for (script, *_), outcome in zip([("lora", 2), ("serial", 1)], run_scripts([("finetune_t5.py", lora_out, 2),
+                                                                               ("finetune_t5.py", serial, 1)])):
+        for rank, (code, stdout, stderr) in enumerate(outcome):
+            assert code == 0, f"{script} rank {rank} exited {code}:\n{stdout}\n{stderr}"
+    losses = [[r["loss"] for r in read_metrics(m) if "event" not in r] for m in (lora_metrics, serial_metrics)]
+    assert len(losses[0]) == len(want) and losses[1][0] == pytest.approx(want[0], rel=1e-5)    # B = 0: the base model
+    assert max(abs(a - b) / abs(b) for a, b in zip(*losses)) < 1e-5, losses

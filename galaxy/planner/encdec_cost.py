@@ -1,22 +1,27 @@
 """The cost model of an encoder-decoder plan (BART, T5): step time and peak memory per rank, from
-a version-2 model profile (galaxy.planner.encdec_profile) and the devices profile.
+a version-2 model profile (galaxy.planner.encdec_profile) and the devices profile, for full
+fine-tuning or a PEFT method (the profile's "peft" section, galaxy.planner.encdec_method).
 
-What it covers so far: one pipeline stage (pp 1) holding both stacks, any data-parallel degree
-without sharding, full fine-tuning. The plan's encoder layers run at the source shares (tokens)
-and the decoder's at the target shares (decoder_tokens), XATT by its own method (xatt):
+What it covers so far: one pipeline stage (pp 1) holding both stacks, any data-parallel degree,
+plain or sharded (dp_sharding). The plan's encoder layers run at the source shares (tokens) and
+the decoder's at the target shares (decoder_tokens), XATT by its own method (xatt):
 
   time     per micro-batch, each sub-block at its slowest rank (FLOPs at the rank's share over its
            device's GEMM rate: the devices' compute tables hold no decoder kinds yet), the
            encoder's L_e x (ATT, CON, MLP, CON) and the decoder's L_d x (ATT, CON, XATT, CON, MLP,
            CON), the embeddings and the head; plus the group's collectives of the family's closed
            form (galaxy.models.encdec_forms, bytes per kind, split into per-row and once-per-step
-           parts), timed on the link; then DDP's all-reduce over the replicas, the optimizer step
-           and, with m micro-batches, m - 1 additions into .grad.
-  memory   as galaxy.planner.memory_model counts a stage: the baseline, weights, gradients,
-           optimizer state, DDP's and the group's gradient buckets, the activations of one
-           micro-batch at the rank's shares (a recomputed layer keeping only its input carry,
-           leading layers first: the encoder's) with the CPU heap's slack, and an unfused step's
-           temporaries.
+           parts), timed on the link; then the data-parallel traffic, the optimizer step and, with
+           m micro-batches, m - 1 additions into .grad.
+  methods  a sub-block's FLOPs are the closed form's plus the method's difference to full
+           fine-tuning (torch's count of both: LoRA's rank-r products, a frozen weight's missing
+           weight gradient); side-tuning's backbone runs forward only (half of its collectives,
+           its per-row ones all in forward) and each layer's side layer runs beside it, forward
+           and backward, its K/V gathered over the group under CON SP; side-only runs the side
+           layers alone. The Galaxy sum and the data-parallel traffic carry the trained
+           parameters' gradients only; FSDP still gathers every weight (once more in backward
+           where backward runs through the backbone, each micro-batch under "full").
+  memory   galaxy.planner.encdec_terms.
 
 XATT under SP projects the whole memory's K/V on every rank (S source tokens): its FLOPs are the
 memory's part (`fwd_memory`) plus the rest at the rank's share of target tokens.
@@ -24,50 +29,50 @@ memory's part (`fwd_memory`) plus the rest at the rank's share of target tokens.
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.models.registry import family_of
 from galaxy.plan import Plan
 from galaxy.planner.cost import DDP_BUCKET_BYTES, Estimate
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
+from galaxy.planner.encdec_terms import STACKS, EncDecTerms
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.link_model import link_time
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
 DECODER_SUBS = ("att", "con", "xatt", "con", "mlp", "con")
+STACK_SUBS = {"encoder": ENCODER_SUBS, "decoder": DECODER_SUBS}
 
 
-class EncDecCostModel:
+class EncDecCostModel(EncDecTerms):
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, batch_size: int,
-                 optimizer: str = "adamw"):
-        self.model, self.devices, self.link = model, devices, link
-        self.batch, self.optimizer, self.world = batch_size, optimizer, len(devices)
-        self.stacks = model["stacks"]
-        self.enc_layers, self.dec_layers = self.stacks["encoder"]["layers"], self.stacks["decoder"]["layers"]
-        self.layers = self.enc_layers + self.dec_layers
-        self.source, self.target = model["pad_size"], model["target_pad_size"]
-        self.hidden = model["hf_config"].get("d_model") or model["hf_config"]["hidden_size"]
-        self.carry = model["carry_tensors"]
+                 optimizer: str = "adamw", method: dict | None = None):
+        super().__init__(model, devices, link, batch_size=batch_size, optimizer=optimizer, method=method)
         self.family = family_of(model["model_type"])
         self.num_labels = model.get("num_labels") if model["task"] == "classification" else None
-        self.backward_through_backbone = True
         self._hf = _hf_config(model["hf_config"])
 
-    # --- what a Galaxy rank runs -----------------------------------------------------------------
+    def subs(self, stack: str) -> tuple[str, ...]:
+        """What one layer of `stack` runs: its backbone's sub-blocks (none under side-only), then
+        the side layer under side-tuning."""
+        backbone = () if self.backbone == "absent" else STACK_SUBS[stack]
+        return backbone + (("side",) if self.backbone in ("forward", "absent") else ())
 
-    def kinds(self, plan: Plan, j: int) -> dict:
-        """stack -> {sub-block: (kind, units)} of Galaxy rank j, and each stack's CON tokens."""
-        g = plan.group
-        out = {}
-        for stack, tokens, whole in (("encoder", plan.tokens, self.source), ("decoder", plan.decoder_tokens, self.target)):
-            share = tokens[j] if g > 1 else whole
-            pick = {"att": plan.att, "mlp": plan.mlp, **({"xatt": plan.method("xatt")} if stack == "decoder" else {})}
-            subs = {sub: (f"{sub}_tp", plan.heads[j] if sub != "mlp" else plan.columns[j])
-                    if method == "TP" or g == 1 else (f"{sub}_sp", share) for sub, method in pick.items()}
-            subs["con"] = ("con", share if plan.con == "SP" and g > 1 else whole)
-            out[stack] = subs
-        return out
+    # --- compute ---------------------------------------------------------------------------------
+
+    def sub_flops(self, stack: str, sub: str) -> tuple[float, float]:
+        """(forward, backward) FLOPs per row of one whole sub-block under the run's method."""
+        f = self.stacks[stack]["flops_per_row"].get(sub, {"fwd": 0.0, "bwd": 0.0})
+        if self.section is None:
+            return f["fwd"], f["bwd"]
+        method = self.section["stacks"][stack]
+        m = method["flops_per_row"][sub]
+        if sub == "side":
+            return m["fwd"], m["bwd"]
+        ref = method["full_flops_per_row"][sub]
+        bwd = f["bwd"] - (ref["bwd"] - m["bwd"]) if self.backward_through_backbone else 0.0
+        return f["fwd"] + m["fwd"] - ref["fwd"], bwd
 
     def flops_time(self, r: int, stack: str, kind: str, units: int, rows: float) -> tuple[float, float]:
         """(forward, backward) seconds of one sub-block kind of a stack on device r."""
@@ -75,119 +80,79 @@ class EncDecCostModel:
         if not rate:
             return 0.0, 0.0
         section = self.stacks[stack]
-        f = section["flops_per_row"][kind.split("_")[0]]
-        total = section["units"][kind][0]
-        fixed = f.get("fwd_memory", 0) if kind == "xatt_sp" else 0     # the whole memory's K/V, every rank
-        fwd = fixed + (f["fwd"] - fixed) * units / total
-        bwd = fwd * f["bwd"] / f["fwd"] if f["fwd"] else 0.0        # the closed forms: twice the forward
+        sub = kind.split("_")[0]
+        f_fwd, f_bwd = self.sub_flops(stack, sub)
+        total = section["units"][kind][0] if kind in section["units"] else section["tokens"]
+        fixed = section["flops_per_row"][sub].get("fwd_memory", 0) if kind == "xatt_sp" else 0   # the memory's K/V
+        fwd = fixed + (f_fwd - fixed) * units / total
+        bwd = fwd * f_bwd / f_fwd if f_fwd else 0.0        # the closed forms: twice the forward
         return fwd / rate * rows, bwd / rate * rows
 
     def _ends_time(self, r: int, plan: Plan, j: int, rows: float) -> tuple[float, float]:
         """The head on the rank's target tokens (the classifier: on each row's pooled token)."""
         rate = self.devices[r].get("gemm_flops_per_s")
-        f = self.model["flops_per_row"]["head"]
+        f = (self.section or {}).get("head_flops_per_row") or self.model["flops_per_row"]["head"]
         share = plan.decoder_tokens[j] / self.target if plan.con == "SP" and plan.group > 1 else 1.0
         share = 1.0 if self.num_labels is not None else share
         return (f["fwd"] / rate * rows * share, f["bwd"] / rate * rows * share) if rate else (0.0, 0.0)
 
-    # --- parameters --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _count(v, units) -> float:
-        return v[0] + v[1] * units if isinstance(v, list) else v
-
-    def layer_params(self, stack: str, subs: dict) -> float:
-        p = self.stacks[stack]["params"]
-        return sum(self._count(p[kind], units) for sub, (kind, units) in subs.items() if sub != "con") + p["con"]
-
-    def summed_layer_params(self, stack: str, subs: dict, plan: Plan) -> float:
-        """A layer's parameters whose gradients the group sums: SP sub-blocks' and, under CON SP, the CONs'."""
-        if plan.group == 1:
-            return 0.0
-        p = self.stacks[stack]["params"]
-        out = sum(p[kind] for sub, (kind, _) in subs.items() if kind.endswith("_sp"))
-        return out + (p["con"] if plan.con == "SP" else 0)
-
-    def params_of(self, plan: Plan, j: int) -> float:
-        k = self.kinds(plan, j)
-        whole = self.model["params"]
-        outside = whole["embed"] + whole["head"] - whole["tied"] + whole.get("other", 0)
-        if plan.att == "TP" and plan.group > 1:       # T5's position bias: the rank's heads' columns
-            outside -= whole.get("by_heads", 0) * (1 - plan.heads[j] / self.stacks["encoder"]["units"]["att_tp"][0])
-        return outside + self.enc_layers * self.layer_params("encoder", k["encoder"]) + \
-            self.dec_layers * self.layer_params("decoder", k["decoder"])
-
-    # --- activations -------------------------------------------------------------------------------
-
-    def _act(self, acts: dict, kind: str, units: float) -> float:
-        c0, c1 = acts[kind]
-        return c0 + c1 * units
-
-    def layer_acts(self, stack: str, subs: dict) -> tuple[float, float]:
-        """(bytes one layer of `stack` saves per row, its largest sub-block's)."""
-        acts = self.stacks[stack]["act_bytes_per_row"]
-        parts = [self._act(acts, kind, units) for sub, (kind, units) in subs.items() if sub != "con"]
-        con = self._act(acts, "con", subs["con"][1])
-        parts += [con] * self.stacks[stack].get("cons", 2)
-        return sum(parts), max(parts)
-
-    def acts_per_row(self, plan: Plan, j: int) -> tuple[float, float, float]:
-        """(every layer's saved bytes per row with the leading recomputed ones keeping their
-        carry, the largest sub-block's, one recomputed layer's), embeddings and head included."""
-        k, c = self.kinds(plan, j), len(plan.checkpoint)
-        enc, enc_big = self.layer_acts("encoder", k["encoder"])
-        dec, dec_big = self.layer_acts("decoder", k["decoder"])
-        carry = {s: self.carry * k[s]["con"][1] * self.hidden * FP32 for s in ("encoder", "decoder")}
-        c_enc, c_dec = min(c, self.enc_layers), max(0, c - self.enc_layers)
-        total = (self.enc_layers - c_enc) * enc + c_enc * carry["encoder"] + \
-            (self.dec_layers - c_dec) * dec + c_dec * carry["decoder"]
-        ends = self.model["act_bytes_per_row"]
-        total += self._act(ends, "embed", self.source) + self._act(ends, "head", k["decoder"]["con"][1])
-        return total, max(enc_big, dec_big), (max(enc, dec) if c else 0.0)
-
-    def memory_bytes(self, plan: Plan, j: int, r: int, n: float, rows: float) -> float:
-        dev, dp = self.devices[r], plan.dp
-        k = self.kinds(plan, j)
-        summed = sum(layers * self.summed_layer_params(stack, k[stack], plan)
-                     for stack, layers in (("encoder", self.enc_layers), ("decoder", self.dec_layers)))
-        state = FP32 * (2 * n + OPT_STATE.get(self.optimizer, 0) * n + (n if dp > 1 else 0) + summed)
-        total, biggest, recomputed = self.acts_per_row(plan, j)
-        acts = rows * (total + recomputed + biggest)
-        temp = 0.0 if dev.get("optimizer_fused") else OPT_TEMP.get(self.optimizer, 0) * n * FP32
-        base = dev.get("baseline_mib", 0.0) * MIB + state
-        if dev.get("device", "cpu") == "cuda":
-            return base + max(acts, temp)
-        whole = rows * (self.acts_per_row(_without_checkpoint(plan), j)[0] + biggest) if plan.checkpoint else acts
-        return base + acts + dev.get("activation_slack", CPU_ACTIVATION_SLACK) * whole + temp
-
-    def estimate_memory(self, plan: Plan) -> list[float]:
-        rows = self.batch / (plan.dp * plan.microbatches)
-        return [self.memory_bytes(plan, r % plan.group, r, self.params_of(plan, r % plan.group), rows) / MIB
-                for r in range(self.world)]
-
-    def stage_ranks(self, plan: Plan, p: int) -> list[int]:
-        return list(range(self.world))
-
-    # --- time ----------------------------------------------------------------------------------------
+    # --- communication -----------------------------------------------------------------------------
 
     @functools.lru_cache(maxsize=4096)
     def comm_forms(self, plan: Plan) -> dict:
         """kind -> (wire bytes per row of a micro-batch, once per step, calls per micro-batch) of
-        the group's collectives: the family's closed form at 1 and 2 rows."""
+        the group's collectives: the family's closed form at 1 and 2 rows, under a method its
+        per-row part as the backbone runs (forward only: half; side-only: none) and the side
+        layers' K/V gathers, its once-a-step part the trained "sum" gradients' all-reduce."""
         if plan.group == 1:
             return {}
         at = {b: self.family.plan_comm_bytes(plan, self._hf, b, list(plan.tokens), num_labels=self.num_labels)
               for b in (1, 2)}
+        runs = 1.0 if self.backward_through_backbone else 0.5 if self.backbone == "forward" else 0.0
         out = {}
         for kind in set(at[1]) | set(at[2]):
             s1, s2 = (at[b].get(kind, {"sent": 0, "calls": 0}) for b in (1, 2))
             per_row = s2["sent"] - s1["sent"]
-            out[kind] = (per_row, s1["sent"] - per_row, s1["calls"])
+            step = s1["sent"] - per_row if self.trains_backbone else 0
+            out[kind] = (runs * per_row, step, round(runs * s1["calls"]))
+        if not self.trains_backbone:
+            summed = self.enc_layers * self.summed_layer_params("encoder", self.kinds(plan, 0)["encoder"], plan) + \
+                self.dec_layers * self.summed_layer_params("decoder", self.kinds(plan, 0)["decoder"], plan) + \
+                self.summed_outside(plan)
+            a, s, c = out.get("all_reduce", (0.0, 0, 0))
+            out["all_reduce"] = (a, s + (ring_bytes("all_reduce", int(summed), FP32, plan.group) if summed else 0), c)
+        if self.side_width and plan.con == "SP":       # each side layer's K and V: [rows, t_r, 2w], padded
+            kv = sum(layers * ring_bytes("all_gather", max(shares) * 2 * self.side_width, FP32, plan.group)
+                     for layers, shares in ((self.enc_layers, plan.tokens), (self.dec_layers, plan.decoder_tokens)))
+            for kind in ("all_gather", "reduce_scatter"):
+                a, s, c = out.get(kind, (0.0, 0, 0))
+                out[kind] = (a + kv, s, c + self.layers)
         return out
 
+    def _dp(self, plan: Plan, n: float, t: float) -> tuple[float, float]:
+        """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained): DDP
+        all-reduces the trained gradients; FSDP gathers every weight and reduce-scatters them."""
+        dp = plan.dp
+        if dp <= 1:
+            return 0.0, 0.0
+        if plan.dp_sharding == "none":
+            if not t:
+                return 0.0, 0.0
+            b = ring_bytes("all_reduce", int(t), FP32, dp)
+            return link_time(self.link, "all_reduce", dp, b, max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))), b
+        passes = 2 if self.backward_through_backbone else 1
+        gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
+        ag = ring_bytes("all_gather", math.ceil(n / dp), FP32, dp)
+        rs = ring_bytes("reduce_scatter", math.ceil(t / dp), FP32, dp)
+        time = link_time(self.link, "all_gather", dp, gathers * ag, gathers * self.layers) + \
+            link_time(self.link, "reduce_scatter", dp, rs, self.layers)
+        return time, gathers * ag + rs
+
+    # --- the step --------------------------------------------------------------------------------------
+
     def estimate(self, plan: Plan) -> Estimate:
-        if plan.pp != 1 or plan.dp_sharding != "none":
-            raise ValueError("the encoder-decoder cost model covers pp 1 without dp_sharding")
+        if plan.pp != 1:
+            raise ValueError("the encoder-decoder cost model covers pp 1")
         g, m = plan.group, plan.microbatches
         rows = self.batch / (plan.dp * m)
         padded = len(set(plan.tokens)) > 1 or len(set(plan.decoder_tokens)) > 1
@@ -204,12 +169,13 @@ class EncDecCostModel:
         extra = 0.0
         for r in range(self.world):
             j = r % g
-            n = self.params_of(plan, j)
-            dp_time, dp_bytes = self._dp(plan, n)
-            opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * n
-            acc = (m - 1) * n * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+            n, t = self.params_of(plan, j), self.trainable_of(plan, j)
+            dp_time, dp_bytes = self._dp(plan, n, t)
+            stepped = t / plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else t
+            opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * stepped
+            acc = (m - 1) * stepped * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
             extra = max(extra, dp_time + opt + acc)
-            memory.append(self.memory_bytes(plan, j, r, n, rows) / MIB)
+            memory.append(self.memory_bytes(plan, j, r, n, t, rows) / MIB)
             sent.append(int(sent_group + dp_bytes))
             compute.append(m * sum(own[r]) + opt + acc)
             comm_rank.append(m * comm_mb + comm_step + dp_time)
@@ -223,10 +189,11 @@ class EncDecCostModel:
         m, c = plan.microbatches, len(plan.checkpoint)
         fwd = bwd = 0.0
         kinds = [self.kinds(plan, j) for j in range(len(ranks))]
-        for stack, layers, subs, c_stack in (("encoder", self.enc_layers, ENCODER_SUBS, min(c, self.enc_layers)),
-                                             ("decoder", self.dec_layers, DECODER_SUBS, max(0, c - self.enc_layers))):
-            for sub in subs:
-                times = [self.flops_time(r, stack, *kinds[j][stack][sub], rows) for j, r in enumerate(ranks)]
+        for stack, layers, c_stack in (("encoder", self.enc_layers, min(c, self.enc_layers)),
+                                       ("decoder", self.dec_layers, max(0, c - self.enc_layers))):
+            for sub in self.subs(stack):
+                at = lambda j: ("side", kinds[j][stack]["con"][1]) if sub == "side" else kinds[j][stack][sub]  # noqa: E731
+                times = [self.flops_time(r, stack, *at(j), rows) for j, r in enumerate(ranks)]
                 for (tf, tb), r in zip(times, ranks):
                     own[r][0] += layers * tf
                     own[r][1] += layers * tb + c_stack * tf
@@ -241,18 +208,6 @@ class EncDecCostModel:
             own[r][1] += tb
             sub_s[r]["HEAD"] = m * (tf + tb)
         return fwd + max(t[0] for t in times), bwd + max(t[1] for t in times)
-
-    def _dp(self, plan: Plan, n: float) -> tuple[float, float]:
-        if plan.dp <= 1:
-            return 0.0, 0.0
-        b = ring_bytes("all_reduce", int(n), FP32, plan.dp)
-        calls = max(1, -(-int(n * FP32) // DDP_BUCKET_BYTES))
-        return link_time(self.link, "all_reduce", plan.dp, b, calls), b
-
-
-def _without_checkpoint(plan: Plan) -> Plan:
-    from dataclasses import replace
-    return replace(plan, checkpoint=())
 
 
 def _hf_config(raw: dict):
