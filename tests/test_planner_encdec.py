@@ -1,8 +1,8 @@
 """plan.py profile-model on the encoder-decoders (BART, T5): the version-2 model profile, one
 section per stack, checked against Hugging Face's own models (parameters), the closed forms of
 galaxy.models.encdec_forms (FLOPs), galaxy.profiler's count of the whole layers (activation bytes)
-and the bench at shares the linear forms were not fitted on. search and profile-devices still
-refuse an encoder-decoder with one line."""
+and the bench at shares the linear forms were not fitted on; under each PEFT method against
+galaxy's own model; the cost model by hand and the search against a brute force over pipelines."""
 import json
 
 import pytest
@@ -141,7 +141,7 @@ def test_whole_layer_bytes_equal_the_profilers(profiles, family):
 def test_version_two_reads_and_search_refuses_what_it_cannot_cost(profiles, tmp_path, capsys):
     """check_model_profile reads the version-2 profile (and refuses one without a stack's
     section); search refuses, with one line and exit 2, a profile taken at another
-    target_pad_size and a pipeline (--pp 2: not costed for encoder-decoders yet)."""
+    target_pad_size and more stages than devices."""
     model_path, doc = profiles["t5"]
     assert check_model_profile(doc, "t5.json") is doc
     broken = {**doc, "stacks": {"encoder": doc["stacks"]["encoder"]}}
@@ -153,8 +153,8 @@ def test_version_two_reads_and_search_refuses_what_it_cannot_cost(profiles, tmp_
         {"name": "d", "memory_mib": 1000, "gemm_flops_per_s": 1e9}]}))
     cases = [(dict(target_pad_size=TARGET + 2), [], f"model profile {model} was taken for target_pad_size {TARGET}, "
               f"the config has {TARGET + 2}; run plan.py profile-model on this config"),
-             (dict(target_pad_size=TARGET), ["--pp", "2"], "an encoder-decoder's search covers pp 1 without --png "
-              "so far; drop --pp / --png")]
+             (dict(target_pad_size=TARGET), ["--pp", "2"], "--pp 2 does not divide the world of 1 devices; give "
+              "a divisor of 1")]
     for keys, extra, line in cases:
         base = tmp_path / "base.json"
         base.write_text(json.dumps(dict(model_path=model_path, pad_size=SOURCE, batch_size=3, **keys)))
@@ -212,7 +212,7 @@ def _synthetic(profiles):
 def _plan(**kw):
     from galaxy.plan import Plan
     return Plan(**{"att": "TP", "mlp": "TP", "con": "SP", "heads": (3, 1), "columns": (72, 24), "tokens": (9, 3),
-                   "decoder_tokens": (3, 3), "xatt": "TP", "checkpoint": (), **kw})
+                   "decoder_tokens": (3, 3), "xatt": "TP", "checkpoint": (), "stages": (4,), **kw})
 
 
 def test_step_time_of_two_unequal_devices_by_hand(profiles):
@@ -332,6 +332,52 @@ def test_search_splits_by_speed_and_caps_by_memory(profiles):
     capped = search_encdec(cost, budgets, meshes=[(1, 1)]).ranked[0]
     assert all(m <= b for m, b in zip(capped.memory_mib, budgets))
     assert capped.plan != best.plan
+
+
+# --- pipelines ---------------------------------------------------------------------------------------
+
+def test_pipeline_split_across_the_stacks_by_hand(profiles):
+    """Two stages on devices at 1e9 and 2e9 FLOP/s, a free link: an encoder layer costs 15e6 FLOPs
+    a row, a decoder layer 12e6, the head 1e6, so the splits 1 | 3, 2 | 2, 3 | 1 give the stages
+    15 | 20, 30 | 12.5, 42 | 6.5 (x 3 x rows / 1e9 s): the search puts one encoder layer on the slow
+    device and the other beside both decoder layers. Its ranks compute those seconds, and stage 0
+    sends its carry (the source and the target stream inside the encoder) each micro-batch and the
+    tied weight's gradient; a boundary past the encoder sends the encoder's output instead."""
+    from galaxy.distributed.comm_bytes import ring_bytes
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.encdec_search import search_encdec
+    from galaxy.planner.profiles import check_link
+
+    free = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
+    doc = _synthetic(profiles)
+    cost = EncDecCostModel(doc, [_device(1e9), _device(2e9)], free, batch_size=4)
+    best = search_encdec(cost, [1e6, 1e6], meshes=[(2, 1)]).ranked[0]
+    assert best.plan.stages == (1, 3)
+    assert best.compute_s == [pytest.approx(3 * 15e6 * 4 / 1e9), pytest.approx(3 * 40e6 * 4 / 2e9)]
+    n, h, m = doc["carry_tensors"], cost.hidden, best.plan.microbatches
+    carry = 4 / m * 4 * n * (SOURCE + TARGET) * h                     # rows x fp32 x tokens x width
+    tied = ring_bytes("all_reduce", doc["params"]["tied"], 4, 2)
+    assert best.sent_bytes == [m * carry + tied] * 2                  # the carry forward, its gradient back
+    past = cost.boundary_bytes(_plan(heads=(4,), columns=(96,), tokens=(SOURCE,), decoder_tokens=(TARGET,),
+                                     pp=2, stages=(3, 1)), 3, 1)
+    assert past == (4 * (SOURCE + n * TARGET) * h,) * 2
+
+
+@pytest.mark.parametrize("rates, latency", [((1e9, 2e9), 1e-4), ((2e9, 1e9), 3e-2)])
+def test_pipeline_search_equals_a_brute_force_over_splits(profiles, rates, latency):
+    """Every two-stage plan of the 2 + 2 layers (3 splits x 1, 2, 4 micro-batches, 1F1B when there
+    are at least 2): the search's best is the fastest of them, on a quick and on a slow link."""
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.encdec_search import search_encdec
+    from galaxy.planner.profiles import check_link
+
+    link = check_link({"latency_s": latency, "bytes_per_s": 1e8}, "link")
+    cost = EncDecCostModel(_synthetic(profiles), [_device(r) for r in rates], link, batch_size=4)
+    found = search_encdec(cost, [1e6, 1e6], meshes=[(2, 1)]).ranked[0]
+    every = [cost.estimate(_plan(heads=(4,), columns=(96,), tokens=(SOURCE,), decoder_tokens=(TARGET,), pp=2,
+                                 stages=(a, 4 - a), microbatches=m, schedule="1f1b" if m >= 2 else "gpipe")).step_s
+             for a in (1, 2, 3) for m in (1, 2, 4)]
+    assert found.step_s == pytest.approx(min(every), rel=1e-12)
 
 
 # --- PEFT methods and FSDP (galaxy.planner.encdec_method, encdec_terms) -----------------------------

@@ -295,7 +295,7 @@ def _search_inputs(args) -> SimpleNamespace:
 
 
 def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespace:
-    """An encoder-decoder's search (galaxy.planner.encdec_search): pp 1, any method."""
+    """An encoder-decoder's search (galaxy.planner.encdec_search)."""
     if not model.get("encoder_decoder"):
         raise ModelProfileError(f"model profile {args.model} is not an encoder-decoder's; run plan.py profile-model "
                                 "on this config")
@@ -311,12 +311,10 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
                               "run plan.py profile-model on this config")
     signature = config_signature(cfg, family_of(shape["model_type"]))
     method = check_method(model, signature, args.model)
-    if any(pp != 1 for pp in args.pp or ()) or args.png:
-        raise ConfigError("an encoder-decoder's search covers pp 1 without --png so far; drop --pp / --png")
     clus = compose(args.devices, args.link)
     devices, link = clus["devices"], clus["link"]
     budgets = _budgets(args, devices, link)
-    meshes = meshes_of([1], args.dp, len(devices), shape["num_hidden_layers"])
+    meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
     cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
     counts = method or model        # a method's section counts the model it makes, its own parameters too
     return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=method,
@@ -362,7 +360,9 @@ def search_command(argv) -> None:
     command = f"python {run.script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
     print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; train it with: {command}")
     if args.png:
-        print(f"plan drawn: {draw_plan(best, run.model, run.devices, args.png)}")
+        drawn = run.model if not run.model.get("encoder_decoder") else \
+            {**run.model, "units": run.model["stacks"]["encoder"]["units"]}     # the encoder's shares
+        print(f"plan drawn: {draw_plan(best, drawn, run.devices, args.png)}")
 
 
 def main(argv=None) -> None:

@@ -87,7 +87,7 @@ class EncDecBench:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
         self.method = peft.method if peft is not None else "full"
         if self.method != "full":
-            model.config = _one_layer_each(hf)       # galaxy.peft names the two layers by it
+            model.config = with_layers(hf, 1, 1)       # galaxy.peft names the two layers by it
             apply_plan(model, Plan(), GalaxyGroup.serial(hf.num_attention_heads, _intermediate(hf), source))
             apply_peft(model, peft, seed=seed)
         self.model = model.train()
@@ -217,12 +217,12 @@ class EncDecBench:
                    if p.requires_grad or not trained)
 
 
-def _one_layer_each(hf):
-    """hf with one encoder and one decoder layer (num_hidden_layers: the encoder's, in both
+def with_layers(hf, encoder: int, decoder: int):
+    """A copy of hf with `encoder` and `decoder` layers (num_hidden_layers: the encoder's, in both
     families' configs; the decoder's key is BART's or T5's)."""
     hf = copy.deepcopy(hf)
-    hf.num_hidden_layers = 1
+    hf.num_hidden_layers = encoder
     for key in ("decoder_layers", "num_decoder_layers"):
         if hasattr(hf, key):
-            setattr(hf, key, 1)
+            setattr(hf, key, decoder)
     return hf

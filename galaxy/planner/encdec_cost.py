@@ -2,9 +2,9 @@
 a version-2 model profile (galaxy.planner.encdec_profile) and the devices profile, for full
 fine-tuning or a PEFT method (the profile's "peft" section, galaxy.planner.encdec_method).
 
-What it covers so far: one pipeline stage (pp 1) holding both stacks, any data-parallel degree,
-plain or sharded (dp_sharding). The plan's encoder layers run at the source shares (tokens) and
-the decoder's at the target shares (decoder_tokens), XATT by its own method (xatt):
+Any pipeline (stages split the encoder's layers then the decoder's: a stage may hold both), any
+data-parallel degree, plain or sharded (dp_sharding). The plan's encoder layers run at the source
+shares (tokens) and the decoder's at the target shares (decoder_tokens), XATT by its own method:
 
   time     per micro-batch, each sub-block at its slowest rank (FLOPs at the rank's share over its
            device's GEMM rate: the devices' compute tables hold no decoder kinds yet), the
@@ -13,6 +13,11 @@ the decoder's at the target shares (decoder_tokens), XATT by its own method (xat
            form (galaxy.models.encdec_forms, bytes per kind, split into per-row and once-per-step
            parts), timed on the link; then the data-parallel traffic, the optimizer step and, with
            m micro-batches, m - 1 additions into .grad.
+  pipeline each stage's layers as above (its own layers' collectives; the parts outside the
+           layers on the last stage; the memory's gather on every stage holding decoder layers),
+           the stages played through the schedule (galaxy.planner.pipeline_time) with one hop,
+           the largest boundary's send (boundary_bytes: galaxy.pipeline.carry's tensors), and
+           the tied embedding's gradient summed between the pipeline's ends.
   methods  a sub-block's FLOPs are the closed form's plus the method's difference to full
            fine-tuning (torch's count of both: LoRA's rank-r products, a frozen weight's missing
            weight gradient); side-tuning's backbone runs forward only (half of its collectives,
@@ -32,13 +37,15 @@ import functools
 import math
 from types import SimpleNamespace
 
-from galaxy.distributed.comm_bytes import ring_bytes
+from galaxy.distributed.comm_bytes import ring_bytes, tally
 from galaxy.models.registry import family_of
 from galaxy.plan import Plan
 from galaxy.planner.cost import DDP_BUCKET_BYTES, Estimate
-from galaxy.planner.encdec_terms import STACKS, EncDecTerms
+from galaxy.planner.encdec_bench import with_layers
+from galaxy.planner.encdec_terms import EncDecTerms
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.link_model import link_time
+from galaxy.planner.pipeline_time import stage_ends
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
 DECODER_SUBS = ("att", "con", "xatt", "con", "mlp", "con")
@@ -99,39 +106,78 @@ class EncDecCostModel(EncDecTerms):
     # --- communication -----------------------------------------------------------------------------
 
     @functools.lru_cache(maxsize=4096)
-    def comm_forms(self, plan: Plan) -> dict:
+    def stage_forms(self, plan: Plan, p: int) -> dict:
         """kind -> (wire bytes per row of a micro-batch, once per step, calls per micro-batch) of
-        the group's collectives: the family's closed form at 1 and 2 rows, under a method its
-        per-row part as the backbone runs (forward only: half; side-only: none) and the side
-        layers' K/V gathers, its once-a-step part the trained "sum" gradients' all-reduce."""
+        stage p's group collectives: the family's closed form of its layers at 1 and 2 rows, the
+        parts outside the layers (the memory's gather, the ends, the sum of what lies before the
+        layers) on the last stage, and the memory's gather again on every other stage holding
+        decoder layers. Under a method the per-row part is as the backbone runs (forward only:
+        half; side-only: none) plus the side layers' K/V gathers, the once-a-step part the trained
+        "sum" gradients' all-reduce."""
         if plan.group == 1:
             return {}
-        at = {b: self.family.plan_comm_bytes(plan, self._hf, b, list(plan.tokens), num_labels=self.num_labels)
-              for b in (1, 2)}
+        (enc, _), (dec, _) = self.stage_stacks(plan, p).values()
+        last = p == plan.pp - 1
+        out = self._closed(plan, enc, dec, last)
+        if not last and dec:
+            memory = plan.con == "SP"
+            numel = max(plan.tokens) * self.hidden if memory else self.source * self.hidden
+            calls = [("all_gather", numel, 1), ("reduce_scatter", numel, 1)] if memory else [("all_reduce", numel, 1)]
+            for kind, c in tally(calls, plan.group).items():
+                a, st, n = out.get(kind, (0.0, 0, 0))
+                out[kind] = (a + c["sent"], st, n + c["calls"])
         runs = 1.0 if self.backward_through_backbone else 0.5 if self.backbone == "forward" else 0.0
-        out = {}
-        for kind in set(at[1]) | set(at[2]):
-            s1, s2 = (at[b].get(kind, {"sent": 0, "calls": 0}) for b in (1, 2))
-            per_row = s2["sent"] - s1["sent"]
-            step = s1["sent"] - per_row if self.trains_backbone else 0
-            out[kind] = (runs * per_row, step, round(runs * s1["calls"]))
-        if not self.trains_backbone:
-            summed = self.enc_layers * self.summed_layer_params("encoder", self.kinds(plan, 0)["encoder"], plan) + \
-                self.dec_layers * self.summed_layer_params("decoder", self.kinds(plan, 0)["decoder"], plan) + \
-                self.summed_outside(plan)
-            a, s, c = out.get("all_reduce", (0.0, 0, 0))
-            out["all_reduce"] = (a, s + (ring_bytes("all_reduce", int(summed), FP32, plan.group) if summed else 0), c)
+        out = {kind: (runs * a, st if self.trains_backbone else 0, round(runs * n)) for kind, (a, st, n) in out.items()}
+        if not self.trains_backbone and self.summed_of(plan, p):
+            a, st, n = out.get("all_reduce", (0.0, 0, 0))
+            out["all_reduce"] = (a, st + ring_bytes("all_reduce", int(self.summed_of(plan, p)), FP32, plan.group), n)
         if self.side_width and plan.con == "SP":       # each side layer's K and V: [rows, t_r, 2w], padded
             kv = sum(layers * ring_bytes("all_gather", max(shares) * 2 * self.side_width, FP32, plan.group)
-                     for layers, shares in ((self.enc_layers, plan.tokens), (self.dec_layers, plan.decoder_tokens)))
+                     for layers, shares in ((enc, plan.tokens), (dec, plan.decoder_tokens)))
             for kind in ("all_gather", "reduce_scatter"):
-                a, s, c = out.get(kind, (0.0, 0, 0))
-                out[kind] = (a + kv, s, c + self.layers)
+                a, st, n = out.get(kind, (0.0, 0, 0))
+                out[kind] = (a + kv, st, n + enc + dec)
         return out
 
-    def _dp(self, plan: Plan, n: float, t: float) -> tuple[float, float]:
-        """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained): DDP
-        all-reduces the trained gradients; FSDP gathers every weight and reduce-scatters them."""
+    def _closed(self, plan: Plan, enc: int, dec: int, ends: bool) -> dict:
+        """kind -> (per row, once a step, calls) of the closed form for enc + dec layers, with
+        (ends) or without the parts outside the layers."""
+        def at(b, e, d):
+            return self.family.plan_comm_bytes(plan, self._hf_with(e, d), b, list(plan.tokens),
+                                               num_labels=self.num_labels)
+        forms = {b: at(b, enc, dec) for b in (1, 2)}
+        fixed = {b: at(b, 0, 0) for b in (1, 2)} if not ends else {1: {}, 2: {}}
+        out = {}
+        zero = {"sent": 0, "calls": 0}
+        for kind in set(forms[1]) | set(forms[2]):
+            s1, s2 = (forms[b].get(kind, zero)["sent"] - fixed[b].get(kind, zero)["sent"] for b in (1, 2))
+            calls = forms[1].get(kind, zero)["calls"] - fixed[1].get(kind, zero)["calls"]
+            out[kind] = (s2 - s1, s1 - (s2 - s1), calls)
+        return out
+
+    @functools.lru_cache(maxsize=256)
+    def _hf_with(self, encoder: int, decoder: int):
+        return with_layers(self._hf, encoder, decoder)
+
+    def boundary_bytes(self, plan: Plan, after: int, rows: float) -> tuple[float, float]:
+        """(bytes sent forward, bytes of the gradient sent back) at the stage boundary with
+        `after` layers before it, one micro-batch (galaxy.pipeline.carry): inside the encoder its
+        carry and the decoder's entered embeddings; past it the encoder's output (which crosses
+        every decoder boundary) and the decoder's carry; the side states beside them."""
+        g, con_sp = plan.group, plan.con == "SP" and plan.group > 1
+        s_src = max(plan.tokens) if con_sp else self.source
+        s_tgt = max(plan.decoder_tokens) if con_sp else self.target
+        n = self.carry
+        backbone = (n * s_src if after < self.enc_layers else s_src) + n * s_tgt
+        backbone = 0 if self.backbone == "absent" else backbone * self.hidden
+        side = (s_src + s_tgt) * self.side_width
+        back = (backbone if self.backward_through_backbone else 0) + side
+        return rows * FP32 * (backbone + side), rows * FP32 * back
+
+    def _dp(self, plan: Plan, n: float, t: float, p: int = 0) -> tuple[float, float]:
+        """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained on stage
+        p): DDP all-reduces the trained gradients; FSDP gathers every weight and reduce-scatters
+        the trained gradients."""
         dp = plan.dp
         if dp <= 1:
             return 0.0, 0.0
@@ -144,70 +190,100 @@ class EncDecCostModel(EncDecTerms):
         gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
         ag = ring_bytes("all_gather", math.ceil(n / dp), FP32, dp)
         rs = ring_bytes("reduce_scatter", math.ceil(t / dp), FP32, dp)
-        time = link_time(self.link, "all_gather", dp, gathers * ag, gathers * self.layers) + \
-            link_time(self.link, "reduce_scatter", dp, rs, self.layers)
+        layers = plan.stages[p]
+        time = link_time(self.link, "all_gather", dp, gathers * ag, gathers * layers) + \
+            link_time(self.link, "reduce_scatter", dp, rs, layers)
         return time, gathers * ag + rs
 
     # --- the step --------------------------------------------------------------------------------------
 
     def estimate(self, plan: Plan) -> Estimate:
-        if plan.pp != 1:
-            raise ValueError("the encoder-decoder cost model covers pp 1")
-        g, m = plan.group, plan.microbatches
+        g, pp, m = plan.group, plan.pp, plan.microbatches
         rows = self.batch / (plan.dp * m)
         padded = len(set(plan.tokens)) > 1 or len(set(plan.decoder_tokens)) > 1
-        forms = self.comm_forms(plan)
-        comm_mb = sum(link_time(self.link, kind, g, rows * a, calls, padded) for kind, (a, _, calls) in forms.items())
-        comm_step = sum(link_time(self.link, kind, g, s, 0) for kind, (_, s, _) in forms.items() if s)
-        sent_group = sum(m * rows * a + s for a, s, _ in forms.values())
-        fwd = bwd = 0.0
-        memory, sent, compute, comm_rank = [], [], [], []
-        own, subs_s = [[0.0, 0.0] for _ in range(self.world)], [{} for _ in range(self.world)]
-        for d in range(plan.dp):
-            f, b = self._replica(plan, [d * g + j for j in range(g)], rows, own, subs_s)
-            fwd, bwd = max(fwd, f), max(bwd, b)
-        extra = 0.0
-        for r in range(self.world):
-            j = r % g
-            n, t = self.params_of(plan, j), self.trainable_of(plan, j)
-            dp_time, dp_bytes = self._dp(plan, n, t)
-            stepped = t / plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else t
-            opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * stepped
-            acc = (m - 1) * stepped * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
-            extra = max(extra, dp_time + opt + acc)
-            memory.append(self.memory_bytes(plan, j, r, n, t, rows) / MIB)
-            sent.append(int(sent_group + dp_bytes))
-            compute.append(m * sum(own[r]) + opt + acc)
-            comm_rank.append(m * comm_mb + comm_step + dp_time)
-        step = m * (fwd + bwd + comm_mb) + comm_step + extra
-        return Estimate(plan, step, memory, sent, compute, m * comm_mb + comm_step, comm_rank, subs_s)
+        out = _Out(self.world)
+        bounds = [self.boundary_bytes(plan, sum(plan.stages[:p + 1]), rows) for p in range(pp - 1)]
+        hop = max((link_time(self.link, "send_recv", 2, f, 1) for f, _ in bounds), default=0.0)
+        fwds, bwds, extras, comm_path = [], [], [], 0.0
+        for p in range(pp):
+            forms = self.stage_forms(plan, p)
+            mb = sum(link_time(self.link, kind, g, rows * a, calls, padded) for kind, (a, _, calls) in forms.items())
+            step = sum(link_time(self.link, kind, g, st, 0) for kind, (_, st, _) in forms.items() if st)
+            group_bytes = sum(m * rows * a + st for a, st, _ in forms.values())
+            sends = (0 if p == pp - 1 else bounds[p][0]) + (0 if p == 0 else bounds[p - 1][1])
+            fwd = bwd = 0.0
+            for d in range(plan.dp):
+                f, b = self._replica(plan, p, [(p * plan.dp + d) * g + j for j in range(g)], rows, out)
+                fwd, bwd = max(fwd, f), max(bwd, b)
+            fwds.append(fwd + mb / 2)
+            bwds.append(bwd + mb / 2)
+            path = m * (mb + ((p > 0) + (p < pp - 1)) * hop) + step
+            comm_path = max(comm_path, path)
+            extras.append(step + max(self._rank_step(plan, p, r, rows, path, m * sends + group_bytes, out)
+                                     for r in self.stage_ranks(plan, p)))
+        ends = list(stage_ends(tuple(fwds), tuple(bwds), hop, m, plan.schedule))
+        if pp > 1 and self.outside_counts(True)["tied"]:     # the tied weight's sum waits for both ends
+            ends[0] = ends[-1] = max(ends[0], ends[-1])
+        step = max(e + x for e, x in zip(ends, extras))
+        return Estimate(plan, step, out.memory, [int(b) for b in out.sent], out.compute, comm_path, out.comm,
+                        out.sub_s)
 
-    def _replica(self, plan: Plan, ranks: list[int], rows: float, own: list, sub_s: list) -> tuple[float, float]:
-        """One micro-batch on one replica's group: (forward, backward) at the slowest rank of every
-        sub-block, recomputed layers' second forward included; adds each rank's own [forward,
-        backward] to own[r] and its seconds a step per sub-block to sub_s[r]."""
-        m, c = plan.microbatches, len(plan.checkpoint)
+    def _rank_step(self, plan: Plan, p: int, r: int, rows: float, path: float, sent: float, out) -> float:
+        """Rank r's once-per-step work (data-parallel traffic, the tied weight's sum between the
+        pipeline's ends, the optimizer step, gradient accumulation) in seconds; fills in its
+        memory, bytes, compute and communication."""
+        j, m, last = r % plan.group, plan.microbatches, p == plan.pp - 1
+        n, t = self.params_of(plan, j, p=p), self.trainable_of(plan, j, p)
+        dp_time, dp_bytes = self._dp(plan, n, t, p)
+        tied = self.outside_counts(True)["tied"]
+        if plan.pp > 1 and tied and (p == 0 or last):
+            b = ring_bytes("all_reduce", tied, FP32, 2)
+            dp_time, dp_bytes = dp_time + link_time(self.link, "all_reduce", 2, b, 1), dp_bytes + b
+        stepped = t / plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else t
+        opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * stepped
+        acc = (m - 1) * stepped * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+        out.memory[r] = self.memory_bytes(plan, j, r, n, t, rows, p) / MIB
+        out.sent[r] = sent + dp_bytes
+        out.compute[r] = m * sum(out.own[r]) + opt + acc
+        out.comm[r] = path + dp_time
+        return dp_time + opt + acc
+
+    def _replica(self, plan: Plan, p: int, ranks: list[int], rows: float, out) -> tuple[float, float]:
+        """One micro-batch of stage p on one replica's group: (forward, backward) at the slowest
+        rank of every sub-block, recomputed layers' second forward included; adds each rank's own
+        [forward, backward] to out.own[r] and its seconds a step per sub-block to out.sub_s[r]."""
+        m = plan.microbatches
         fwd = bwd = 0.0
         kinds = [self.kinds(plan, j) for j in range(len(ranks))]
-        for stack, layers, c_stack in (("encoder", self.enc_layers, min(c, self.enc_layers)),
-                                       ("decoder", self.dec_layers, max(0, c - self.enc_layers))):
-            for sub in self.subs(stack):
+        for stack, (layers, c_stack) in self.stage_stacks(plan, p).items():
+            for sub in self.subs(stack) if layers else ():
                 at = lambda j: ("side", kinds[j][stack]["con"][1]) if sub == "side" else kinds[j][stack][sub]  # noqa: E731
                 times = [self.flops_time(r, stack, *at(j), rows) for j, r in enumerate(ranks)]
                 for (tf, tb), r in zip(times, ranks):
-                    own[r][0] += layers * tf
-                    own[r][1] += layers * tb + c_stack * tf
+                    out.own[r][0] += layers * tf
+                    out.own[r][1] += layers * tb + c_stack * tf
                     label = sub.upper()
-                    sub_s[r][label] = sub_s[r].get(label, 0.0) + m * (layers * (tf + tb) + c_stack * tf)
+                    out.sub_s[r][label] = out.sub_s[r].get(label, 0.0) + m * (layers * (tf + tb) + c_stack * tf)
                 f_max, b_max = max(t[0] for t in times), max(t[1] for t in times)
                 fwd += layers * f_max
                 bwd += layers * b_max + c_stack * f_max
+        if p < plan.pp - 1:
+            return fwd, bwd
         times = [self._ends_time(r, plan, j, rows) for j, r in enumerate(ranks)]
         for (tf, tb), r in zip(times, ranks):
-            own[r][0] += tf
-            own[r][1] += tb
-            sub_s[r]["HEAD"] = m * (tf + tb)
+            out.own[r][0] += tf
+            out.own[r][1] += tb
+            out.sub_s[r]["HEAD"] = m * (tf + tb)
         return fwd + max(t[0] for t in times), bwd + max(t[1] for t in times)
+
+
+class _Out:
+    """What an estimate gathers per global rank."""
+
+    def __init__(self, world: int):
+        self.memory, self.sent, self.compute, self.comm = ([0.0] * world for _ in range(4))
+        self.own = [[0.0, 0.0] for _ in range(world)]
+        self.sub_s = [{} for _ in range(world)]
 
 
 def _hf_config(raw: dict):

@@ -1,10 +1,12 @@
 """The plan search for an encoder-decoder (BART, T5): galaxy.planner.search's local search over
 galaxy.planner.encdec_cost, with the encoder-decoder's two more choices.
 
-Enumerated: dp dividing the world and the batch (the Galaxy group the rest; no pipeline yet: the
-cost model covers pp 1), the methods ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one
-choice for a group of 1), the micro-batches (gradient accumulation) and, with replicas, the
-dp_sharding choices given. The fine-tuning method is the cost model's (a PEFT method: what trains,
+Enumerated: pp x dp dividing the world (dp the batch; the Galaxy group the rest), the methods ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one
+choice for a group of 1), the micro-batches (pipeline micro-batches, or gradient accumulation
+without a pipeline; 1f1b when there are at least pp of them, else gpipe) and, with replicas, the
+dp_sharding choices given. A pipeline's stages split the layer list, the encoder's layers then
+the decoder's (a stage may hold both), proportional to the stages' speed to start with, then
+moved a layer at a time as galaxy.planner.search moves them. The fine-tuning method is the cost model's (a PEFT method: what trains,
 saves and runs, galaxy.planner.encdec_cost); side-tuning recomputes nothing. The shares
 start proportional to speed: heads (ATT and XATT under TP), MLP columns, source tokens and target
 tokens (decoder_seq_scatter_list), each then moved unit by unit as the search moves the others;
@@ -51,15 +53,16 @@ class EncDecSearcher(Searcher):
 
     def candidates(self):
         W, batch = self.cost.world, self.cost.batch
-        for dp in divisors(W):
-            if (self.meshes is not None and (1, dp) not in self.meshes) or batch % dp:
+        for pp, dp in itertools.product(divisors(W), divisors(W)):
+            if W % (pp * dp) or pp > self.layers or batch % dp or \
+                    (self.meshes is not None and (pp, dp) not in self.meshes):
                 continue
-            g = W // dp
+            g = W // (pp * dp)
             methods = [("TP", "TP", "SP", "TP")] if g == 1 else [m for m in METHODS if self._feasible(m, g)]
             mbs = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES]
             shardings = [s for s in self.sharding if s == "none" or dp > 1]
             for (att, mlp, con, xatt), m, shard in itertools.product(methods, mbs, shardings):
-                yield dp, g, att, mlp, con, xatt, m, shard
+                yield pp, dp, g, att, mlp, con, xatt, m, shard
 
     def _feasible(self, methods, g: int) -> bool:
         att, mlp, con, xatt = methods
@@ -69,14 +72,19 @@ class EncDecSearcher(Searcher):
             return False
         return "SP" not in methods or min(self.seq, self.target) >= g
 
-    def initial(self, dp, g, att, mlp, con, xatt, m, shard) -> Plan:
-        pos = [min(self.speed[d * g + j] for d in range(dp)) for j in range(g)]
+    def initial(self, pp, dp, g, att, mlp, con, xatt, m, shard) -> Plan:
+        # Galaxy rank j's speed: its slowest device over every group (they all use the same lists)
+        pos = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for d in range(dp)) for j in range(g)]
 
         def split(total):
             return proportional(total, 1, pos) if total >= g else (total,) * g
-        return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=1, dp=dp, heads=split(self.heads),
+        stage_speed = [sum(min(self.speed[(p * dp + d) * g + j] for d in range(dp)) for j in range(g))
+                       for p in range(pp)]
+        stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
+        return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=pp, dp=dp, heads=split(self.heads),
                     columns=split(self.columns), tokens=split(self.seq), decoder_tokens=split(self.target),
-                    stages=(self.layers,), microbatches=m, schedule="1f1b", checkpoint=(), dp_sharding=shard)
+                    stages=stages, microbatches=m, schedule="1f1b" if m >= pp else "gpipe", checkpoint=(),
+                    dp_sharding=shard)
 
     def _vectors(self, plan: Plan):
         """(field, unit, sub-blocks that use it) of the shares this plan uses."""

@@ -14,15 +14,19 @@ and memory_model read a version-1 profile and its section:
                plus two gathered layers under "full", or every weight again under "no_reshard"),
                gradients and optimizer state (sharded alike), the buckets, the activations of the
                micro-batches in flight with the CPU heap's slack, and an unfused step's temporaries
+  stages       a pipeline stage holds a run of the layer list (the encoder's layers, then the
+               decoder's: a stage may hold both), the embeddings on the first stage, the head on
+               the last (both ends hold a tied weight), what lies beside the layers on every stage
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from galaxy.plan import Plan
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
 from galaxy.planner.method import BACKBONE
-from galaxy.planner.model_terms import FP32, MIB
+from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 
 STACKS = ("encoder", "decoder")
 
@@ -76,6 +80,23 @@ class EncDecTerms:
             out[stack] = subs
         return out
 
+    @functools.lru_cache(maxsize=65536)       # the search asks for the same stages many times
+    def stage_stacks(self, plan: Plan, p: int) -> dict:
+        """stack -> (its layers on stage p, how many of them recompute)."""
+        ckpt = set(plan.checkpoint if isinstance(plan.checkpoint, tuple) else plan.recomputed)
+        layers = plan.stage_layers()[p]
+        enc = [i for i in layers if i < self.enc_layers]
+        dec = [i for i in layers if i >= self.enc_layers]
+        return {"encoder": (len(enc), sum(i in ckpt for i in enc)), "decoder": (len(dec), sum(i in ckpt for i in dec))}
+
+    @staticmethod
+    def stage_of(plan: Plan, r: int) -> tuple[int, int]:
+        """(stage, Galaxy rank) of global rank r: ranks run (stage, replica, Galaxy rank)."""
+        return r // (plan.dp * plan.group), r % plan.group
+
+    def stage_ranks(self, plan: Plan, p: int) -> list[int]:
+        return ModelTerms.stage_ranks(self, plan, p)
+
     # --- parameters --------------------------------------------------------------------------------
 
     def stack_counts(self, stack: str, trained: bool = False) -> dict:
@@ -109,28 +130,36 @@ class EncDecTerms:
                 out += t[kind][0]
         return out + (t["con"] + t.get("side", 0) if plan.con == "SP" else 0)
 
-    def summed_outside(self, plan: Plan) -> float:
-        """Trained parameters outside the layers the group sums (a method's, under CON SP); full
-        fine-tuning's are in the closed forms' once-a-step bytes."""
+    def summed_outside(self, plan: Plan, p: int = 0) -> float:
+        """Trained parameters outside the layers stage p's group sums (a method's, under CON SP);
+        full fine-tuning's are in the closed forms' once-a-step bytes."""
         if self.section is None or plan.group == 1 or plan.con != "SP":
             return 0.0
-        return sum(self.section["summed_outside"].values())
+        s = self.section["summed_outside"]
+        return s.get("other", 0) + (s.get("embed", 0) if p == 0 else 0) + (s.get("head", 0) if p == plan.pp - 1 else 0)
 
-    def params_of(self, plan: Plan, j: int, trained: bool = False) -> float:
-        """Parameters Galaxy rank j holds (trained: those that train)."""
+    def summed_of(self, plan: Plan, p: int, j: int = 0) -> float:
+        """Trained parameters whose gradients stage p's group sums (galaxy.parallel.grad_sync)."""
+        k, stacks = self.kinds(plan, j), self.stage_stacks(plan, p)
+        return sum(stacks[s][0] * self.summed_layer_params(s, k[s], plan) for s in STACKS) + \
+            self.summed_outside(plan, p)
+
+    def params_of(self, plan: Plan, j: int, trained: bool = False, p: int = 0) -> float:
+        """Parameters Galaxy rank j of stage p holds (trained: those that train)."""
         if trained and self.section is None:
             trained = False                       # full fine-tuning trains what it holds
         k = self.kinds(plan, j)
         whole = self.outside_counts(trained)
-        outside = whole["embed"] + whole["head"] - whole["tied"] + whole.get("other", 0)
+        outside = whole.get("other", 0) + (whole["embed"] if p == 0 else 0) + \
+            (whole["head"] if p == plan.pp - 1 else 0) - (whole["tied"] if plan.pp == 1 else 0)
         if plan.att == "TP" and plan.group > 1 and not trained:   # T5's position bias: the rank's heads'
             by_heads = self.model["params"].get("by_heads", 0)
             outside -= by_heads * (1 - plan.heads[j] / self.stacks["encoder"]["units"]["att_tp"][0])
-        return outside + self.enc_layers * self.layer_params("encoder", k["encoder"], trained) + \
-            self.dec_layers * self.layer_params("decoder", k["decoder"], trained)
+        stacks = self.stage_stacks(plan, p)
+        return outside + sum(stacks[s][0] * self.layer_params(s, k[s], trained) for s in STACKS)
 
-    def trainable_of(self, plan: Plan, j: int) -> float:
-        return self.params_of(plan, j, trained=True)
+    def trainable_of(self, plan: Plan, j: int, p: int = 0) -> float:
+        return self.params_of(plan, j, trained=True, p=p)
 
     # --- activations -------------------------------------------------------------------------------
 
@@ -158,46 +187,50 @@ class EncDecTerms:
         acts = self._acts(stack, full=True)
         return max(count(acts[kind], units) for kind, units in subs.values())
 
-    def acts_per_row(self, plan: Plan, j: int, full: bool = False) -> tuple[float, float, float]:
-        """(every layer's saved bytes per row with the leading recomputed ones keeping their
-        carry, the largest sub-block's (or working space), one recomputed layer's), embeddings
-        and head included."""
-        k, c = self.kinds(plan, j), len(plan.checkpoint)
-        (enc, enc_big), (dec, dec_big) = (self.layer_acts(s, k[s], full) for s in STACKS)
-        carry = {s: self.carry * k[s]["con"][1] * self.hidden * FP32 for s in STACKS}
-        c_enc, c_dec = min(c, self.enc_layers), max(0, c - self.enc_layers)
-        total = (self.enc_layers - c_enc) * enc + c_enc * carry["encoder"] + \
-            (self.dec_layers - c_dec) * dec + c_dec * carry["decoder"]
+    def acts_per_row(self, plan: Plan, j: int, full: bool = False, p: int = 0) -> tuple[float, float, float]:
+        """(stage p's layers' saved bytes per row with the recomputed ones keeping their input
+        carry, the largest sub-block's (or working space), one recomputed layer's), the
+        embeddings on the first stage and the head on the last included."""
+        k, stacks = self.kinds(plan, j), self.stage_stacks(plan, p)
+        total = biggest = rebuilt = 0.0
+        for s in STACKS:
+            layers, c = stacks[s]
+            if not layers:
+                continue
+            layer, big = self.layer_acts(s, k[s], full)
+            carry = self.carry * k[s]["con"][1] * self.hidden * FP32
+            total += (layers - c) * layer + c * carry
+            biggest = max(biggest, big, self.forward_working(s, k[s]))
+            rebuilt = max(rebuilt, layer if sum(c for _, c in stacks.values()) else 0.0)
         ends = self.model["act_bytes_per_row"]
-        total += count(ends["embed"], self.source) + count(ends["head"], k["decoder"]["con"][1])
-        biggest = max(enc_big, dec_big, *(self.forward_working(s, k[s]) for s in STACKS))
-        return total, biggest, (max(enc, dec) if c else 0.0)
+        total += (count(ends["embed"], self.source) if p == 0 else 0) + \
+            (count(ends["head"], k["decoder"]["con"][1]) if p == plan.pp - 1 else 0)
+        return total, biggest, rebuilt
 
     # --- memory --------------------------------------------------------------------------------------
 
-    def state_bytes(self, plan: Plan, j: int, n: float, t: float) -> tuple[float, float]:
+    def state_bytes(self, plan: Plan, j: int, n: float, t: float, p: int = 0) -> tuple[float, float]:
         """(weights, gradients, optimizer state and buckets; the trained parameters a rank steps)
-        in bytes and parameters: n held, t trained (memory_model's terms)."""
+        in bytes and parameters: n held, t trained on stage p (memory_model's terms)."""
         dp = plan.dp
         sharded = plan.dp_sharding != "none" and dp > 1
         weights = n / dp if sharded else n
+        k, stacks = self.kinds(plan, j), self.stage_stacks(plan, p)
         if sharded and plan.dp_sharding == "full":     # a layer gathered, the next prefetched
-            k = self.kinds(plan, j)
-            weights += 2 * max(self.layer_params(s, k[s]) for s in STACKS)
+            weights += 2 * max(self.layer_params(s, k[s]) for s in STACKS if stacks[s][0])
         elif sharded:                                  # no_reshard: the gathered weights stay
             weights += n
         held = t / dp if sharded else t
-        k = self.kinds(plan, j)
-        summed = self.enc_layers * self.summed_layer_params("encoder", k["encoder"], plan) + \
-            self.dec_layers * self.summed_layer_params("decoder", k["decoder"], plan) + self.summed_outside(plan)
-        buckets = (t if dp > 1 else 0) + summed / (dp if sharded else 1)
+        buckets = (t if dp > 1 else 0) + self.summed_of(plan, p, j) / (dp if sharded else 1)
         return FP32 * (weights + held + OPT_STATE.get(self.optimizer, 0) * held + buckets), held
 
-    def memory_bytes(self, plan: Plan, j: int, r: int, n: float, t: float, rows: float) -> float:
+    def memory_bytes(self, plan: Plan, j: int, r: int, n: float, t: float, rows: float, p: int = 0) -> float:
+        """Bytes of rank r (Galaxy rank j of stage p, n parameters held, t trained) at its peak."""
         dev = self.devices[r]
-        state, held = self.state_bytes(plan, j, n, t)
-        total, biggest, recomputed = self.acts_per_row(plan, j)
-        acts = rows * (total + recomputed + biggest)
+        state, held = self.state_bytes(plan, j, n, t, p)
+        total, biggest, recomputed = self.acts_per_row(plan, j, p=p)
+        inflight = ModelTerms.in_flight(plan, p)
+        acts = rows * (inflight * total + recomputed + biggest)
         temp = 0.0 if dev.get("optimizer_fused") else OPT_TEMP.get(self.optimizer, 0) * held * FP32
         base = dev.get("baseline_mib", 0.0) * MIB + state
         if dev.get("device", "cpu") == "cuda":
@@ -206,16 +239,14 @@ class EncDecTerms:
         # backbone's as full fine-tuning saves them (its backward makes every activation's gradient)
         frozen = self.backbone == "frozen"
         whole = acts if not (plan.checkpoint or frozen) else \
-            rows * (self.acts_per_row(replace(plan, checkpoint=()), j, full=frozen)[0] + biggest)
+            rows * (inflight * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest)
         return base + acts + dev.get("activation_slack", CPU_ACTIVATION_SLACK) * whole + temp
 
     def estimate_memory(self, plan: Plan) -> list[float]:
         rows = self.batch / (plan.dp * plan.microbatches)
         out = []
         for r in range(self.world):
-            j = r % plan.group
-            out.append(self.memory_bytes(plan, j, r, self.params_of(plan, j), self.trainable_of(plan, j), rows) / MIB)
+            p, j = self.stage_of(plan, r)
+            n, t = self.params_of(plan, j, p=p), self.trainable_of(plan, j, p)
+            out.append(self.memory_bytes(plan, j, r, n, t, rows, p) / MIB)
         return out
-
-    def stage_ranks(self, plan: Plan, p: int) -> list[int]:
-        return list(range(self.world))
