@@ -476,8 +476,9 @@ def test_memory_and_data_parallel_bytes_under_lora_and_fsdp_by_hand(method_profi
         est = cost.estimate(_plan(**{**serial.__dict__, "dp_sharding": shard}))
         want = 4 * (w + held + 2 * held + t) + acts
         assert est.memory_mib == [pytest.approx(want / 2 ** 20, rel=1e-12)] * 2, shard
+        gathers = {"none": 0, "full": 2, "no_reshard": 1}[shard]      # forward and backward, or once
         sent = ring_bytes("all_reduce", t, 4, 2) if shard == "none" else \
-            (2 if shard == "full" else 1) * ring_bytes("all_gather", n // 2, 4, 2) + ring_bytes("reduce_scatter", t // 2, 4, 2)
+            gathers * ring_bytes("all_gather", n // 2, 4, 2) + ring_bytes("reduce_scatter", t // 2, 4, 2)
         assert est.sent_bytes == [sent] * 2, shard
     full = EncDecCostModel(doc, [device] * 2, link, batch_size=4)
     assert full.trainable_of(serial, 0) == full.params_of(serial, 0) == doc["params"]["total"]
@@ -491,8 +492,8 @@ def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              
     write a config for one Galaxy group of 2 (--dp 1, rank 1's GEMM rate halved in the measured
     profile) whose every key galaxy.config accepts and whose shares favour rank 0;
     finetune_t5.py --world 2 trains it with Hugging Face's losses (1e-5 relative), each rank's
-    peak memory within 10% of the search's prediction. Then the same under LoRA: the searched
-    config trains with the serial LoRA run's losses."""
+    peak memory within 10% of the search's prediction. Then under LoRA with --pp 2: the searched
+    pipeline trains with the serial LoRA run's losses."""
     from support.script_runner import launch, run_scripts
     from test_entry_scripts_encdec import hf_losses, write_config
 
@@ -509,7 +510,7 @@ def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              
     # rank 1 made half as fast (a profile is a file to edit): the shares must follow
     measured["devices"][1]["gemm_flops_per_s"] = measured["devices"][0]["gemm_flops_per_s"] / 2
     open(devices, "w").write(json.dumps(measured))
-    cli.main(["search", "--config_file", base, "--devices", devices, "--model", model, "--dp", "1",
+    cli.main(["search", "--config_file", base, "--devices", devices, "--model", model, "--pp", "1", "--dp", "1",
               "--out", out])
     planned = json.loads(open(out).read())
     assert planned["dp_deg"] == 1 and planned["pp_deg"] == 1 and planned["xatt_parallel_method"] in ("TP", "SP")
@@ -530,16 +531,17 @@ def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              
     for r, ref in zip(steps, want):
         assert abs(r["loss"] - ref) <= 1e-5 * abs(ref), (r["loss"], ref)
     # Under LoRA (the config's default q / v targets): profile-model and search for the method on the
-    # same devices; the planned world-2 run reports the serial LoRA run's losses (both on the drivers)
+    # same devices as two pipeline stages; the planned run reports the serial LoRA run's losses
+    # (both on the drivers)
     lora_base, lora_metrics = write_config(work, "t5", "train.jsonl", name="planned-lora", distributed_backend="gloo",
                                            use_lora=True)
     serial, serial_metrics = write_config(work, "t5", "train.jsonl", name="serial-lora", use_lora=True)
     lora_model, lora_out = str(tmp_path / "lora_model.json"), str(tmp_path / "lora_planned.json")
     cli.main(["profile-model", "--config_file", lora_base, "--out", lora_model])
-    cli.main(["search", "--config_file", lora_base, "--devices", devices, "--model", lora_model, "--dp", "1",
+    cli.main(["search", "--config_file", lora_base, "--devices", devices, "--model", lora_model, "--pp", "2",
               "--out", lora_out])
     planned = json.loads(open(lora_out).read())
-    assert planned["use_lora"] and planned["dp_deg"] == 1 and planned["pp_deg"] == 1, planned
+    assert planned["use_lora"] and planned["pp_deg"] == 2 and sum(planned["stage_num_hidden_layers_list"]) == 4
     for (script, *_), outcome in zip([("lora", 2), ("serial", 1)], run_scripts([("finetune_t5.py", lora_out, 2),
                                                                                ("finetune_t5.py", serial, 1)])):
         for rank, (code, stdout, stderr) in enumerate(outcome):

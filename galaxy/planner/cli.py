@@ -318,8 +318,8 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
     cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
     counts = method or model        # a method's section counts the model it makes, its own parameters too
     return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=method,
-                           total=counts["params"]["total"], trainable=counts["trainable" if method else "params"]["total"],
-                           notes=[], script=f"finetune_{model['model_type']}.py",
+                           total=counts["params"]["total"],
+                           trainable=counts["trainable" if method else "params"]["total"], notes=[], script=f"finetune_{model['model_type']}.py",
                            search=lambda top: search_encdec(cost, budgets, top=top, dp_sharding=DP_SHARDING,
                                                             meshes=meshes))
 

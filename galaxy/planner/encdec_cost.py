@@ -257,8 +257,8 @@ class EncDecCostModel(EncDecTerms):
         kinds = [self.kinds(plan, j) for j in range(len(ranks))]
         for stack, (layers, c_stack) in self.stage_stacks(plan, p).items():
             for sub in self.subs(stack) if layers else ():
-                at = lambda j: ("side", kinds[j][stack]["con"][1]) if sub == "side" else kinds[j][stack][sub]  # noqa: E731
-                times = [self.flops_time(r, stack, *at(j), rows) for j, r in enumerate(ranks)]
+                runs = [("side", k[stack]["con"][1]) if sub == "side" else k[stack][sub] for k in kinds]
+                times = [self.flops_time(r, stack, *runs[j], rows) for j, r in enumerate(ranks)]
                 for (tf, tb), r in zip(times, ranks):
                     out.own[r][0] += layers * tf
                     out.own[r][1] += layers * tb + c_stack * tf

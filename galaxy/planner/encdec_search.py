@@ -1,16 +1,17 @@
 """The plan search for an encoder-decoder (BART, T5): galaxy.planner.search's local search over
 galaxy.planner.encdec_cost, with the encoder-decoder's two more choices.
 
-Enumerated: pp x dp dividing the world (dp the batch; the Galaxy group the rest), the methods ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one
-choice for a group of 1), the micro-batches (pipeline micro-batches, or gradient accumulation
-without a pipeline; 1f1b when there are at least pp of them, else gpipe) and, with replicas, the
-dp_sharding choices given. A pipeline's stages split the layer list, the encoder's layers then
-the decoder's (a stage may hold both), proportional to the stages' speed to start with, then
-moved a layer at a time as galaxy.planner.search moves them. The fine-tuning method is the cost model's (a PEFT method: what trains,
-saves and runs, galaxy.planner.encdec_cost); side-tuning recomputes nothing. The shares
+Enumerated: pp x dp dividing the world (dp the batch; the Galaxy group the rest), the methods
+ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one choice for a group of 1), the
+micro-batches (pipeline micro-batches, or gradient accumulation without a pipeline; 1f1b when there
+are at least pp of them, else gpipe) and, with replicas, the dp_sharding choices given. A
+pipeline's stages split the layer list, the encoder's layers then the decoder's (a stage may hold
+both), proportional to the stages' speed to start with, then moved a layer at a time as
+galaxy.planner.search moves them. The fine-tuning method is the cost model's (a PEFT method: what
+trains, saves and runs, galaxy.planner.encdec_cost); side-tuning recomputes nothing. The shares
 start proportional to speed: heads (ATT and XATT under TP), MLP columns, source tokens and target
 tokens (decoder_seq_scatter_list), each then moved unit by unit as the search moves the others;
-each plan recomputes the fewest leading layers (the encoder's first) that make it fit.
+each plan recomputes the fewest leading layers of each stage (the encoder's first) that make it fit.
 """
 from __future__ import annotations
 

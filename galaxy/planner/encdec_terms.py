@@ -71,7 +71,8 @@ class EncDecTerms:
         """stack -> {sub-block: (kind, units)} of Galaxy rank j ("con": the stack's CON tokens)."""
         g = plan.group
         out = {}
-        for stack, tokens, whole in (("encoder", plan.tokens, self.source), ("decoder", plan.decoder_tokens, self.target)):
+        for stack, tokens, whole in (("encoder", plan.tokens, self.source),
+                                     ("decoder", plan.decoder_tokens, self.target)):
             share = tokens[j] if g > 1 else whole
             pick = {"att": plan.att, "mlp": plan.mlp, **({"xatt": plan.method("xatt")} if stack == "decoder" else {})}
             subs = {sub: (f"{sub}_tp", plan.heads[j] if sub != "mlp" else plan.columns[j])
@@ -94,8 +95,9 @@ class EncDecTerms:
         """(stage, Galaxy rank) of global rank r: ranks run (stage, replica, Galaxy rank)."""
         return r // (plan.dp * plan.group), r % plan.group
 
-    def stage_ranks(self, plan: Plan, p: int) -> list[int]:
-        return ModelTerms.stage_ranks(self, plan, p)
+    @staticmethod
+    def stage_ranks(plan: Plan, p: int) -> list[int]:
+        return [(p * plan.dp + d) * plan.group + j for d in range(plan.dp) for j in range(plan.group)]
 
     # --- parameters --------------------------------------------------------------------------------
 
