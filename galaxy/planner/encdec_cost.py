@@ -15,9 +15,9 @@ shares (tokens) and the decoder's at the target shares (decoder_tokens), XATT by
            m micro-batches, m - 1 additions into .grad.
   pipeline each stage's layers as above (its own layers' collectives; the parts outside the
            layers on the last stage; the memory's gather on every stage holding decoder layers),
-           the stages played through the schedule (galaxy.planner.pipeline_time) with one hop,
-           the largest boundary's send (boundary_bytes: galaxy.pipeline.carry's tensors), and
-           the tied embedding's gradient summed between the pipeline's ends.
+           the stages played through the schedule (galaxy.planner.pipeline_time), each hop its
+           boundary's send (boundary_bytes: galaxy.pipeline.carry's tensors) over the slowest
+           pair of ranks across it, and the tied embedding's gradient summed between the ends.
   methods  a sub-block's FLOPs are the closed form's plus the method's difference to full
            fine-tuning (torch's count of both: LoRA's rank-r products, a frozen weight's missing
            weight gradient); side-tuning's backbone runs forward only (half of its collectives,
@@ -203,7 +203,7 @@ class EncDecCostModel(EncDecTerms):
         padded = len(set(plan.tokens)) > 1 or len(set(plan.decoder_tokens)) > 1
         out = _Out(self.world)
         bounds = [self.boundary_bytes(plan, sum(plan.stages[:p + 1]), rows) for p in range(pp - 1)]
-        hop = max((link_time(self.link, "send_recv", 2, f, 1) for f, _ in bounds), default=0.0)
+        hops = tuple(self._hop(plan, p, bounds[p][0]) for p in range(pp - 1))
         fwds, bwds, extras, comm_path = [], [], [], 0.0
         for p in range(pp):
             forms = self.stage_forms(plan, p)
@@ -217,16 +217,23 @@ class EncDecCostModel(EncDecTerms):
                 fwd, bwd = max(fwd, f), max(bwd, b)
             fwds.append(fwd + mb / 2)
             bwds.append(bwd + mb / 2)
-            path = m * (mb + ((p > 0) + (p < pp - 1)) * hop) + step
+            path = m * (mb + (hops[p - 1] if p > 0 else 0.0) + (hops[p] if p < pp - 1 else 0.0)) + step
             comm_path = max(comm_path, path)
             extras.append(step + max(self._rank_step(plan, p, r, rows, path, m * sends + group_bytes, out)
                                      for r in self.stage_ranks(plan, p)))
-        ends = list(stage_ends(tuple(fwds), tuple(bwds), hop, m, plan.schedule))
+        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule))
         if pp > 1 and self.outside_counts(True)["tied"]:     # the tied weight's sum waits for both ends
             ends[0] = ends[-1] = max(ends[0], ends[-1])
         step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, out.memory, [int(b) for b in out.sent], out.compute, comm_path, out.comm,
                         out.sub_s)
+
+    def _hop(self, plan: Plan, p: int, sent: float) -> float:
+        """One micro-batch's send across the boundary after stage p: every rank sends its
+        counterpart at once, so the slowest pair's time (a link profiled per pair)."""
+        g, dp = plan.group, plan.dp
+        pairs = [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j) for d in range(dp) for j in range(g)]
+        return max(link_time(self.link, "send_recv", 2, sent, 1, ranks=pair) for pair in pairs)
 
     def _rank_step(self, plan: Plan, p: int, r: int, rows: float, path: float, sent: float, out) -> float:
         """Rank r's once-per-step work (data-parallel traffic, the tied weight's sum between the
