@@ -609,17 +609,17 @@ def test_profile_devices_on_two_gloo_ranks(tmp_path):
         assert fit["bytes_per_s"] > 0 and fit["latency_s"] >= 0
 
 
-def test_encoder_decoder_methods_are_refused_before_any_process_group(tmp_path, tiny_lm_dir, capsys):
-    """BART / T5 under a PEFT method: profile-devices says in one line that encoder-decoders are
-    profiled for full fine-tuning only, exit 2, before any process group starts (full fine-tuning:
-    tests/test_planner_encdec.py)."""
+def test_encoder_decoder_method_flags_are_checked_before_any_process_group(tmp_path, tiny_lm_dir, capsys):
+    """BART / T5 are profiled under any one PEFT method (tests/test_planner_encdec.py); two method
+    flags at once: profile-devices says so in one line, exit 2, before any process group starts."""
     command = "profile-devices"
     base = tmp_path / "t5.json"
-    base.write_text(json.dumps(dict(model_path=tiny_lm_dir("t5"), pad_size=12, batch_size=3, use_lora=True)))
+    base.write_text(json.dumps(dict(model_path=tiny_lm_dir("t5"), pad_size=12, batch_size=3, use_lora=True,
+                                    use_adapter=True)))
     capsys.readouterr()                  # the fixture's own output
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--config_file", str(base), "--out", str(tmp_path / "out.json")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"plan.py {command}: error: the config asks for lora; the planner profiles and searches an "
-                          "encoder-decoder for full fine-tuning only"), err
+    assert err.startswith(f"plan.py {command}: error: ") and "use_lora and use_adapter are all true" in err, err
+    assert "\n" not in err

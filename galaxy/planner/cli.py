@@ -113,18 +113,9 @@ def _devices_prepare(cfg, opts) -> DevicesJob:
     shape = read_model_shape(cfg.model_path)
     family = family_of(shape["model_type"])
     if shape.get("is_encoder_decoder"):      # no compute table yet: the GEMM rate, memory, optimizer, link
-        _refuse_encdec_method(cfg, family)
+        config_signature(cfg, family)        # two method flags: refused here as for the other families
         return DevicesJob(cfg, opts, None)
     return DevicesJob(cfg, opts, num_labels_of(cfg, family))
-
-
-def _refuse_encdec_method(cfg, family) -> None:
-    """An encoder-decoder's model profile is taken for full fine-tuning only (so far)."""
-    signature = config_signature(cfg, family)
-    if signature["method"] != "full":
-        raise ConfigError(f"the config asks for {signature['method']}; the planner profiles and searches an "
-                          "encoder-decoder for full fine-tuning only: remove use_lora / use_adapter / use_side / "
-                          "use_side_only from a copy of the config to profile it")
 
 
 def profile_devices(argv) -> None:
@@ -167,7 +158,7 @@ def profile_model_command(argv) -> None:
                               f"{shape['max_position_embeddings']}; lower pad_size")
         family = family_of(shape["model_type"])
         if shape.get("is_encoder_decoder"):
-            _refuse_encdec_method(cfg, family)
+            config_signature(cfg, family)
             classifier = (cfg.task or next(iter(family.tasks))) == "classification"   # the LM's by default
             doc = profile_encdec_model(cfg, num_labels_of(cfg, family) if classifier else None)
         else:
@@ -304,7 +295,7 @@ def _search_inputs(args) -> SimpleNamespace:
 
 
 def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespace:
-    """An encoder-decoder's search (galaxy.planner.encdec_search): full fine-tuning, pp 1."""
+    """An encoder-decoder's search (galaxy.planner.encdec_search)."""
     if not model.get("encoder_decoder"):
         raise ModelProfileError(f"model profile {args.model} is not an encoder-decoder's; run plan.py profile-model "
                                 "on this config")
@@ -318,18 +309,19 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
         if theirs != ours:
             raise ConfigError(f"model profile {args.model} was taken for {what} {theirs!r}, the config has {ours!r}; "
                               "run plan.py profile-model on this config")
-    _refuse_encdec_method(cfg, family_of(shape["model_type"]))
-    if any(pp != 1 for pp in args.pp or ()) or args.png:
-        raise ConfigError("an encoder-decoder's search covers pp 1 without --png so far; drop --pp / --png")
+    signature = config_signature(cfg, family_of(shape["model_type"]))
+    method = check_method(model, signature, args.model)
     clus = compose(args.devices, args.link)
     devices, link = clus["devices"], clus["link"]
     budgets = _budgets(args, devices, link)
-    meshes = meshes_of([1], args.dp, len(devices), shape["num_hidden_layers"])
-    cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer)
-    total = model["params"]["total"]
-    return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=None,
-                           total=total, trainable=total, notes=[], script=f"finetune_{model['model_type']}.py",
-                           search=lambda top: search_encdec(cost, budgets, top=top, meshes=meshes))
+    meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
+    cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
+    counts = method or model        # a method's section counts the model it makes, its own parameters too
+    return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=method,
+                           total=counts["params"]["total"],
+                           trainable=counts["trainable" if method else "params"]["total"], notes=[], script=f"finetune_{model['model_type']}.py",
+                           search=lambda top: search_encdec(cost, budgets, top=top, dp_sharding=DP_SHARDING,
+                                                            meshes=meshes))
 
 
 def search_command(argv) -> None:
@@ -368,7 +360,9 @@ def search_command(argv) -> None:
     command = f"python {run.script} --config_file {args.out}" + (f" --world {world} --rank R" if world > 1 else "")
     print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; train it with: {command}")
     if args.png:
-        print(f"plan drawn: {draw_plan(best, run.model, run.devices, args.png)}")
+        drawn = run.model if not run.model.get("encoder_decoder") else \
+            {**run.model, "units": run.model["stacks"]["encoder"]["units"]}     # the encoder's shares
+        print(f"plan drawn: {draw_plan(best, drawn, run.devices, args.png)}")
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,11 @@ kind runs the family's own module, as a rank of a Galaxy group would:
            head     u tokens       the LM head (and loss) on u target tokens
   embed    both stacks' embeddings, replicated on every rank
 
-Full fine-tuning only: a PEFT method's encoder-decoder profile is not taken yet.
+With a PEFT method (peft=), the two layers are those galaxy.peft makes (apply_peft after a
+one-rank plan, as training applies it): frozen weights, LoRA inside the targeted projections of
+ATT, XATT and their TP shards, adapters in the CONs, a side layer beside each layer (kind "side",
+u CON tokens: the encoder's side block, or the decoder's with its cross-attention to a whole side
+memory). A backbone that side-tuning runs without autograd runs under no_grad here too.
 """
 from __future__ import annotations
 
@@ -25,9 +29,13 @@ import copy
 import torch
 from torch import nn
 
+from galaxy.distributed.group import GalaxyGroup
 from galaxy.models.build import load_hf_config, model_class
 from galaxy.models.registry import family_of
-from galaxy.planner.harness import _PaddedKV
+from galaxy.parallel.plan import apply_plan
+from galaxy.peft import apply_peft
+from galaxy.plan import Plan
+from galaxy.planner.harness import _PaddedKV, _without_autograd, shard_updates
 from galaxy.profiler.activations import SavedActivations
 
 STACKS = ("encoder", "decoder")
@@ -58,8 +66,9 @@ def _intermediate(hf) -> int:
 
 class EncDecBench:
     def __init__(self, model_path: str, *, source: int, target: int, task: str | None = None,
-                 num_labels: int | None = None, dropout: float | None = None, seed: int = 0):
-        """task: "seq2seq" (the LM head, None too) or "classification" (num_labels outputs)."""
+                 num_labels: int | None = None, dropout: float | None = None, seed: int = 0, peft=None):
+        """task: "seq2seq" (the LM head, None too) or "classification" (num_labels outputs);
+        peft: galaxy.peft.PeftOptions of the method to run the sub-blocks under (None: full)."""
         hf = load_hf_config(model_path, dropout)
         self.hf, self.source, self.target, self.num_labels = hf, source, target, num_labels
         self.family = family_of(hf.model_type)
@@ -76,11 +85,24 @@ class EncDecBench:
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
+        self.method = peft.method if peft is not None else "full"
+        if self.method != "full":
+            model.config = with_layers(hf, 1, 1)       # galaxy.peft names the two layers by it
+            apply_plan(model, Plan(), GalaxyGroup.serial(hf.num_attention_heads, _intermediate(hf), source))
+            apply_peft(model, peft, seed=seed)
         self.model = model.train()
         self.layers = {"encoder": model.layers[0], "decoder": model.layers[1]}
         self.seq, self.columns = source, _intermediate(hf)      # the GEMM rate's shape (device_profile)
         self.units = {"encoder": _stack_units(hf, source, "encoder"), "decoder": _stack_units(hf, target, "decoder")}
+        if not self.backbone_grad:
+            for stack in STACKS:
+                self.units[stack]["side"] = (self.tokens(stack), 1)
         self._gen = torch.Generator().manual_seed(seed)
+
+    @property
+    def backbone_grad(self) -> bool:
+        """Whether the backbone's layers run with autograd (side-tuning runs them without)."""
+        return self.method not in ("side", "side_only")
 
     def tokens(self, stack: str) -> int:
         return self.source if stack == "encoder" else self.target
@@ -106,7 +128,13 @@ class EncDecBench:
         if kind.endswith("_tp"):
             mod = copy.deepcopy(getattr(layer, name))
             if units != total:
-                mod.shard_tp((units,), 0)
+                shard_updates(mod, mod.shard_tp((units,), 0))
+            return mod
+        if kind == "side":
+            mod = copy.deepcopy(layer.side)          # its own K/V padding: a small module
+            if units != total:
+                mod.block.attn.kv_gather = _PaddedKV(total)
+                mod.block.attn.local_rows = slice(0, units)
             return mod
         if kind in ("att_sp", "xatt_sp"):
             mod = copy.copy(getattr(layer, name))      # shares the weights; its own SP attributes
@@ -118,8 +146,20 @@ class EncDecBench:
 
     def prepare(self, stack: str, kind: str, units: int, rows: int):
         """(module, forward thunk returning the outputs) of `kind` on `rows` rows."""
+        mod, fwd = self._prepare(stack, kind, units, rows)
+        return mod, fwd if self.backbone_grad or kind == "side" else _without_autograd(fwd)
+
+    def _prepare(self, stack: str, kind: str, units: int, rows: int):
         h, seq = self.hf.hidden_size, self.tokens(stack)
         mod = self.module(stack, kind, units)
+        if kind == "side":
+            s = self._rand(rows, units, self.model.side_width)
+            stream = self._rand(rows, units, h).detach()          # the backbone's output: no autograd
+            ctx = self._context(rows, "side_" + SEQUENCE[stack], None)
+            if stack == "encoder":
+                return mod, lambda: mod(s, stream, ctx)
+            memory = self._rand(rows, self.source, self.model.side_width)
+            return mod, lambda: mod(s, stream, ctx, memory)
         if kind in ("att_tp", "att_sp"):
             x = self._rand(rows, seq if kind == "att_tp" else units, h)
             ctx = self._context(rows, SEQUENCE[stack], units if kind == "att_tp" else None)
@@ -165,7 +205,24 @@ class EncDecBench:
         """Parameters a rank holds for `kind` of `stack` at `units` (TP: its shard; SP: whole)."""
         return sum(p.numel() for p in self.module(stack, kind, units).parameters())
 
-    def con_params(self, stack: str) -> int:
-        """Parameters of every CON of one layer of `stack` (encoder two, decoder three)."""
+    def trainable(self, stack: str, kind: str, units: int) -> int:
+        """The parameters of params(stack, kind, units) that train under the bench's method."""
+        return sum(p.numel() for p in self.module(stack, kind, units).parameters() if p.requires_grad)
+
+    def con_params(self, stack: str, trained: bool = False) -> int:
+        """Parameters of every CON of one layer of `stack` (encoder two, decoder three; trained:
+        those that train, a method's adapters)."""
         layer = self.layers[stack]
-        return sum(p.numel() for name in layer.cons for p in getattr(layer, name).parameters())
+        return sum(p.numel() for name in layer.cons for p in getattr(layer, name).parameters()
+                   if p.requires_grad or not trained)
+
+
+def with_layers(hf, encoder: int, decoder: int):
+    """A copy of hf with `encoder` and `decoder` layers (num_hidden_layers: the encoder's, in both
+    families' configs; the decoder's key is BART's or T5's)."""
+    hf = copy.deepcopy(hf)
+    hf.num_hidden_layers = encoder
+    for key in ("decoder_layers", "num_decoder_layers"):
+        if hasattr(hf, key):
+            setattr(hf, key, decoder)
+    return hf

@@ -1,22 +1,32 @@
 """The cost model of an encoder-decoder plan (BART, T5): step time and peak memory per rank, from
-a version-2 model profile (galaxy.planner.encdec_profile) and the devices profile.
+a version-2 model profile (galaxy.planner.encdec_profile) and the devices profile, for full
+fine-tuning or a PEFT method (the profile's "peft" section, galaxy.planner.encdec_method).
 
-What it covers so far: one pipeline stage (pp 1) holding both stacks, any data-parallel degree
-without sharding, full fine-tuning. The plan's encoder layers run at the source shares (tokens)
-and the decoder's at the target shares (decoder_tokens), XATT by its own method (xatt):
+Any pipeline (stages split the encoder's layers then the decoder's: a stage may hold both), any
+data-parallel degree, plain or sharded (dp_sharding). The plan's encoder layers run at the source
+shares (tokens) and the decoder's at the target shares (decoder_tokens), XATT by its own method:
 
   time     per micro-batch, each sub-block at its slowest rank (FLOPs at the rank's share over its
            device's GEMM rate: the devices' compute tables hold no decoder kinds yet), the
            encoder's L_e x (ATT, CON, MLP, CON) and the decoder's L_d x (ATT, CON, XATT, CON, MLP,
            CON), the embeddings and the head; plus the group's collectives of the family's closed
            form (galaxy.models.encdec_forms, bytes per kind, split into per-row and once-per-step
-           parts), timed on the link; then DDP's all-reduce over the replicas, the optimizer step
-           and, with m micro-batches, m - 1 additions into .grad.
-  memory   as galaxy.planner.memory_model counts a stage: the baseline, weights, gradients,
-           optimizer state, DDP's and the group's gradient buckets, the activations of one
-           micro-batch at the rank's shares (a recomputed layer keeping only its input carry,
-           leading layers first: the encoder's) with the CPU heap's slack, and an unfused step's
-           temporaries.
+           parts), timed on the link; then the data-parallel traffic, the optimizer step and, with
+           m micro-batches, m - 1 additions into .grad.
+  pipeline each stage's layers as above (its own layers' collectives; the parts outside the
+           layers on the last stage; the memory's gather on every stage holding decoder layers),
+           the stages played through the schedule (galaxy.planner.pipeline_time), each hop its
+           boundary's send (boundary_bytes: galaxy.pipeline.carry's tensors) over the slowest
+           pair of ranks across it, and the tied embedding's gradient summed between the ends.
+  methods  a sub-block's FLOPs are the closed form's plus the method's difference to full
+           fine-tuning (torch's count of both: LoRA's rank-r products, a frozen weight's missing
+           weight gradient); side-tuning's backbone runs forward only (half of its collectives,
+           its per-row ones all in forward) and each layer's side layer runs beside it, forward
+           and backward, its K/V gathered over the group under CON SP; side-only runs the side
+           layers alone. The Galaxy sum and the data-parallel traffic carry the trained
+           parameters' gradients only; FSDP still gathers every weight (once more in backward
+           where backward runs through the backbone, each micro-batch under "full").
+  memory   galaxy.planner.encdec_terms.
 
 XATT under SP projects the whole memory's K/V on every rank (S source tokens): its FLOPs are the
 memory's part (`fwd_memory`) plus the rest at the rank's share of target tokens.
@@ -24,50 +34,52 @@ memory's part (`fwd_memory`) plus the rest at the rank's share of target tokens.
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
-from galaxy.distributed.comm_bytes import ring_bytes
+from galaxy.distributed.comm_bytes import ring_bytes, tally
 from galaxy.models.registry import family_of
 from galaxy.plan import Plan
 from galaxy.planner.cost import DDP_BUCKET_BYTES, Estimate
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
+from galaxy.planner.encdec_bench import with_layers
+from galaxy.planner.encdec_terms import EncDecTerms
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.link_model import link_time
+from galaxy.planner.pipeline_time import stage_ends
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
 DECODER_SUBS = ("att", "con", "xatt", "con", "mlp", "con")
+STACK_SUBS = {"encoder": ENCODER_SUBS, "decoder": DECODER_SUBS}
 
 
-class EncDecCostModel:
+class EncDecCostModel(EncDecTerms):
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, batch_size: int,
-                 optimizer: str = "adamw"):
-        self.model, self.devices, self.link = model, devices, link
-        self.batch, self.optimizer, self.world = batch_size, optimizer, len(devices)
-        self.stacks = model["stacks"]
-        self.enc_layers, self.dec_layers = self.stacks["encoder"]["layers"], self.stacks["decoder"]["layers"]
-        self.layers = self.enc_layers + self.dec_layers
-        self.source, self.target = model["pad_size"], model["target_pad_size"]
-        self.hidden = model["hf_config"].get("d_model") or model["hf_config"]["hidden_size"]
-        self.carry = model["carry_tensors"]
+                 optimizer: str = "adamw", method: dict | None = None):
+        super().__init__(model, devices, link, batch_size=batch_size, optimizer=optimizer, method=method)
         self.family = family_of(model["model_type"])
         self.num_labels = model.get("num_labels") if model["task"] == "classification" else None
-        self.backward_through_backbone = True
         self._hf = _hf_config(model["hf_config"])
 
-    # --- what a Galaxy rank runs -----------------------------------------------------------------
+    def subs(self, stack: str) -> tuple[str, ...]:
+        """What one layer of `stack` runs: its backbone's sub-blocks (none under side-only), then
+        the side layer under side-tuning."""
+        backbone = () if self.backbone == "absent" else STACK_SUBS[stack]
+        return backbone + (("side",) if self.backbone in ("forward", "absent") else ())
 
-    def kinds(self, plan: Plan, j: int) -> dict:
-        """stack -> {sub-block: (kind, units)} of Galaxy rank j, and each stack's CON tokens."""
-        g = plan.group
-        out = {}
-        for stack, tokens, whole in (("encoder", plan.tokens, self.source), ("decoder", plan.decoder_tokens, self.target)):
-            share = tokens[j] if g > 1 else whole
-            pick = {"att": plan.att, "mlp": plan.mlp, **({"xatt": plan.method("xatt")} if stack == "decoder" else {})}
-            subs = {sub: (f"{sub}_tp", plan.heads[j] if sub != "mlp" else plan.columns[j])
-                    if method == "TP" or g == 1 else (f"{sub}_sp", share) for sub, method in pick.items()}
-            subs["con"] = ("con", share if plan.con == "SP" and g > 1 else whole)
-            out[stack] = subs
-        return out
+    # --- compute ---------------------------------------------------------------------------------
+
+    def sub_flops(self, stack: str, sub: str) -> tuple[float, float]:
+        """(forward, backward) FLOPs per row of one whole sub-block under the run's method."""
+        f = self.stacks[stack]["flops_per_row"].get(sub, {"fwd": 0.0, "bwd": 0.0})
+        if self.section is None:
+            return f["fwd"], f["bwd"]
+        method = self.section["stacks"][stack]
+        m = method["flops_per_row"][sub]
+        if sub == "side":
+            return m["fwd"], m["bwd"]
+        ref = method["full_flops_per_row"][sub]
+        bwd = f["bwd"] - (ref["bwd"] - m["bwd"]) if self.backward_through_backbone else 0.0
+        return f["fwd"] + m["fwd"] - ref["fwd"], bwd
 
     def flops_time(self, r: int, stack: str, kind: str, units: int, rows: float) -> tuple[float, float]:
         """(forward, backward) seconds of one sub-block kind of a stack on device r."""
@@ -75,184 +87,210 @@ class EncDecCostModel:
         if not rate:
             return 0.0, 0.0
         section = self.stacks[stack]
-        f = section["flops_per_row"][kind.split("_")[0]]
-        total = section["units"][kind][0]
-        fixed = f.get("fwd_memory", 0) if kind == "xatt_sp" else 0     # the whole memory's K/V, every rank
-        fwd = fixed + (f["fwd"] - fixed) * units / total
-        bwd = fwd * f["bwd"] / f["fwd"] if f["fwd"] else 0.0        # the closed forms: twice the forward
+        sub = kind.split("_")[0]
+        f_fwd, f_bwd = self.sub_flops(stack, sub)
+        total = section["units"][kind][0] if kind in section["units"] else section["tokens"]
+        fixed = section["flops_per_row"][sub].get("fwd_memory", 0) if kind == "xatt_sp" else 0   # the memory's K/V
+        fwd = fixed + (f_fwd - fixed) * units / total
+        bwd = fwd * f_bwd / f_fwd if f_fwd else 0.0        # the closed forms: twice the forward
         return fwd / rate * rows, bwd / rate * rows
 
     def _ends_time(self, r: int, plan: Plan, j: int, rows: float) -> tuple[float, float]:
         """The head on the rank's target tokens (the classifier: on each row's pooled token)."""
         rate = self.devices[r].get("gemm_flops_per_s")
-        f = self.model["flops_per_row"]["head"]
+        f = (self.section or {}).get("head_flops_per_row") or self.model["flops_per_row"]["head"]
         share = plan.decoder_tokens[j] / self.target if plan.con == "SP" and plan.group > 1 else 1.0
         share = 1.0 if self.num_labels is not None else share
         return (f["fwd"] / rate * rows * share, f["bwd"] / rate * rows * share) if rate else (0.0, 0.0)
 
-    # --- parameters --------------------------------------------------------------------------------
-
-    @staticmethod
-    def _count(v, units) -> float:
-        return v[0] + v[1] * units if isinstance(v, list) else v
-
-    def layer_params(self, stack: str, subs: dict) -> float:
-        p = self.stacks[stack]["params"]
-        return sum(self._count(p[kind], units) for sub, (kind, units) in subs.items() if sub != "con") + p["con"]
-
-    def summed_layer_params(self, stack: str, subs: dict, plan: Plan) -> float:
-        """A layer's parameters whose gradients the group sums: SP sub-blocks' and, under CON SP, the CONs'."""
-        if plan.group == 1:
-            return 0.0
-        p = self.stacks[stack]["params"]
-        out = sum(p[kind] for sub, (kind, _) in subs.items() if kind.endswith("_sp"))
-        return out + (p["con"] if plan.con == "SP" else 0)
-
-    def params_of(self, plan: Plan, j: int) -> float:
-        k = self.kinds(plan, j)
-        whole = self.model["params"]
-        outside = whole["embed"] + whole["head"] - whole["tied"] + whole.get("other", 0)
-        if plan.att == "TP" and plan.group > 1:       # T5's position bias: the rank's heads' columns
-            outside -= whole.get("by_heads", 0) * (1 - plan.heads[j] / self.stacks["encoder"]["units"]["att_tp"][0])
-        return outside + self.enc_layers * self.layer_params("encoder", k["encoder"]) + \
-            self.dec_layers * self.layer_params("decoder", k["decoder"])
-
-    # --- activations -------------------------------------------------------------------------------
-
-    def _act(self, acts: dict, kind: str, units: float) -> float:
-        c0, c1 = acts[kind]
-        return c0 + c1 * units
-
-    def layer_acts(self, stack: str, subs: dict) -> tuple[float, float]:
-        """(bytes one layer of `stack` saves per row, its largest sub-block's)."""
-        acts = self.stacks[stack]["act_bytes_per_row"]
-        parts = [self._act(acts, kind, units) for sub, (kind, units) in subs.items() if sub != "con"]
-        con = self._act(acts, "con", subs["con"][1])
-        parts += [con] * self.stacks[stack].get("cons", 2)
-        return sum(parts), max(parts)
-
-    def acts_per_row(self, plan: Plan, j: int) -> tuple[float, float, float]:
-        """(every layer's saved bytes per row with the leading recomputed ones keeping their
-        carry, the largest sub-block's, one recomputed layer's), embeddings and head included."""
-        k, c = self.kinds(plan, j), len(plan.checkpoint)
-        enc, enc_big = self.layer_acts("encoder", k["encoder"])
-        dec, dec_big = self.layer_acts("decoder", k["decoder"])
-        carry = {s: self.carry * k[s]["con"][1] * self.hidden * FP32 for s in ("encoder", "decoder")}
-        c_enc, c_dec = min(c, self.enc_layers), max(0, c - self.enc_layers)
-        total = (self.enc_layers - c_enc) * enc + c_enc * carry["encoder"] + \
-            (self.dec_layers - c_dec) * dec + c_dec * carry["decoder"]
-        ends = self.model["act_bytes_per_row"]
-        total += self._act(ends, "embed", self.source) + self._act(ends, "head", k["decoder"]["con"][1])
-        return total, max(enc_big, dec_big), (max(enc, dec) if c else 0.0)
-
-    def memory_bytes(self, plan: Plan, j: int, r: int, n: float, rows: float) -> float:
-        dev, dp = self.devices[r], plan.dp
-        k = self.kinds(plan, j)
-        summed = sum(layers * self.summed_layer_params(stack, k[stack], plan)
-                     for stack, layers in (("encoder", self.enc_layers), ("decoder", self.dec_layers)))
-        state = FP32 * (2 * n + OPT_STATE.get(self.optimizer, 0) * n + (n if dp > 1 else 0) + summed)
-        total, biggest, recomputed = self.acts_per_row(plan, j)
-        acts = rows * (total + recomputed + biggest)
-        temp = 0.0 if dev.get("optimizer_fused") else OPT_TEMP.get(self.optimizer, 0) * n * FP32
-        base = dev.get("baseline_mib", 0.0) * MIB + state
-        if dev.get("device", "cpu") == "cuda":
-            return base + max(acts, temp)
-        whole = rows * (self.acts_per_row(_without_checkpoint(plan), j)[0] + biggest) if plan.checkpoint else acts
-        return base + acts + dev.get("activation_slack", CPU_ACTIVATION_SLACK) * whole + temp
-
-    def estimate_memory(self, plan: Plan) -> list[float]:
-        rows = self.batch / (plan.dp * plan.microbatches)
-        return [self.memory_bytes(plan, r % plan.group, r, self.params_of(plan, r % plan.group), rows) / MIB
-                for r in range(self.world)]
-
-    def stage_ranks(self, plan: Plan, p: int) -> list[int]:
-        return list(range(self.world))
-
-    # --- time ----------------------------------------------------------------------------------------
+    # --- communication -----------------------------------------------------------------------------
 
     @functools.lru_cache(maxsize=4096)
-    def comm_forms(self, plan: Plan) -> dict:
+    def stage_forms(self, plan: Plan, p: int) -> dict:
         """kind -> (wire bytes per row of a micro-batch, once per step, calls per micro-batch) of
-        the group's collectives: the family's closed form at 1 and 2 rows."""
+        stage p's group collectives: the family's closed form of its layers at 1 and 2 rows, the
+        parts outside the layers (the memory's gather, the ends, the sum of what lies before the
+        layers) on the last stage, and the memory's gather again on every other stage holding
+        decoder layers. Under a method the per-row part is as the backbone runs (forward only:
+        half; side-only: none) plus the side layers' K/V gathers, the once-a-step part the trained
+        "sum" gradients' all-reduce."""
         if plan.group == 1:
             return {}
-        at = {b: self.family.plan_comm_bytes(plan, self._hf, b, list(plan.tokens), num_labels=self.num_labels)
-              for b in (1, 2)}
-        out = {}
-        for kind in set(at[1]) | set(at[2]):
-            s1, s2 = (at[b].get(kind, {"sent": 0, "calls": 0}) for b in (1, 2))
-            per_row = s2["sent"] - s1["sent"]
-            out[kind] = (per_row, s1["sent"] - per_row, s1["calls"])
+        (enc, _), (dec, _) = self.stage_stacks(plan, p).values()
+        last = p == plan.pp - 1
+        out = self._closed(plan, enc, dec, last)
+        if not last and dec:
+            memory = plan.con == "SP"
+            numel = max(plan.tokens) * self.hidden if memory else self.source * self.hidden
+            calls = [("all_gather", numel, 1), ("reduce_scatter", numel, 1)] if memory else [("all_reduce", numel, 1)]
+            for kind, c in tally(calls, plan.group).items():
+                a, st, n = out.get(kind, (0.0, 0, 0))
+                out[kind] = (a + c["sent"], st, n + c["calls"])
+        runs = 1.0 if self.backward_through_backbone else 0.5 if self.backbone == "forward" else 0.0
+        out = {kind: (runs * a, st if self.trains_backbone else 0, round(runs * n)) for kind, (a, st, n) in out.items()}
+        if not self.trains_backbone and self.summed_of(plan, p):
+            a, st, n = out.get("all_reduce", (0.0, 0, 0))
+            out["all_reduce"] = (a, st + ring_bytes("all_reduce", int(self.summed_of(plan, p)), FP32, plan.group), n)
+        if self.side_width and plan.con == "SP":       # each side layer's K and V: [rows, t_r, 2w], padded
+            kv = sum(layers * ring_bytes("all_gather", max(shares) * 2 * self.side_width, FP32, plan.group)
+                     for layers, shares in ((enc, plan.tokens), (dec, plan.decoder_tokens)))
+            for kind in ("all_gather", "reduce_scatter"):
+                a, st, n = out.get(kind, (0.0, 0, 0))
+                out[kind] = (a + kv, st, n + enc + dec)
         return out
 
+    def _closed(self, plan: Plan, enc: int, dec: int, ends: bool) -> dict:
+        """kind -> (per row, once a step, calls) of the closed form for enc + dec layers, with
+        (ends) or without the parts outside the layers."""
+        def at(b, e, d):
+            return self.family.plan_comm_bytes(plan, self._hf_with(e, d), b, list(plan.tokens),
+                                               num_labels=self.num_labels)
+        forms = {b: at(b, enc, dec) for b in (1, 2)}
+        fixed = {b: at(b, 0, 0) for b in (1, 2)} if not ends else {1: {}, 2: {}}
+        out = {}
+        zero = {"sent": 0, "calls": 0}
+        for kind in set(forms[1]) | set(forms[2]):
+            s1, s2 = (forms[b].get(kind, zero)["sent"] - fixed[b].get(kind, zero)["sent"] for b in (1, 2))
+            calls = forms[1].get(kind, zero)["calls"] - fixed[1].get(kind, zero)["calls"]
+            out[kind] = (s2 - s1, s1 - (s2 - s1), calls)
+        return out
+
+    @functools.lru_cache(maxsize=256)
+    def _hf_with(self, encoder: int, decoder: int):
+        return with_layers(self._hf, encoder, decoder)
+
+    def boundary_bytes(self, plan: Plan, after: int, rows: float) -> tuple[float, float]:
+        """(bytes sent forward, bytes of the gradient sent back) at the stage boundary with
+        `after` layers before it, one micro-batch (galaxy.pipeline.carry): inside the encoder its
+        carry and the decoder's entered embeddings; past it the encoder's output (which crosses
+        every decoder boundary) and the decoder's carry; the side states beside them."""
+        g, con_sp = plan.group, plan.con == "SP" and plan.group > 1
+        s_src = max(plan.tokens) if con_sp else self.source
+        s_tgt = max(plan.decoder_tokens) if con_sp else self.target
+        n = self.carry
+        backbone = (n * s_src if after < self.enc_layers else s_src) + n * s_tgt
+        backbone = 0 if self.backbone == "absent" else backbone * self.hidden
+        side = (s_src + s_tgt) * self.side_width
+        back = (backbone if self.backward_through_backbone else 0) + side
+        return rows * FP32 * (backbone + side), rows * FP32 * back
+
+    def _dp(self, plan: Plan, n: float, t: float, p: int = 0) -> tuple[float, float]:
+        """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained on stage
+        p): DDP all-reduces the trained gradients; FSDP gathers every weight and reduce-scatters
+        the trained gradients."""
+        dp = plan.dp
+        if dp <= 1:
+            return 0.0, 0.0
+        if plan.dp_sharding == "none":
+            if not t:
+                return 0.0, 0.0
+            b = ring_bytes("all_reduce", int(t), FP32, dp)
+            return link_time(self.link, "all_reduce", dp, b, max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))), b
+        passes = 2 if self.backward_through_backbone else 1
+        gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
+        ag = ring_bytes("all_gather", math.ceil(n / dp), FP32, dp)
+        rs = ring_bytes("reduce_scatter", math.ceil(t / dp), FP32, dp)
+        layers = plan.stages[p]
+        time = link_time(self.link, "all_gather", dp, gathers * ag, gathers * layers) + \
+            link_time(self.link, "reduce_scatter", dp, rs, layers)
+        return time, gathers * ag + rs
+
+    # --- the step --------------------------------------------------------------------------------------
+
     def estimate(self, plan: Plan) -> Estimate:
-        if plan.pp != 1 or plan.dp_sharding != "none":
-            raise ValueError("the encoder-decoder cost model covers pp 1 without dp_sharding")
-        g, m = plan.group, plan.microbatches
+        g, pp, m = plan.group, plan.pp, plan.microbatches
         rows = self.batch / (plan.dp * m)
         padded = len(set(plan.tokens)) > 1 or len(set(plan.decoder_tokens)) > 1
-        forms = self.comm_forms(plan)
-        comm_mb = sum(link_time(self.link, kind, g, rows * a, calls, padded) for kind, (a, _, calls) in forms.items())
-        comm_step = sum(link_time(self.link, kind, g, s, 0) for kind, (_, s, _) in forms.items() if s)
-        sent_group = sum(m * rows * a + s for a, s, _ in forms.values())
-        fwd = bwd = 0.0
-        memory, sent, compute, comm_rank = [], [], [], []
-        own, subs_s = [[0.0, 0.0] for _ in range(self.world)], [{} for _ in range(self.world)]
-        for d in range(plan.dp):
-            f, b = self._replica(plan, [d * g + j for j in range(g)], rows, own, subs_s)
-            fwd, bwd = max(fwd, f), max(bwd, b)
-        extra = 0.0
-        for r in range(self.world):
-            j = r % g
-            n = self.params_of(plan, j)
-            dp_time, dp_bytes = self._dp(plan, n)
-            opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * n
-            acc = (m - 1) * n * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
-            extra = max(extra, dp_time + opt + acc)
-            memory.append(self.memory_bytes(plan, j, r, n, rows) / MIB)
-            sent.append(int(sent_group + dp_bytes))
-            compute.append(m * sum(own[r]) + opt + acc)
-            comm_rank.append(m * comm_mb + comm_step + dp_time)
-        step = m * (fwd + bwd + comm_mb) + comm_step + extra
-        return Estimate(plan, step, memory, sent, compute, m * comm_mb + comm_step, comm_rank, subs_s)
+        out = _Out(self.world)
+        bounds = [self.boundary_bytes(plan, sum(plan.stages[:p + 1]), rows) for p in range(pp - 1)]
+        hops = tuple(self._hop(plan, p, bounds[p][0]) for p in range(pp - 1))
+        fwds, bwds, extras, comm_path = [], [], [], 0.0
+        for p in range(pp):
+            forms = self.stage_forms(plan, p)
+            mb = sum(link_time(self.link, kind, g, rows * a, calls, padded) for kind, (a, _, calls) in forms.items())
+            step = sum(link_time(self.link, kind, g, st, 0) for kind, (_, st, _) in forms.items() if st)
+            group_bytes = sum(m * rows * a + st for a, st, _ in forms.values())
+            sends = (0 if p == pp - 1 else bounds[p][0]) + (0 if p == 0 else bounds[p - 1][1])
+            fwd = bwd = 0.0
+            for d in range(plan.dp):
+                f, b = self._replica(plan, p, [(p * plan.dp + d) * g + j for j in range(g)], rows, out)
+                fwd, bwd = max(fwd, f), max(bwd, b)
+            fwds.append(fwd + mb / 2)
+            bwds.append(bwd + mb / 2)
+            path = m * (mb + (hops[p - 1] if p > 0 else 0.0) + (hops[p] if p < pp - 1 else 0.0)) + step
+            comm_path = max(comm_path, path)
+            extras.append(step + max(self._rank_step(plan, p, r, rows, path, m * sends + group_bytes, out)
+                                     for r in self.stage_ranks(plan, p)))
+        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule))
+        if pp > 1 and self.outside_counts(True)["tied"]:     # the tied weight's sum waits for both ends
+            ends[0] = ends[-1] = max(ends[0], ends[-1])
+        step = max(e + x for e, x in zip(ends, extras))
+        return Estimate(plan, step, out.memory, [int(b) for b in out.sent], out.compute, comm_path, out.comm,
+                        out.sub_s)
 
-    def _replica(self, plan: Plan, ranks: list[int], rows: float, own: list, sub_s: list) -> tuple[float, float]:
-        """One micro-batch on one replica's group: (forward, backward) at the slowest rank of every
-        sub-block, recomputed layers' second forward included; adds each rank's own [forward,
-        backward] to own[r] and its seconds a step per sub-block to sub_s[r]."""
-        m, c = plan.microbatches, len(plan.checkpoint)
+    def _hop(self, plan: Plan, p: int, sent: float) -> float:
+        """One micro-batch's send across the boundary after stage p: every rank sends its
+        counterpart at once, so the slowest pair's time (a link profiled per pair)."""
+        g, dp = plan.group, plan.dp
+        pairs = [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j) for d in range(dp) for j in range(g)]
+        return max(link_time(self.link, "send_recv", 2, sent, 1, ranks=pair) for pair in pairs)
+
+    def _rank_step(self, plan: Plan, p: int, r: int, rows: float, path: float, sent: float, out) -> float:
+        """Rank r's once-per-step work (data-parallel traffic, the tied weight's sum between the
+        pipeline's ends, the optimizer step, gradient accumulation) in seconds; fills in its
+        memory, bytes, compute and communication."""
+        j, m, last = r % plan.group, plan.microbatches, p == plan.pp - 1
+        n, t = self.params_of(plan, j, p=p), self.trainable_of(plan, j, p)
+        dp_time, dp_bytes = self._dp(plan, n, t, p)
+        tied = self.outside_counts(True)["tied"]
+        if plan.pp > 1 and tied and (p == 0 or last):
+            b = ring_bytes("all_reduce", tied, FP32, 2)
+            dp_time, dp_bytes = dp_time + link_time(self.link, "all_reduce", 2, b, 1), dp_bytes + b
+        stepped = t / plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else t
+        opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * stepped
+        acc = (m - 1) * stepped * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+        out.memory[r] = self.memory_bytes(plan, j, r, n, t, rows, p) / MIB
+        out.sent[r] = sent + dp_bytes
+        out.compute[r] = m * sum(out.own[r]) + opt + acc
+        out.comm[r] = path + dp_time
+        return dp_time + opt + acc
+
+    def _replica(self, plan: Plan, p: int, ranks: list[int], rows: float, out) -> tuple[float, float]:
+        """One micro-batch of stage p on one replica's group: (forward, backward) at the slowest
+        rank of every sub-block, recomputed layers' second forward included; adds each rank's own
+        [forward, backward] to out.own[r] and its seconds a step per sub-block to out.sub_s[r]."""
+        m = plan.microbatches
         fwd = bwd = 0.0
         kinds = [self.kinds(plan, j) for j in range(len(ranks))]
-        for stack, layers, subs, c_stack in (("encoder", self.enc_layers, ENCODER_SUBS, min(c, self.enc_layers)),
-                                             ("decoder", self.dec_layers, DECODER_SUBS, max(0, c - self.enc_layers))):
-            for sub in subs:
-                times = [self.flops_time(r, stack, *kinds[j][stack][sub], rows) for j, r in enumerate(ranks)]
+        for stack, (layers, c_stack) in self.stage_stacks(plan, p).items():
+            for sub in self.subs(stack) if layers else ():
+                runs = [("side", k[stack]["con"][1]) if sub == "side" else k[stack][sub] for k in kinds]
+                times = [self.flops_time(r, stack, *runs[j], rows) for j, r in enumerate(ranks)]
                 for (tf, tb), r in zip(times, ranks):
-                    own[r][0] += layers * tf
-                    own[r][1] += layers * tb + c_stack * tf
+                    out.own[r][0] += layers * tf
+                    out.own[r][1] += layers * tb + c_stack * tf
                     label = sub.upper()
-                    sub_s[r][label] = sub_s[r].get(label, 0.0) + m * (layers * (tf + tb) + c_stack * tf)
+                    out.sub_s[r][label] = out.sub_s[r].get(label, 0.0) + m * (layers * (tf + tb) + c_stack * tf)
                 f_max, b_max = max(t[0] for t in times), max(t[1] for t in times)
                 fwd += layers * f_max
                 bwd += layers * b_max + c_stack * f_max
+        if p < plan.pp - 1:
+            return fwd, bwd
         times = [self._ends_time(r, plan, j, rows) for j, r in enumerate(ranks)]
         for (tf, tb), r in zip(times, ranks):
-            own[r][0] += tf
-            own[r][1] += tb
-            sub_s[r]["HEAD"] = m * (tf + tb)
+            out.own[r][0] += tf
+            out.own[r][1] += tb
+            out.sub_s[r]["HEAD"] = m * (tf + tb)
         return fwd + max(t[0] for t in times), bwd + max(t[1] for t in times)
 
-    def _dp(self, plan: Plan, n: float) -> tuple[float, float]:
-        if plan.dp <= 1:
-            return 0.0, 0.0
-        b = ring_bytes("all_reduce", int(n), FP32, plan.dp)
-        calls = max(1, -(-int(n * FP32) // DDP_BUCKET_BYTES))
-        return link_time(self.link, "all_reduce", plan.dp, b, calls), b
 
+class _Out:
+    """What an estimate gathers per global rank."""
 
-def _without_checkpoint(plan: Plan) -> Plan:
-    from dataclasses import replace
-    return replace(plan, checkpoint=())
+    def __init__(self, world: int):
+        self.memory, self.sent, self.compute, self.comm = ([0.0] * world for _ in range(4))
+        self.own = [[0.0, 0.0] for _ in range(world)]
+        self.sub_s = [{} for _ in range(world)]
 
 
 def _hf_config(raw: dict):

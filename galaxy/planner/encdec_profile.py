@@ -24,7 +24,8 @@ Measured in one process on one encoder layer and one decoder layer of the family
          "flops_per_row": {"att" | "mlp" | "con" [| "xatt"]: {"fwd", "bwd", "fwd_elementwise",
                                                               "bwd_elementwise"}}}},   # one sub-block, whole
                                                      # (xatt also "fwd_memory": its K/V projections)
-     "profiler": {...}}                              # the closed forms beside galaxy.profiler's count
+     "profiler": {...},                              # the closed forms beside galaxy.profiler's count
+     "peft": {...}}                                  # the config's PEFT method (galaxy.planner.encdec_method)
 
 XATT's K/V come from the memory (the encoder's output, S tokens, whole on every rank): its
 FLOPs and saved bytes at any share include the S-token K/V projections of the rank's heads.
@@ -41,6 +42,7 @@ from galaxy.models.build import load_hf_config, model_class
 from galaxy.models.registry import family_of
 from galaxy.planner.counting import linear, part_counts
 from galaxy.planner.encdec_bench import STACK_KINDS, EncDecBench
+from galaxy.planner.encdec_method import encdec_method_section
 
 FORMAT, VERSION = "galaxy-model-profile", 2
 ROWS = 2     # activation bytes are measured on 2 rows and divided (they are linear in rows)
@@ -120,6 +122,7 @@ def profile_encdec_model(cfg, num_labels: int | None) -> dict:
     batch = synthetic_batch(bench.task, 1, source, hf.vocab_size, num_labels, cfg.seed, "cpu", target=target)
     report = profiler_run(bench.model, batch, repeats=0)
     stacks = {stack: _stack_section(bench, stack, layers[stack], report) for stack in ("encoder", "decoder")}
+    method = encdec_method_section(cfg, hf, bench.task, num_labels, source, target)
     closed = closed_form_per_layer(family, hf, layers, source, target, num_labels)
     # XATT's K/V projections of the memory: every rank runs them whole under XATT SP
     stacks["decoder"]["flops_per_row"]["xatt"]["fwd_memory"] = closed["xatt_memory"]
@@ -141,6 +144,7 @@ def profile_encdec_model(cfg, num_labels: int | None) -> dict:
         "profiler": {"layer_fwd_flops_per_row": measured,
                      "closed_form_layer_fwd_flops_per_row": {s: {k: closed[s][k] for k in measured[s]} for s in stacks},
                      "flops_match_closed_form": all(measured[s][k] == closed[s][k] for s in stacks for k in measured[s])},
+        **({"peft": method} if method else {}),
     }
 
 

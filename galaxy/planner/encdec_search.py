@@ -1,12 +1,17 @@
 """The plan search for an encoder-decoder (BART, T5): galaxy.planner.search's local search over
 galaxy.planner.encdec_cost, with the encoder-decoder's two more choices.
 
-Enumerated: dp dividing the world and the batch (the Galaxy group the rest; no pipeline yet: the
-cost model covers pp 1), the methods ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one
-choice for a group of 1), the micro-batches (gradient accumulation), no dp_sharding. The shares
+Enumerated: pp x dp dividing the world (dp the batch; the Galaxy group the rest), the methods
+ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one choice for a group of 1), the
+micro-batches (pipeline micro-batches, or gradient accumulation without a pipeline; 1f1b when there
+are at least pp of them, else gpipe) and, with replicas, the dp_sharding choices given. A
+pipeline's stages split the layer list, the encoder's layers then the decoder's (a stage may hold
+both), proportional to the stages' speed to start with, then moved a layer at a time as
+galaxy.planner.search moves them. The fine-tuning method is the cost model's (a PEFT method: what
+trains, saves and runs, galaxy.planner.encdec_cost); side-tuning recomputes nothing. The shares
 start proportional to speed: heads (ATT and XATT under TP), MLP columns, source tokens and target
 tokens (decoder_seq_scatter_list), each then moved unit by unit as the search moves the others;
-each plan recomputes the fewest leading layers (the encoder's first) that make it fit.
+each plan recomputes the fewest leading layers of each stage (the encoder's first) that make it fit.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import itertools
 
 from galaxy.plan import METHODS as PLAN_METHODS
 from galaxy.plan import Plan
-from galaxy.planner.encdec_cost import DECODER_SUBS, ENCODER_SUBS, EncDecCostModel
+from galaxy.planner.encdec_cost import EncDecCostModel
 from galaxy.planner.search import MAX_MICROBATCHES, SearchResult, Searcher, divisors, proportional
 
 METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_METHODS["con"],
@@ -22,10 +27,11 @@ METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_
 
 
 class EncDecSearcher(Searcher):
-    def __init__(self, cost: EncDecCostModel, budgets: list[float], *, meshes=None, max_moves: int = 400):
+    def __init__(self, cost: EncDecCostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
+                 meshes=None, max_moves: int = 400):
         self.cost, self.budgets = cost, list(budgets)
         self.model = cost.model
-        self.sharding = ("none",)
+        self.sharding = dp_sharding
         self.meshes, self.methods, self.max_moves = meshes, None, max_moves
         self.tried = 0
         self._seen: dict[Plan, tuple] = {}
@@ -40,22 +46,24 @@ class EncDecSearcher(Searcher):
         """1 / the device's seconds for one of each stack's layers whole, on the whole batch."""
         whole = {"att": ("att_tp", self.heads), "xatt": ("xatt_tp", self.heads), "mlp": ("mlp_tp", self.columns)}
         t = 0.0
-        for stack, subs, tokens in (("encoder", ENCODER_SUBS, self.seq), ("decoder", DECODER_SUBS, self.target)):
-            for sub in subs:
-                kind, units = whole.get(sub, ("con", tokens))
+        for stack, tokens in (("encoder", self.seq), ("decoder", self.target)):
+            for sub in self.cost.subs(stack):
+                kind, units = whole.get(sub, (sub if sub == "side" else "con", tokens))
                 t += sum(self.cost.flops_time(r, stack, kind, units, self.cost.batch))
         return 1.0 / max(t, 1e-12)
 
     def candidates(self):
         W, batch = self.cost.world, self.cost.batch
-        for dp in divisors(W):
-            if (self.meshes is not None and (1, dp) not in self.meshes) or batch % dp:
+        for pp, dp in itertools.product(divisors(W), divisors(W)):
+            if W % (pp * dp) or pp > self.layers or batch % dp or \
+                    (self.meshes is not None and (pp, dp) not in self.meshes):
                 continue
-            g = W // dp
+            g = W // (pp * dp)
             methods = [("TP", "TP", "SP", "TP")] if g == 1 else [m for m in METHODS if self._feasible(m, g)]
             mbs = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES]
-            for (att, mlp, con, xatt), m in itertools.product(methods, mbs):
-                yield dp, g, att, mlp, con, xatt, m
+            shardings = [s for s in self.sharding if s == "none" or dp > 1]
+            for (att, mlp, con, xatt), m, shard in itertools.product(methods, mbs, shardings):
+                yield pp, dp, g, att, mlp, con, xatt, m, shard
 
     def _feasible(self, methods, g: int) -> bool:
         att, mlp, con, xatt = methods
@@ -65,14 +73,19 @@ class EncDecSearcher(Searcher):
             return False
         return "SP" not in methods or min(self.seq, self.target) >= g
 
-    def initial(self, dp, g, att, mlp, con, xatt, m) -> Plan:
-        pos = [min(self.speed[d * g + j] for d in range(dp)) for j in range(g)]
+    def initial(self, pp, dp, g, att, mlp, con, xatt, m, shard) -> Plan:
+        # Galaxy rank j's speed: its slowest device over every group (they all use the same lists)
+        pos = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for d in range(dp)) for j in range(g)]
 
         def split(total):
             return proportional(total, 1, pos) if total >= g else (total,) * g
-        return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=1, dp=dp, heads=split(self.heads),
+        stage_speed = [sum(min(self.speed[(p * dp + d) * g + j] for d in range(dp)) for j in range(g))
+                       for p in range(pp)]
+        stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
+        return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=pp, dp=dp, heads=split(self.heads),
                     columns=split(self.columns), tokens=split(self.seq), decoder_tokens=split(self.target),
-                    stages=(self.layers,), microbatches=m, schedule="1f1b", checkpoint=(), dp_sharding="none")
+                    stages=stages, microbatches=m, schedule="1f1b" if m >= pp else "gpipe", checkpoint=(),
+                    dp_sharding=shard)
 
     def _vectors(self, plan: Plan):
         """(field, unit, sub-blocks that use it) of the shares this plan uses."""
@@ -94,6 +107,7 @@ class EncDecSearcher(Searcher):
         return out
 
 
-def search_encdec(cost: EncDecCostModel, budgets: list[float], *, top: int = 5, meshes=None) -> SearchResult:
-    return EncDecSearcher(cost, budgets, meshes=meshes).run(top)
+def search_encdec(cost: EncDecCostModel, budgets: list[float], *, top: int = 5, dp_sharding=("none",),
+                  meshes=None) -> SearchResult:
+    return EncDecSearcher(cost, budgets, dp_sharding=dp_sharding, meshes=meshes).run(top)
 

@@ -85,15 +85,20 @@ def _whole_model(counts: dict, bench: SubBlockBench, layers: int) -> int:
     return round(layers * per_layer + counts["embed"] + counts["head"] + counts["other"] - counts["tied"])
 
 
-def _outside_counts(hf, num_labels, seq: int, options: PeftOptions, seed: int) -> tuple[dict, dict, dict]:
+def _outside_counts(hf, num_labels, seq: int, options: PeftOptions, seed: int, *, task: str | None = None,
+                    target: int | None = None, columns: int | None = None,
+                    plan: Plan = Plan.preset("galaxy")) -> tuple[dict, dict, dict]:
     """(held, trained, trained and summed under CON SP) outside the layers, on the meta device
-    (the layers are sharded there: their counts come from the one-layer bench)."""
+    (the layers are sharded there: their counts come from the one-layer bench). An
+    encoder-decoder's: its task's model, target tokens split too, columns its MLP width, and a plan
+    (CON SP) that leaves whole what T5 splits by heads beside the layers."""
     family = family_of(hf.model_type)
     with torch.device("meta"):
-        model = model_class(family, None)(hf, num_labels=num_labels)
+        model = model_class(family, task)(hf, num_labels=num_labels)
     group = GalaxyGroup(0, 2, None, tuple(even_split(hf.num_attention_heads, 2, _kv_group(hf))),
-                        tuple(even_split(hf.intermediate_size, 2)), tuple(even_split(seq, 2)))
-    apply_plan(model, Plan.preset("galaxy"), group)
+                        tuple(even_split(columns or hf.intermediate_size, 2)), tuple(even_split(seq, 2)),
+                        tuple(even_split(target, 2)) if target else None)
+    apply_plan(model, plan, group)
     apply_peft(model, options, seed=seed)
     rules = model.attached.rules
     held = part_counts(model)
@@ -109,7 +114,11 @@ def _kv_group(hf) -> int:
 def matmul_flops(bench: SubBlockBench, kind: str, units: int) -> dict:
     """{"fwd", "bwd"}: matrix FLOPs per row of one forward and backward of `kind` at `units`
     (torch's FLOP counter; one row)."""
-    _, fwd = bench.prepare(kind, units, 1)
+    return thunk_flops(bench.prepare(kind, units, 1)[1])
+
+
+def thunk_flops(fwd) -> dict:
+    """{"fwd", "bwd"}: matrix FLOPs of fwd() and of a backward from all its outputs that need one."""
     with FlopCounterMode(display=False) as f:
         out = fwd()
     forward = f.get_total_flops()
