@@ -21,8 +21,9 @@ over the device alone, searched / best measured, and writes results.json and pla
 against measured, and the user plans' bars) to --out.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_cluster.py --cluster clusters/home3.json
-        [--method full|lora] [--batch_size 8] [--pad_size 128] [--steps 5] [--neighbours 20]
-        [--micro 4] [--final_top 3] [--final_rounds 2] [--out runs/bench/plan_cluster_home3_full]
+        [--method full|lora] [--batch_size 12] [--pad_size 128] [--steps 5] [--neighbours 20]
+        [--micro 4] [--final_top 3] [--final_rounds 2] [--profile_statistic median|mean|min]
+        [--out runs/bench/plan_cluster_home3_full]
 
 needs root (the testbed).
 """
@@ -56,12 +57,12 @@ def user_plans(world: int, layers: int, micro: int) -> dict[str, dict]:
                               "num_microbatches": micro, "pipeline_schedule": "1f1b"}}
 
 
-def one_device_cluster(cluster: dict, out: Path) -> tuple[str, str]:
-    """A cluster of the device with the most cpus alone: (its file, its name)."""
-    fastest = max(cluster["devices"], key=lambda d: d["cpus"])
+def one_device_cluster(cluster: dict, out: Path) -> tuple[str, int]:
+    """A cluster of the device with the most cpus alone: (its file, its index)."""
+    index = max(range(len(cluster["devices"])), key=lambda i: cluster["devices"][i]["cpus"])
     path = out / "alone.json"
-    path.write_text(json.dumps({"devices": [fastest]}, indent=1))
-    return str(path), fastest["name"]
+    path.write_text(json.dumps({"devices": [cluster["devices"][index]]}, indent=1))
+    return str(path), index
 
 
 def run_on(cluster: str, out: Path, base: str, name: str, keys: dict, timeout: float) -> dict:
@@ -82,7 +83,8 @@ def run_on(cluster: str, out: Path, base: str, name: str, keys: dict, timeout: f
     got = {"peak_mib": [peaks.get(r) for r in sorted(peaks)], "status": "ok"}
     if code:
         killed = KILLED_LINE.search(text)
-        got["status"] = killed.group(0) if killed else f"exit {code}: " + (text.strip().splitlines() or ["?"])[-1][:200]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        got["status"] = killed.group(0) if killed else f"exit {code}: " + (errors or text.strip().splitlines() or ["?"])[0][:200]
         return got
     records = [json.loads(line) for line in Path(cfg["metrics_file"]).read_text().splitlines()]
     times = [r["time_s"] for r in records if "event" not in r and "time_s" in r]
@@ -94,29 +96,115 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def candidates(ranked: list[dict], world: int, layers: int, args) -> dict[str, dict]:
-    """{name: {"keys", "predicted_step_s", "predicted_memory_mib" | absent}}: the searched plan, the
-    user plans (with their predictions where the search ranked them), the neighbours."""
-    def key_of(keys):
-        return json.dumps(keys, sort_keys=True)
-    by_keys = {key_of(p["keys"]): p for p in ranked}
+def candidates(ranked: list[dict], world: int, layers: int, args, predict) -> dict[str, dict]:
+    """{name: {"keys", "predicted_step_s", "predicted_memory_mib"}}: the searched plan, the user
+    plans and the searched plan's neighbours (neighbour_keys), each predicted by the cost model."""
     out = {"searched": ranked[0]}
     for name, keys in user_plans(world, layers, args.micro).items():
-        out[name] = {"keys": keys, **{k: v for k, v in by_keys.get(key_of(keys), {}).items() if k != "keys"}}
-    for i, p in enumerate(ranked[1:args.neighbours + 1], start=2):
-        out[f"neighbour {i}"] = p
+        out[name] = {"keys": keys, **predict(keys)}
+    seen = {json.dumps(p["keys"], sort_keys=True) for p in out.values()}
+    count = 0
+    for keys in neighbour_keys(ranked[0]["keys"], layers, args.batch_size):
+        key = json.dumps(keys, sort_keys=True)
+        guess = predict(keys)
+        if key in seen or not guess:
+            continue
+        seen.add(key)
+        count += 1
+        out[f"neighbour {count}"] = {"keys": keys, **guess}
+        if count == args.neighbours:
+            break
     return out
 
 
-def describe(keys: dict) -> str:
+def neighbour_keys(keys: dict, layers: int, batch: int):
+    """Plans one change away from `keys`, then two: a layer moved between neighbouring stages,
+    another count of micro-batches, the other schedule, a head / 64 MLP columns / 8 tokens moved
+    between two ranks of the Galaxy group, another method for one sub-block, recomputation."""
+    singles = list(_single_changes(keys, layers, batch))
+    yield from singles
+    for i, first in enumerate(singles):          # pairs of changes: a stage move with micro-batches
+        for second in _single_changes(first, layers, batch):
+            yield second
+
+
+def _single_changes(keys: dict, layers: int, batch: int):
+    stages = keys.get("stage_num_hidden_layers_list")
+    if keys.get("pp_deg", 1) > 1 and stages:
+        for i in range(len(stages) - 1):
+            for d in (1, -1):
+                moved = list(stages)
+                moved[i] -= d
+                moved[i + 1] += d
+                if min(moved) >= 1:
+                    yield {**keys, "stage_num_hidden_layers_list": moved}
+    micro_key = "num_microbatches" if keys.get("pp_deg", 1) > 1 else "grad_accum_steps"
+    micro = keys.get(micro_key, 1)
+    for m in sorted(range(1, batch + 1), key=lambda m: abs(m - micro)):      # the nearest counts first
+        if m != micro and batch % (m * keys.get("dp_deg", 1)) == 0:
+            yield {**keys, micro_key: m} if m > 1 or micro_key == "num_microbatches" else \
+                {k: v for k, v in keys.items() if k != micro_key}
     if keys.get("pp_deg", 1) > 1:
-        return (f"pp {keys['pp_deg']} stages {keys.get('stage_num_hidden_layers_list', 'even')} "
-                f"micro {keys.get('num_microbatches', 1)} {keys.get('pipeline_schedule', '')}")
-    if keys.get("dp_deg", 1) > 1:
-        return f"dp {keys['dp_deg']}"
-    shares = " ".join(f"{k.split('_')[1]} {v}" for k, v in keys.items() if k.endswith("_list"))
-    return (f"group ATT {keys.get('att_parallel_method')} MLP {keys.get('mlp_parallel_method')} "
-            f"CON {keys.get('con_parallel_method')} {shares or 'even'}").strip()
+        yield {**keys, "pipeline_schedule": "gpipe" if keys.get("pipeline_schedule") == "1f1b" else "1f1b"}
+    for share, step in (("tp_num_attention_heads_list", 1), ("tp_intermediate_size_list", 64),
+                        ("seq_scatter_list", 8)):
+        values = keys.get(share)
+        for i in range(len(values or ())):
+            for j in range(len(values or ())):
+                if i != j and values[i] - step >= 1:
+                    moved = list(values)
+                    moved[i] -= step
+                    moved[j] += step
+                    yield {**keys, share: moved}
+    group = keys.get("pp_deg", 1) * keys.get("dp_deg", 1)
+    if keys.get("tp_num_attention_heads_list") or keys.get("seq_scatter_list") or group == 1:
+        for method, other in (("att_parallel_method", {"TP": "SP", "SP": "TP"}),
+                              ("mlp_parallel_method", {"TP": "SP", "SP": "TP"}),
+                              ("con_parallel_method", {"SP": "None", "None": "SP"})):
+            if keys.get(method) in other:
+                yield {**keys, method: other[keys[method]]}
+    if keys.get("activation_checkpointing", "none") == "none":
+        yield {**keys, "activation_checkpointing": "full"}
+
+
+def predictor(base: str, model_path: str, devices_path: str, world: int, args, only: int | None = None):
+    """keys -> {"predicted_step_s", "predicted_memory_mib"} by the search's own cost model, or {}
+    for keys that do not make a plan of this world (only: that device alone, world 1)."""
+    from plan_accuracy import method_of
+    from galaxy.models.shape import read_model_shape
+    from galaxy.plan import Plan, PlanError, Workload
+    from galaxy.planner.cost import CostModel
+    from galaxy.planner.profiles import load_devices, read_json
+    model = read_json(model_path)
+    devices, link = load_devices(devices_path)
+    if only is not None:
+        devices, link = [devices[only]], None
+    cost = CostModel(model, devices, link, batch_size=args.batch_size, method=method_of(base, model))
+    work = Workload.of(read_model_shape(json.loads(Path(base).read_text())["model_path"]), args.pad_size,
+                       args.batch_size)
+
+    def predict(keys: dict) -> dict:
+        try:
+            est = cost.estimate(Plan.from_keys(keys).resolve(world, work))
+        except PlanError:
+            return {}
+        return {"predicted_step_s": est.step_s, "predicted_memory_mib": [round(m, 1) for m in est.memory_mib]}
+    return predict
+
+
+def describe(keys: dict) -> str:
+    recompute = "" if keys.get("activation_checkpointing", "none") == "none" else \
+        f" recompute {keys['activation_checkpointing']}"
+    accumulate = f" accumulate {keys['grad_accum_steps']}" if keys.get("grad_accum_steps", 1) > 1 else ""
+    mesh = f"pp {keys.get('pp_deg', 1)} x dp {keys.get('dp_deg', 1)}"
+    if keys.get("pp_deg", 1) > 1:
+        mesh += (f" stages {keys.get('stage_num_hidden_layers_list', 'even')} micro {keys.get('num_microbatches', 1)} "
+                 f"{keys.get('pipeline_schedule', '')}")
+    shares = " ".join(f"{k.split('_')[1]} {v}" for k, v in keys.items() if k.endswith("_list") and k.startswith(("tp", "seq")))
+    group = "" if not keys.get("att_parallel_method") or keys.get("pp_deg", 1) * keys.get("dp_deg", 1) > 1 and not shares \
+        else f" ATT {keys['att_parallel_method']} MLP {keys['mlp_parallel_method']} CON {keys['con_parallel_method']} " \
+        f"{shares or 'even'}"
+    return mesh + group + accumulate + recompute
 
 
 def chart(results: dict, path: Path, title: str) -> None:
@@ -146,25 +234,56 @@ def chart(results: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def accuracy(results: dict, predict=None) -> list[str]:
+    """Predicted against measured over the plans that ran (predict: keys -> prediction, to cost
+    them again from another profile): per plan, then Spearman and the median absolute error."""
+    from planning_runs import spearman
+    rows = []
+    for name, r in results.items():
+        if not r.get("best_s") or name.endswith("alone"):
+            continue
+        pred = (predict(r["keys"]) if predict else r).get("predicted_step_s")
+        if pred:
+            rows.append((name, pred, r["best_s"]))
+    errors = sorted(abs(m / q - 1) for _, q, m in rows)
+    lines = [f"  {n:<22} predicted {q * 1e3:6.0f} ms, measured {m * 1e3:6.0f} ms ({m / q:.3f})" for n, q, m in rows]
+    lines.append(f"  {len(rows)} plans: Spearman {spearman([q for _, q, _ in rows], [m for _, _, m in rows]):.3f}, "
+                 f"median |measured / predicted - 1| {statistics.median(errors):.3f}")
+    return lines
+
+
+def repredict(folder: Path, devices_path: str, world: int, args) -> None:
+    """Cost a finished run's plans again from another devices profile (--repredict)."""
+    done = json.loads((folder / "results.json").read_text())
+    predict = predictor(str(folder / "base.json"), str(folder / "model.json"), devices_path, world, args)
+    print("\n".join(accuracy(done["results"], predict)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cluster", required=True)
     p.add_argument("--method", choices=("full", "lora"), default="full")
     p.add_argument("--lora_dim", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=12, help="divisible by the devices (even DDP)")
     p.add_argument("--pad_size", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--micro", type=int, default=4, help="micro-batches of the even pipeline")
     p.add_argument("--neighbours", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3, help="profile-devices --repeats")
+    p.add_argument("--profile_statistic", choices=("median", "min", "mean"), default="median",
+                   help="profile-devices --statistic")
     p.add_argument("--final_top", type=int, default=3)
     p.add_argument("--final_rounds", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600, help="seconds a run may take")
     p.add_argument("--out")
+    p.add_argument("--repredict", metavar="DEVICES_JSON",
+                   help="cost the plans of a finished run in --out again from this devices profile; run nothing")
     args = p.parse_args()
     cluster_doc = json.loads(Path(args.cluster).read_text())
     world = len(cluster_doc["devices"])
     out = ROOT / (args.out or f"runs/bench/plan_cluster_{Path(args.cluster).stem}_{args.method}")
+    if args.repredict:
+        return repredict(out, args.repredict, world, args)
     out.mkdir(parents=True, exist_ok=True)
     # timeout_s: a peer of a device killed for memory stops within it (the slowest plan's step
     # here, even DDP's 90 MB all-reduce over 100 Mbit/s, takes about 15 s)
@@ -172,7 +291,7 @@ def main() -> None:
                       **method_keys(None if args.method == "full" else args.method, args.lora_dim))
     use_cluster(args.cluster)
     t0 = time.time()
-    model_path, devices_path = profile(out, base, world, [None] * world, args.repeats)
+    model_path, devices_path = profile(out, base, world, [None] * world, args.repeats, args.profile_statistic)
     search = subprocess.run([sys.executable, "plan.py", "search", "--config_file", base, "--devices", devices_path,
                              "--model", model_path, "--out", str(out / "searched.json"), "--json",
                              str(out / "plans.json"), "--png", str(out / "searched.png"), "--top", "400"],
@@ -181,9 +300,12 @@ def main() -> None:
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     ranked = json.loads((out / "plans.json").read_text())["plans"]
     layers = json.loads(Path(model_path).read_text())["hf_config"]["num_hidden_layers"]
-    plans = candidates(ranked, world, layers, args)
-    alone_cluster, alone_name = one_device_cluster(cluster_doc, out)
-    plans[f"{alone_name} alone"] = {"keys": {"pp_deg": 1, "dp_deg": 1}, "cluster": alone_cluster}
+    plans = candidates(ranked, world, layers, args, predictor(base, model_path, devices_path, world, args))
+    alone_cluster, alone = one_device_cluster(cluster_doc, out)
+    keys = {"pp_deg": 1, "dp_deg": 1}
+    plans[f"{cluster_doc['devices'][alone]['name']} alone"] = {
+        "keys": keys, "cluster": alone_cluster,
+        **predictor(base, model_path, devices_path, 1, args, only=alone)(keys)}
     results = {}
 
     def measure(name: str) -> dict:
@@ -226,6 +348,7 @@ def summarise(results: dict, out: Path, args, world: int) -> None:
     pred = results["searched"].get("predicted_memory_mib") or []
     lines.append("  searched peak memory per device, measured / predicted: "
                  + ", ".join(f"{m:.0f}/{q:.0f} ({m / q:.2f})" for m, q in zip(peaks, pred) if m))
+    lines += accuracy(results)
     print("\n".join(lines), flush=True)
     (out / "results.json").write_text(json.dumps({"results": results, "args": vars(args), "world": world,
                                                   "summary": lines}, indent=1, default=str))
