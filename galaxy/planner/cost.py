@@ -31,7 +31,6 @@ Memory: galaxy.planner.memory_model.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from galaxy.distributed.comm_bytes import ring_bytes
@@ -40,9 +39,8 @@ from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import stage_ends
-from galaxy.planner.link_model import group_scale, link_time
+from galaxy.planner.link_model import data_parallel_traffic, group_scale, link_time
 
-DDP_BUCKET_BYTES = 25 * MIB          # torch DDP's default bucket_cap_mb
 SUB_BLOCKS = ("ATT", "CON", "MLP", "CON")
 
 
@@ -291,23 +289,5 @@ class CostModel(MemoryModel):
 
     def _dp_comm(self, plan: Plan, n: float, t: float, ranks: tuple[int, ...]) -> tuple[float, float]:
         """Seconds and bytes of one rank's data-parallel traffic per step (n parameters held, t of
-        them trained): DDP all-reduces the trained gradients; FSDP gathers every weight (again in
-        backward under "full", where backward runs through it) and reduce-scatters the trained
-        gradients."""
-        dp = plan.dp
-        if dp <= 1:
-            return 0.0, 0.0
-        if plan.dp_sharding == "none":
-            if not t:
-                return 0.0, 0.0
-            b = ring_bytes("all_reduce", int(t), FP32, dp)
-            calls = max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))
-            return link_time(self.link, "all_reduce", dp, b, calls, ranks=ranks), b
-        shard = int(math.ceil(n / dp))
-        passes = 2 if self.backward_through_backbone else 1
-        gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
-        ag = ring_bytes("all_gather", shard, FP32, dp)
-        rs = ring_bytes("reduce_scatter", int(math.ceil(t / dp)), FP32, dp)
-        t = link_time(self.link, "all_gather", dp, gathers * ag, gathers * plan.stages[0], ranks=ranks) + \
-            link_time(self.link, "reduce_scatter", dp, rs, plan.stages[0], ranks=ranks)
-        return t, gathers * ag + rs
+        them trained; galaxy.planner.link_model.data_parallel_traffic)."""
+        return data_parallel_traffic(self.link, plan, n, t, plan.stages[0], self.backward_through_backbone, ranks)

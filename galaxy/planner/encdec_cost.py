@@ -34,17 +34,16 @@ memory's part (`fwd_memory`) plus the rest at the rank's share of target tokens.
 from __future__ import annotations
 
 import functools
-import math
 from types import SimpleNamespace
 
 from galaxy.distributed.comm_bytes import ring_bytes, tally
 from galaxy.models.registry import family_of
 from galaxy.plan import Plan
-from galaxy.planner.cost import DDP_BUCKET_BYTES, Estimate
+from galaxy.planner.cost import Estimate
 from galaxy.planner.encdec_bench import with_layers
 from galaxy.planner.encdec_terms import EncDecTerms
 from galaxy.planner.model_terms import FP32, MIB
-from galaxy.planner.link_model import link_time
+from galaxy.planner.link_model import data_parallel_traffic, link_time
 from galaxy.planner.pipeline_time import stage_ends
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
@@ -164,7 +163,7 @@ class EncDecCostModel(EncDecTerms):
         `after` layers before it, one micro-batch (galaxy.pipeline.carry): inside the encoder its
         carry and the decoder's entered embeddings; past it the encoder's output (which crosses
         every decoder boundary) and the decoder's carry; the side states beside them."""
-        g, con_sp = plan.group, plan.con == "SP" and plan.group > 1
+        con_sp = plan.con == "SP" and plan.group > 1
         s_src = max(plan.tokens) if con_sp else self.source
         s_tgt = max(plan.decoder_tokens) if con_sp else self.target
         n = self.carry
@@ -176,24 +175,8 @@ class EncDecCostModel(EncDecTerms):
 
     def _dp(self, plan: Plan, n: float, t: float, p: int = 0) -> tuple[float, float]:
         """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained on stage
-        p): DDP all-reduces the trained gradients; FSDP gathers every weight and reduce-scatters
-        the trained gradients."""
-        dp = plan.dp
-        if dp <= 1:
-            return 0.0, 0.0
-        if plan.dp_sharding == "none":
-            if not t:
-                return 0.0, 0.0
-            b = ring_bytes("all_reduce", int(t), FP32, dp)
-            return link_time(self.link, "all_reduce", dp, b, max(1, math.ceil(t * FP32 / DDP_BUCKET_BYTES))), b
-        passes = 2 if self.backward_through_backbone else 1
-        gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
-        ag = ring_bytes("all_gather", math.ceil(n / dp), FP32, dp)
-        rs = ring_bytes("reduce_scatter", math.ceil(t / dp), FP32, dp)
-        layers = plan.stages[p]
-        time = link_time(self.link, "all_gather", dp, gathers * ag, gathers * layers) + \
-            link_time(self.link, "reduce_scatter", dp, rs, layers)
-        return time, gathers * ag + rs
+        p; galaxy.planner.link_model.data_parallel_traffic)."""
+        return data_parallel_traffic(self.link, plan, n, t, plan.stages[p], self.backward_through_backbone)
 
     # --- the step --------------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 from galaxy.plan import Plan
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
-from galaxy.planner.method import BACKBONE
+from galaxy.planner.method import BACKBONE, BackboneRole
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 
 STACKS = ("encoder", "decoder")
@@ -36,7 +36,7 @@ def count(v, units) -> float:
     return v[0] + v[1] * units if isinstance(v, list) else v
 
 
-class EncDecTerms:
+class EncDecTerms(BackboneRole):
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, batch_size: int,
                  optimizer: str = "adamw", method: dict | None = None):
         """method: the signature (galaxy.planner.method) of the fine-tuning method to cost; the
@@ -55,15 +55,6 @@ class EncDecTerms:
         if self.backbone != "trained" and (self.section is None or self.section["signature"] != self.method):
             raise ValueError("the model profile's peft section is not of the method to cost")
         self.side_width = self.section["side_width"] if self.section else 0
-
-    @property
-    def trains_backbone(self) -> bool:
-        return self.backbone == "trained"
-
-    @property
-    def backward_through_backbone(self) -> bool:
-        """Whether backward runs through the backbone's layers (and so recomputation helps)."""
-        return self.backbone in ("trained", "frozen")
 
     # --- what a Galaxy rank runs -----------------------------------------------------------------
 

@@ -17,8 +17,13 @@ the pair rates show which member that is. The per-call latency is the world's.
 from __future__ import annotations
 
 import bisect
+import math
 
+from galaxy.distributed.comm_bytes import ring_bytes
+from galaxy.planner.model_terms import FP32
 from galaxy.planner.profiles import ProfileError, ring_steps
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20          # torch DDP's default bucket_cap_mb
 
 
 def link_time(link: dict | None, kind: str, n: int, wire_bytes: float, calls: float = 1,
@@ -117,3 +122,28 @@ def _measured_points(link: dict, kind: str, n: int, uneven: bool):
             by_size.setdefault(int(m["bytes"]), []).append(float(m["seconds"]))
     sizes = sorted(by_size)
     return (sizes, [sum(by_size[b]) / len(by_size[b]) for b in sizes]) if len(sizes) >= 2 else None
+
+
+def data_parallel_traffic(link: dict | None, plan, held: float, trained: float, layers: int,
+                          backward_through_backbone: bool, ranks=None) -> tuple[float, float]:
+    """Seconds and bytes of one rank's data-parallel traffic per step (held parameters, trained of
+    them, on a stage of `layers` layers; ranks: its data-parallel group): DDP all-reduces the
+    trained gradients in buckets; FSDP gathers every weight it shards (again in backward under
+    "full", where backward runs through it, once per micro-batch) and reduce-scatters the trained
+    gradients, a call per layer."""
+    dp = plan.dp
+    if dp <= 1:
+        return 0.0, 0.0
+    if plan.dp_sharding == "none":
+        if not trained:
+            return 0.0, 0.0
+        b = ring_bytes("all_reduce", int(trained), FP32, dp)
+        calls = max(1, math.ceil(trained * FP32 / DDP_BUCKET_BYTES))
+        return link_time(link, "all_reduce", dp, b, calls, ranks=ranks), b
+    passes = 2 if backward_through_backbone else 1
+    gathers = passes * plan.microbatches if plan.dp_sharding == "full" else 1
+    ag = ring_bytes("all_gather", math.ceil(held / dp), FP32, dp)
+    rs = ring_bytes("reduce_scatter", math.ceil(trained / dp), FP32, dp)
+    seconds = link_time(link, "all_gather", dp, gathers * ag, gathers * layers, ranks=ranks) + \
+        link_time(link, "reduce_scatter", dp, rs, layers, ranks=ranks)
+    return seconds, gathers * ag + rs

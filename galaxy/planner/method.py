@@ -30,6 +30,21 @@ from galaxy.peft.peft_format import read_lora_dir
 BACKBONE = {"full": "trained", "lora": "frozen", "adapter": "frozen", "side": "forward", "side_only": "absent"}
 
 
+class BackboneRole:
+    """What the costed method does with the backbone, for a cost model whose `backbone` holds a
+    BACKBONE value."""
+    backbone: str
+
+    @property
+    def trains_backbone(self) -> bool:
+        return self.backbone == "trained"
+
+    @property
+    def backward_through_backbone(self) -> bool:
+        """Whether backward runs through the backbone's layers (and so recomputation helps)."""
+        return self.backbone in ("trained", "frozen")
+
+
 def costed_options(options: PeftOptions, family) -> PeftOptions:
     """The options as apply_peft resolves them, without a lora_path to read weights from (the
     profiles measure a one-layer model, which has no place for a whole adapter's tensors): its

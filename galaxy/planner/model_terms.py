@@ -13,7 +13,7 @@ import functools
 from galaxy.plan import Plan
 from galaxy.planner.comm_forms import CommForms
 from galaxy.planner.device_compute import DeviceCompute, model_signature, tables_match
-from galaxy.planner.method import BACKBONE
+from galaxy.planner.method import BACKBONE, BackboneRole
 
 MIB = 2 ** 20
 FP32 = 4
@@ -45,7 +45,7 @@ class Counts:
         return v[0] if isinstance(v, list) else v
 
 
-class ModelTerms:
+class ModelTerms(BackboneRole):
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, batch_size: int,
                  optimizer: str = "adamw", method: dict | None = None):
         """method: the signature (galaxy.planner.method) of the fine-tuning method to cost; the
@@ -74,15 +74,6 @@ class ModelTerms:
         self.full_acts = model["act_bytes_per_row"]
         self.carry = model["carry_tensors"]
         self.side_width = section.get("side_width", 0) if section else 0
-
-    @property
-    def trains_backbone(self) -> bool:
-        return self.backbone == "trained"
-
-    @property
-    def backward_through_backbone(self) -> bool:
-        """Whether backward runs through the backbone's layers (and so recomputation helps)."""
-        return self.backbone in ("trained", "frozen")
 
     def _kinds(self, plan: Plan, j: int):
         """(att kind, units), (mlp kind, units), con tokens of Galaxy rank j."""
