@@ -113,8 +113,9 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
         if options.lora_path:
             loaded = _from_peft_dir(model, tensors, options.lora_path, family, list(rules), head)
         peft.lora = spec
+        # A pipeline stage holding none of the targets names them, which is true of the model.
         where = (f"{len(targets)} projections ({', '.join(_short(targets.values()))})" if targets else
-                 f"none of this stage's projections (targets: {_shown(spec.target_modules)})")
+                 _shown(spec.target_modules))
         peft.description = f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on {where}"
     elif options.method == "adapter":
         rules = add_adapters(model, options.adapter_reduction_dim, options.non_linearity, seed, con_rule)
