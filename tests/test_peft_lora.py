@@ -116,20 +116,22 @@ def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
         check(report, rank)
 
 
-@pytest.mark.parametrize("family,pp,dp,layers", [("llama", 1, 2, None), ("llama", 2, 1, None), ("qwen2", 2, 1, None),
-                                                 ("llama", 2, 1, "stage1"), ("llama", 2, 1, "stage0")],
-                         ids=["llama-dp2", "llama-pp2", "qwen2-pp2", "llama-pp2-stage1-targets",
-                              "llama-pp2-stage0-targets"])
-def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp, layers):
+@pytest.mark.parametrize("family,pp,dp,layers,galaxy", [
+    ("llama", 1, 2, None, False), ("llama", 2, 1, None, False), ("qwen2", 2, 1, None, False),
+    ("llama", 2, 1, "stage1", False), ("llama", 2, 1, "stage0", False), ("llama", 2, 1, "stage1", True)],
+    ids=["llama-dp2", "llama-pp2", "qwen2-pp2", "llama-pp2-stage1-targets", "llama-pp2-stage0-targets",
+         "llama-pp2xgalaxy2-stage1-targets"])
+def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp, layers, galaxy):
     """Causal LM: the loss weighted by label tokens across replicas and micro-batches. With
     targets in one stage's layers, the other stage trains nothing (galaxy's optimizer, empty)."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *decoder_lora(family, layers), Plan(), pp, dp,
-                               ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch, 5, 0.1, 8, 2, "none", None,
-                               "sgd" if layers else None)
+    plan, shares = (Plan.preset("galaxy"), DECODERS[family][2]) if galaxy else (Plan(), ((8,), (96,), (TINY_SEQ,)))
+    world = pp * dp * len(shares[0])
+    reports = dist_pool(world).run(lora_mesh_vs_peft, family, *decoder_lora(family, layers), plan, pp, dp,
+                                   shares, tiny_lm_batch, 5, 0.1, 8, 2, "none", None, "sgd" if layers else None)
     for rank, report in enumerate(reports):
         check(report, rank)
-    # Rank 0 is stage 0: with nothing trainable at or below it, it runs no backward at all.
-    assert [r["backward"] for r in reports] == [layers != "stage1", True]
+    # Stage 0 (the first half of the ranks): with nothing trainable at or below it, no backward.
+    assert [r["backward"] for r in reports] == [layers != "stage1"] * (world // 2) + [True] * (world // 2)
 
 
 @pytest.fixture
