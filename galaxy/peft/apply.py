@@ -112,11 +112,7 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
             rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))
         if options.lora_path:
             loaded = _from_peft_dir(model, tensors, options.lora_path, family, list(rules), head)
-        peft.lora = spec
-        # A pipeline stage holding none of the targets names them, which is true of the model.
-        where = (f"{len(targets)} projections ({', '.join(_short(targets.values()))})" if targets else
-                 _shown(spec.target_modules))
-        peft.description = f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on {where}"
+        peft.lora, peft.description = spec, _describe_lora(spec, targets)
     elif options.method == "adapter":
         rules = add_adapters(model, options.adapter_reduction_dim, options.non_linearity, seed, con_rule)
         peft.description = (f"bottleneck adapters ({options.adapter_reduction_dim}, "
@@ -145,8 +141,12 @@ def _short(hf_names) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n in hf_names})
 
 
-def _shown(target_modules) -> str:
-    return target_modules if isinstance(target_modules, str) else ", ".join(target_modules)
+def _describe_lora(spec: LoraSpec, targets: dict[str, str]) -> str:
+    """The summary's words for LoRA. A pipeline stage holding none of the targets names them (what
+    they select is true of the whole model)."""
+    shown = spec.target_modules if isinstance(spec.target_modules, str) else ", ".join(spec.target_modules)
+    where = f"{len(targets)} projections ({', '.join(_short(targets.values()))})" if targets else shown
+    return f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on {where}"
 
 
 def _from_peft_dir(model, tensors: dict, path: str, family, lora_names: list[str], head) -> dict:

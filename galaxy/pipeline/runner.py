@@ -23,7 +23,9 @@ Send/receive buffers are static: shapes follow from the plan and the batch ([row
 width] per travelling carry tensor, galaxy.pipeline.carry: an encoder-decoder's depend on the
 boundary), so no metadata exchange or trial forward runs; one schedule is kept per batch shape. Under ladder side-tuning the
 backbone's tensors travel without gradients (the backbone runs without autograd) and only the
-side state's gradient comes back; under side-only only the side state travels.
+side state's gradient comes back; under side-only only the side state travels. A stage below the
+first one that trains (LoRA targets in later stages' layers only) runs forward only, and nothing
+crosses its boundaries backward (StageInfo.grad_from, galaxy.pipeline.carry).
 """
 from __future__ import annotations
 
