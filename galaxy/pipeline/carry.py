@@ -54,7 +54,7 @@ def carry_slots(model: nn.Module, after: int | None = None) -> tuple[CarrySlot |
     """
     slots = _encoder_decoder_slots(model, after or 0) if model.encoder_layers else _one_stack_slots(model)
     stage = model.attached.stage
-    if stage is not None and after is not None and after <= stage.grad_from:
+    if stage is not None and after and after <= stage.grad_from:     # (0: the first stage's input, ids)
         return tuple(None if slot is None else replace(slot, trainable=False) for slot in slots)
     return slots
 
