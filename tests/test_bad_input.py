@@ -180,6 +180,18 @@ def test_lora_targets_that_name_no_projection(monkeypatch, capsys, ws):
             "are dense, key, query, value") in line
 
 
+def test_lora_targets_that_name_no_layer_of_a_pipeline(monkeypatch, capsys, ws):
+    """Targets are checked on the whole model: a pipeline whose stages all lack them is refused
+    before the rendezvous (one stage lacking them trains nothing there: docs/peft.md)."""
+    config = write_config(ws, "lorapp", **outputs(ws, "lorapp"), use_lora=True,
+                          lora_target_modules=["layer.9.attention.self.query"])
+    code, _, line = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
+                              script="pretrain_pp_bert.py", preset="pp")
+    assert code == 2 and len(line.splitlines()) == 1 and line.startswith("pretrain_pp_bert.py: error: "), line
+    assert ("lora_target_modules ['layer.9.attention.self.query'] names no projection of this bert model; its "
+            "projections are dense, key, query, value") in line
+
+
 # --- 2. the tokenizer ----------------------------------------------------------------------------
 
 def test_model_folder_without_a_tokenizer(monkeypatch, capsys, ws):

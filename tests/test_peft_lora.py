@@ -43,6 +43,8 @@ def adapter_dir(tiny_bert_dir, tmp_path_factory):
 def check(report, rank):
     assert max(report["loss"]) < TOL, f"rank {rank}: losses off by {report['loss']}"
     assert report["tensors"][0] < TOL, f"rank {rank}: {report['tensors'][1]} off by {report['tensors'][0]}"
+    if "grads" in report:
+        assert report["grads"][0] < TOL, f"rank {rank}: {report['grads'][1]}'s gradient off by {report['grads'][0]}"
     if "logits" in report:
         assert report["logits"] < TOL, f"rank {rank}: logits off by {report['logits']}"
         assert report["frozen_grads"] == [], f"rank {rank}: frozen weights got gradients"
@@ -82,19 +84,27 @@ DECODERS = {
 }
 
 
+# LoRA on some layers only: on 3 layers at pp 2 (stages [2, 1]) the targets of stage 1 alone
+# (stage 0 trains nothing and runs no backward) or of stage 0 alone (the last stage trains
+# nothing but computes the loss and back-propagates to its input).
+LAYER_TARGETS = {"stage1": ["layers.2.self_attn.q_proj", "layers.2.self_attn.v_proj", "layers.2.mlp.down_proj"],
+                 "stage0": ["layers.0.self_attn.q_proj", "layers.1.self_attn.o_proj", "layers.1.mlp.up_proj"]}
+
+
 @pytest.fixture(scope="module")
 def decoder_lora(tiny_lm_dir, tmp_path_factory):
-    """decoder_lora(family) -> (tiny model directory, a peft adapter on DECODERS' targets), made
-    once per family."""
+    """decoder_lora(family, layers=None) -> (tiny model directory, a peft adapter on DECODERS'
+    targets, or on LAYER_TARGETS[layers]), made once per family and targets."""
     made = {}
 
-    def get(family):
-        if family not in made:
+    def get(family, layers=None):
+        if (family, layers) not in made:
             overrides, targets, _ = DECODERS[family]
             model_dir = tiny_lm_dir(family, **overrides)
-            made[family] = model_dir, write_peft_adapter(
-                family, model_dir, str(tmp_path_factory.mktemp(f"{family}_lora")), targets)
-        return made[family]
+            made[family, layers] = model_dir, write_peft_adapter(
+                family, model_dir, str(tmp_path_factory.mktemp(f"{family}_lora")),
+                LAYER_TARGETS[layers] if layers else targets)
+        return made[family, layers]
     return get
 
 
@@ -106,14 +116,22 @@ def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
         check(report, rank)
 
 
-@pytest.mark.parametrize("family,pp,dp", [("llama", 1, 2), ("llama", 2, 1), ("qwen2", 2, 1)],
-                         ids=["llama-dp2", "llama-pp2", "qwen2-pp2"])
-def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp):
-    """Causal LM: the loss weighted by label tokens across replicas and micro-batches."""
-    reports = dist_pool(2).run(lora_mesh_vs_peft, family, *decoder_lora(family), Plan(), pp, dp,
-                               ((8,), (96,), (TINY_SEQ,)), tiny_lm_batch)
+@pytest.mark.parametrize("family,pp,dp,layers,galaxy", [
+    ("llama", 1, 2, None, False), ("llama", 2, 1, None, False), ("qwen2", 2, 1, None, False),
+    ("llama", 2, 1, "stage1", False), ("llama", 2, 1, "stage0", False), ("llama", 2, 1, "stage1", True)],
+    ids=["llama-dp2", "llama-pp2", "qwen2-pp2", "llama-pp2-stage1-targets", "llama-pp2-stage0-targets",
+         "llama-pp2xgalaxy2-stage1-targets"])
+def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp, layers, galaxy):
+    """Causal LM: the loss weighted by label tokens across replicas and micro-batches. With
+    targets in one stage's layers, the other stage trains nothing (galaxy's optimizer, empty)."""
+    plan, shares = (Plan.preset("galaxy"), DECODERS[family][2]) if galaxy else (Plan(), ((8,), (96,), (TINY_SEQ,)))
+    world = pp * dp * len(shares[0])
+    reports = dist_pool(world).run(lora_mesh_vs_peft, family, *decoder_lora(family, layers), plan, pp, dp,
+                                   shares, tiny_lm_batch, 5, 0.1, 8, 2, "none", None, "sgd" if layers else None)
     for rank, report in enumerate(reports):
         check(report, rank)
+    # Stage 0 (the first half of the ranks): with nothing trainable at or below it, no backward.
+    assert [r["backward"] for r in reports] == [layers != "stage1"] * (world // 2) + [True] * (world // 2)
 
 
 @pytest.fixture

@@ -20,6 +20,10 @@ class StageInfo:
     # The whole model's layers of each stack ({layer.sequence: range}; one stack but for
     # encoder-decoders), so every stage knows every stack's extent.
     stacks: dict = field(default_factory=dict)
+    # The first layer of the first stage that holds a trainable parameter (set by the pipeline
+    # runner; 0: the first stage trains). A boundary at or before it carries no gradient back:
+    # nothing below it trains (LoRA targets in later stages' layers only).
+    grad_from: int = 0
 
     @property
     def model_layers(self) -> int:

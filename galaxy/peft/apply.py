@@ -104,15 +104,15 @@ def apply_peft(model: nn.Module, options: PeftOptions, seed: int = 0,
             spec = replace(from_dir, dropout=options.lora_dropout)   # its r, alpha, targets win
             peft.options = replace(options, lora_dim=spec.r, lora_alpha=spec.alpha,
                                    lora_target_modules=spec.target_modules)
-        targets = find_targets(model, spec.target_modules, to_hf)
+        # A pipeline stage may hold none of the targets (they sit in other stages' layers): it
+        # then trains nothing (galaxy.pipeline.runner); the whole model must hold one (preflight).
+        targets = find_targets(model, spec.target_modules, to_hf, required=at.stage is None)
         rules = {}
         for name in targets:
             rules.update(add_lora(model, name, spec.r, spec.alpha, spec.dropout, seed, spec.rslora))
         if options.lora_path:
             loaded = _from_peft_dir(model, tensors, options.lora_path, family, list(rules), head)
-        peft.lora = spec
-        peft.description = (f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on "
-                            f"{len(targets)} projections ({', '.join(_short(targets.values()))})")
+        peft.lora, peft.description = spec, _describe_lora(spec, targets)
     elif options.method == "adapter":
         rules = add_adapters(model, options.adapter_reduction_dim, options.non_linearity, seed, con_rule)
         peft.description = (f"bottleneck adapters ({options.adapter_reduction_dim}, "
@@ -139,6 +139,14 @@ def _head_params(model, head) -> list[str]:
 
 def _short(hf_names) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n in hf_names})
+
+
+def _describe_lora(spec: LoraSpec, targets: dict[str, str]) -> str:
+    """The summary's words for LoRA. A pipeline stage holding none of the targets names them (what
+    they select is true of the whole model)."""
+    shown = spec.target_modules if isinstance(spec.target_modules, str) else ", ".join(spec.target_modules)
+    where = f"{len(targets)} projections ({', '.join(_short(targets.values()))})" if targets else shown
+    return f"LoRA r={spec.r} alpha={spec.alpha:g} dropout={spec.dropout:g} on {where}"
 
 
 def _from_peft_dir(model, tensors: dict, path: str, family, lora_names: list[str], head) -> dict:

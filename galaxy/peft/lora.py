@@ -86,8 +86,11 @@ def matches(target_modules, hf_module: str) -> bool:
     return any(hf_module == t or hf_module.endswith("." + t) for t in target_modules)
 
 
-def find_targets(model: nn.Module, target_modules, to_hf) -> dict[str, str]:
+def find_targets(model: nn.Module, target_modules, to_hf, required: bool = True) -> dict[str, str]:
     """{galaxy module name: Hugging Face module name} of the projections LoRA adapts.
+
+    required False: finding none is no error (a pipeline stage whose layers hold none of the
+    targets trains nothing; galaxy.preflight checks the targets on the whole model first).
 
     The model's output heads (model.output_heads) are refused: a classifier trains in full
     (peft's modules_to_save), and an LM head is applied through its weight (tied to the
@@ -105,7 +108,7 @@ def find_targets(model: nn.Module, target_modules, to_hf) -> dict[str, str]:
             raise ValueError(f"lora_target_modules {target_modules!r} selects the output head {hf!r}, "
                              "which LoRA does not adapt (a classifier trains in full); leave it out")
         found[name] = hf
-    if not found:
+    if not found and required:
         raise ValueError(f"lora_target_modules {target_modules!r} match no projection of the model "
                          f"(it has {', '.join(sorted(projections))}); give module names as in the "
                          "Hugging Face model")

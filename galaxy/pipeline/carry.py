@@ -25,7 +25,7 @@ layer that read it. Masks never travel: every stage gets them as keyword argumen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -49,9 +49,17 @@ def carry_slots(model: nn.Module, after: int | None = None) -> tuple[CarrySlot |
     the side state ([b, s_con, side_width]) under side-tuning (galaxy.peft.side). Ladder
     side-tuning runs the backbone without autograd, so its tensors travel without a gradient
     coming back; side-only never runs the backbone's layers, so only the side state travels.
+    A boundary with no trainable parameter below it (at or before the stage's grad_from: LoRA
+    targets in later stages' layers only) carries nothing back at all.
     """
-    if model.encoder_layers:
-        return _encoder_decoder_slots(model, after or 0)
+    slots = _encoder_decoder_slots(model, after or 0) if model.encoder_layers else _one_stack_slots(model)
+    stage = model.attached.stage
+    if stage is not None and after and after <= stage.grad_from:     # (0: the first stage's input, ids)
+        return tuple(None if slot is None else replace(slot, trainable=False) for slot in slots)
+    return slots
+
+
+def _one_stack_slots(model: nn.Module) -> tuple[CarrySlot | None, ...]:
     mode, hidden = getattr(model, "side_mode", None), model.config.hidden_size
     if mode is None:
         return (CarrySlot(hidden, True),) * model.carry_size

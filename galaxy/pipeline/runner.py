@@ -23,11 +23,14 @@ Send/receive buffers are static: shapes follow from the plan and the batch ([row
 width] per travelling carry tensor, galaxy.pipeline.carry: an encoder-decoder's depend on the
 boundary), so no metadata exchange or trial forward runs; one schedule is kept per batch shape. Under ladder side-tuning the
 backbone's tensors travel without gradients (the backbone runs without autograd) and only the
-side state's gradient comes back; under side-only only the side state travels.
+side state's gradient comes back; under side-only only the side state travels. A stage below the
+first one that trains (LoRA targets in later stages' layers only) runs forward only, and nothing
+crosses its boundaries backward (StageInfo.grad_from, galaxy.pipeline.carry).
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -51,8 +54,14 @@ class PipelineRunner(Runner):
         self.device = torch.device(device or "cpu")
         self.sharding = plan.dp_sharding if mesh.dp_pg is not None else "none"
         self.stage_module, self.whole = StageModule(model), None
-        if self.sharding == "none":
-            self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg, self.device)
+        at = model.attached
+        at.stage = replace(at.stage, grad_from=first_trained_layer(model, mesh, plan.stage_layers(), self.device))
+        # A stage with nothing trainable at or below it runs forward only: its output carries no
+        # gradient back, so no backward waits for one (torch's stage: has_backward False).
+        self.backward = at.is_last_stage or at.stage.layers.stop > at.stage.grad_from
+        trains = any(p.requires_grad for p in model.parameters())
+        if self.sharding == "none":     # DDP refuses a module with nothing to train (and needs none)
+            self.module = wrap_data_parallel(self.stage_module, mesh.dp_pg if trains else None, self.device)
         else:       # the stage module itself becomes the FSDP root
             from galaxy.parallel.sharded_dp import WholeGradients, shard_replicas   # see DataParallelRunner
             self.module = shard_replicas(model, self.stage_module, mesh, self.sharding)
@@ -115,7 +124,8 @@ class PipelineRunner(Runner):
             inputs = (torch.empty(rows, seq_len, dtype=torch.long, device="meta"),) if m.attached.is_first_stage else received
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
                                   input_args=inputs, output_args=sent, group=mesh.pp_pg)
-            self._schedules[key] = make_schedule(self.schedule_name, stage, self.n, self._loss)
+            self._schedules[key] = make_schedule(self.schedule_name, stage, self.n,
+                                                 self._loss if self.backward else None)
         return self._schedules[key]
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
@@ -167,6 +177,16 @@ class PipelineRunner(Runner):
                                    device=self.device if self.device.type == "cuda" else None)
         logits, loss = out[0]
         return logits.to(self.device), None if loss is None else loss.to(self.device)
+
+
+def first_trained_layer(model, mesh, stage_layers: list[range], device) -> int:
+    """The first layer of the first stage holding a trainable parameter (the model's layer count
+    when none does): StageInfo.grad_from. Collective over the pp group: each stage knows only its
+    own parameters."""
+    trains = torch.tensor([any(p.requires_grad for p in model.parameters())], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(trains) for _ in range(mesh.pp_size)]
+    dist.all_gather(flags, trains, group=mesh.pp_pg)
+    return next((layers.start for layers, f in zip(stage_layers, flags) if f.item()), stage_layers[-1].stop)
 
 
 def stage_keywords(model, batch: dict) -> dict:

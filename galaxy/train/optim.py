@@ -82,7 +82,10 @@ def build_optimizer(name: str, params, lr: float, weight_decay: float = 0.0) -> 
     step step_kind picks for them."""
     params = [p for p in params if p.requires_grad]   # frozen weights get no optimizer state
     hyper = {"lr": lr, "weight_decay": weight_decay}
-    return OPTIMIZERS[name](params, **hyper, **STEP_KINDS[step_kind(name, params, **hyper)])
+    # A pipeline stage may train nothing (LoRA targets in other stages' layers): one empty group
+    # keeps step, schedules and the checkpointed state working (torch refuses an empty list).
+    groups = params or [{"params": []}]
+    return OPTIMIZERS[name](groups, **hyper, **STEP_KINDS[step_kind(name, params, **hyper)])
 
 
 def make_optimizer(cfg, params) -> torch.optim.Optimizer:

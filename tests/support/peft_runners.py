@@ -69,31 +69,45 @@ def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
 
 
 def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
-                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none", task=None):
+                      steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none", task=None,
+                      optimizer=None):
     """LoRA (started from adapter_dir) on a pp x dp x Galaxy mesh against peft's LoRA on Hugging
     Face's model, serially. Returns {"loss": per-step rel errors, "logits": step 0, "tensors":
-    (worst rel error, key) of the adapter tensors, "frozen_grads": frozen parameters that got a
-    gradient}. Without a pipeline the tensors are what the export writes (lora_adapter_state).
-    task: the model's (None: the family's primary one)."""
+    (worst rel error, key) of the adapter tensors, "grads": the same of their gradients at step 0,
+    "frozen_grads": frozen parameters that got a gradient}. Without a pipeline the tensors are
+    what the export writes (lora_adapter_state). task: the model's (None: the family's primary
+    one); optimizer: parity_runners.optimizers' (None: torch's SGD; "sgd": galaxy's, which also
+    takes a pipeline stage with nothing to train)."""
     ref = peft_reference(family, model_dir, adapter_dir, task)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
-         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task,
+         "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task, "optimizer": optimizer,
          "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
 
     def frozen_grads(runner, mesh):
         return {"frozen_grads": [n for n, p in runner.model.named_parameters()
-                                 if not p.requires_grad and p.grad is not None]}
+                                 if not p.requires_grad and p.grad is not None],
+                "backward": getattr(runner, "backward", True),     # a pipeline stage runs one
+                "grads": compare_tensors(lora_tensors(runner, family, grads=True), lora_grads(ref))}
     report = train_and_compare(model_dir, plan, shares, batch_fn, (hf_forward(ref), ref.parameters()), o,
                                frozen_grads)
     runner, _ = report.pop("runner"), report.pop("mesh")
-    if pp == 1:
-        ours = lora_adapter_state(runner.model)
-    else:
-        to_hf = family_of(family).hf_names(runner.model.config)
-        ours = {peft_key(to_hf(n)): t for n, t in runner.full_state().items()
-                if ".lora_" in n or n.startswith("classifier.")}
+    ours = lora_adapter_state(runner.model) if pp == 1 else lora_tensors(runner, family)
     report["tensors"] = compare_tensors(ours, reference_tensors(ref))
     return report
+
+
+def lora_tensors(runner, family: str, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The trained tensors (LoRA's and BERT's classifier), or their gradients, of every stage at
+    full shape, by peft key."""
+    to_hf = family_of(family).hf_names(runner.model.config)
+    return {peft_key(to_hf(n)): t for n, t in runner.full_state(grads=grads).items()
+            if ".lora_" in n or n.startswith("classifier.")}
+
+
+def lora_grads(ref) -> dict[str, torch.Tensor]:
+    """peft's trained tensors' gradients, by the keys its save_pretrained writes them under."""
+    return {n.replace(".default.", ".").replace(".modules_to_save.", "."): p.grad
+            for n, p in ref.named_parameters() if p.requires_grad}
 
 
 def lora_plan_vs_peft(family: str, model_dir, adapter_dir, plan, shares, batch_fn, steps=5, lr=0.1, task=None):
