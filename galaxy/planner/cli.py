@@ -279,19 +279,27 @@ def _search_inputs(args) -> SimpleNamespace:
     if model.get("encoder_decoder") or shape.get("is_encoder_decoder"):
         return _encdec_search_inputs(args, cfg, shape, model)
     _check_model_matches(model, shape, cfg, args.model)
+    parts = _cost_parts(args, cfg, shape, model, CostModel)
+    return SimpleNamespace(**vars(parts), notes=_notes(model, parts.devices, parts.method),
+                           script=SCRIPTS.get(model["task"], "pretrain_galaxy.py"),
+                           search=lambda top: search(parts.cost, parts.budgets, top=top, dp_sharding=DP_SHARDING,
+                                                     meshes=parts.meshes))
+
+
+def _cost_parts(args, cfg, shape: dict, model: dict, cost_model) -> SimpleNamespace:
+    """What every search reads: the method, the devices and link, budgets, meshes, the cost model
+    (cost_model: CostModel or EncDecCostModel) and the parameter counts."""
     signature = config_signature(cfg, family_of(shape["model_type"]))
     method = check_method(model, signature, args.model)
     clus = compose(args.devices, args.link)
     devices, link = clus["devices"], clus["link"]
     budgets = _budgets(args, devices, link)
     meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
-    cost = CostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
+    cost = cost_model(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
     counts = method or model        # a method's section counts the model it makes, its own parameters too
     return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, meshes=meshes,
                            cost=cost, method=method, total=counts["params"]["total"],
-                           trainable=counts["trainable" if method else "params"]["total"],
-                           notes=_notes(model, devices, method), script=SCRIPTS.get(model["task"], "pretrain_galaxy.py"),
-                           search=lambda top: search(cost, budgets, top=top, dp_sharding=DP_SHARDING, meshes=meshes))
+                           trainable=counts["trainable" if method else "params"]["total"])
 
 
 def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespace:
@@ -309,19 +317,10 @@ def _encdec_search_inputs(args, cfg, shape: dict, model: dict) -> SimpleNamespac
         if theirs != ours:
             raise ConfigError(f"model profile {args.model} was taken for {what} {theirs!r}, the config has {ours!r}; "
                               "run plan.py profile-model on this config")
-    signature = config_signature(cfg, family_of(shape["model_type"]))
-    method = check_method(model, signature, args.model)
-    clus = compose(args.devices, args.link)
-    devices, link = clus["devices"], clus["link"]
-    budgets = _budgets(args, devices, link)
-    meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
-    cost = EncDecCostModel(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)
-    counts = method or model        # a method's section counts the model it makes, its own parameters too
-    return SimpleNamespace(cfg=cfg, shape=shape, model=model, devices=devices, budgets=budgets, method=method,
-                           total=counts["params"]["total"],
-                           trainable=counts["trainable" if method else "params"]["total"], notes=[], script=f"finetune_{model['model_type']}.py",
-                           search=lambda top: search_encdec(cost, budgets, top=top, dp_sharding=DP_SHARDING,
-                                                            meshes=meshes))
+    parts = _cost_parts(args, cfg, shape, model, EncDecCostModel)
+    return SimpleNamespace(**vars(parts), notes=[], script=f"finetune_{model['model_type']}.py",
+                           search=lambda top: search_encdec(parts.cost, parts.budgets, top=top, dp_sharding=DP_SHARDING,
+                                                            meshes=parts.meshes))
 
 
 def search_command(argv) -> None:
