@@ -30,7 +30,7 @@ def write(path, text: str) -> None:
 
 def fake_host(tmp_path, version: int):
     """A mountinfo, a /proc/self/cgroup and the cgroup files of a rank limited to 1 GiB inside a
-    parent limited to 3 GiB, as cgroup v1 (cpu and cpuacct mounted together) or v2 shows them."""
+    parent limited to 3 GiB, with a CPU quota of 0.35 cpu, as cgroup v1 (cpu and cpuacct mounted together) or v2 shows them."""
     fs, proc = tmp_path / "fs", tmp_path / "proc"
     if version == 1:
         write(tmp_path / "mountinfo", f"30 25 0:26 / {fs}/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
@@ -41,6 +41,8 @@ def fake_host(tmp_path, version: int):
         write(rank / "memory.max_usage_in_bytes", f"{GiB // 2}\n")
         write(rank / "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
         write(fs / "cpu,cpuacct" / "job" / "rank" / "cpuacct.usage", "2500000000\n")
+        write(fs / "cpu,cpuacct" / "job" / "rank" / "cpu.cfs_quota_us", "3500\n")
+        write(fs / "cpu,cpuacct" / "job" / "rank" / "cpu.cfs_period_us", "10000\n")
     else:
         write(tmp_path / "mountinfo", f"30 25 0:26 / {fs} rw - cgroup2 cgroup2 rw\n")
         write(fs / "cgroup.controllers", "cpuset cpu io memory pids\n")
@@ -51,6 +53,7 @@ def fake_host(tmp_path, version: int):
         write(rank / "memory.peak", f"{GiB // 2}\n")
         write(rank / "memory.events", "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
         write(rank / "cpu.stat", "usage_usec 2500000\nuser_usec 2000000\n")
+        write(rank / "cpu.max", "3500 10000\n")
     return cgroup.mounts(str(tmp_path / "mountinfo")), str(proc)
 
 
@@ -61,6 +64,10 @@ def test_cgroup_figures_of_a_limited_process(tmp_path, version):
     assert figures == cgroup.Memory(limit=GiB, peak=GiB // 2, oom_kills=2)
     cpu_dir = cgroup.process_dir("cpuacct" if version == 1 else "cpu", "self", mount_list, proc)
     assert cgroup.cpu_seconds(cpu_dir, version) == 2.5
+    assert cgroup.own_cpu_quota(mount_list, proc) == 0.35                    # a device of 0.35 cpu
+    no_quota = ("cpu.cfs_quota_us", "-1\n") if version == 1 else ("cpu.max", "max 100000\n")
+    write(os.path.join(cpu_dir, no_quota[0]), no_quota[1])
+    assert cgroup.own_cpu_quota(mount_list, proc) is None
     layout = find_layout(mount_list)
     assert isinstance(layout, Layout) and layout.version == version
     assert len(layout.run_dirs("gxe-000000")) == 2 if version == 1 else 1    # cpu,cpuacct share one

@@ -99,8 +99,9 @@ def _devices_arguments(p: argparse.ArgumentParser) -> None:
                      "apart into one devices profile (no process group).")
     p.add_argument("--out", required=True, metavar="PATH", help="devices profile to write (rank 0)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per measurement (default 5)")
-    p.add_argument("--statistic", choices=("median", "min", "mean"), default="median",
-                   help="of the compute rounds (the link keeps the mean of all its calls): median (default; what a step meets under the machine's usual load), "
+    p.add_argument("--statistic", choices=("median", "min", "mean"), default=None,
+                   help="of the compute rounds (the link keeps the mean of all its calls; default: mean on a rank "
+                        "under a CPU quota without --quick, else median): median (what a step meets under the machine's usual load), "
                         "min (the device unloaded: for a machine shared with other work while profiling) or "
                         "mean (time-weighted over at least 0.1 s of each point: for a device that shares its "
                         "core with other work while training too)")

@@ -251,13 +251,22 @@ def _compute(cfg, num_labels, bench, env, **measuring) -> dict:
     return compute
 
 
+def default_statistic(device, quick: bool = False) -> str:
+    """"mean" on a CPU rank under a CFS quota (unless --quick: tests), else "median". A quota throttles a device in periods
+    (the edge testbed's: 10 ms): a sub-block call shorter than the quota left in its period runs at
+    full speed, so the median of short calls sees a faster device than a step does. On home3 the
+    median profile under-predicted pipelines whose 0.35-cpu stage held two layers by 1.33x; the
+    mean profile (every point timed over MEAN_WINDOW_S) by 1.12x (bench/results/plan_cluster.md)."""
+    return "mean" if device.type == "cpu" and not quick and cgroup.own_cpu_quota() else "median"
+
+
 def run(job, env) -> None:
     """train_fn of galaxy.launch.main for profile-devices; job: galaxy.planner.cli.DevicesJob."""
     opts = job.opts
     repeats = 1 if opts.quick else opts.repeats
     warmup = 1
     mine = profile_this_rank(job.cfg, job.num_labels, env, quick=opts.quick, repeats=repeats, warmup=warmup,
-                             statistic=opts.statistic)
+                             statistic=opts.statistic or default_statistic(env.device, opts.quick))
     devices = [None] * env.world
     dist.all_gather_object(devices, mine)
     link = None

@@ -1,4 +1,4 @@
-"""What a process's cgroup allows and has used: memory limit, peak, OOM kills, CPU time (v1 and v2).
+"""What a process's cgroup allows and has used: memory limit, peak, OOM kills, CPU time and quota (v1, v2).
 
 A rank on a device with a memory ceiling (a container, a systemd slice, a device of the edge
 testbed, galaxy.edge) may use what its cgroup allows, not the host's MemAvailable, and the kernel
@@ -16,6 +16,7 @@ The files, by hierarchy (bytes unless said):
 | peak           | memory.max_usage_in_bytes                            | memory.peak (Linux 5.19+)  |
 | OOM kills      | memory.oom_control oom_kill (Linux 4.13+)            | memory.events oom_kill     |
 | CPU time       | cpuacct.usage (ns)                                   | cpu.stat usage_usec        |
+| CPU quota      | cpu.cfs_quota_us / cpu.cfs_period_us (-1: none)       | cpu.max "QUOTA PERIOD"     |
 
 A figure the kernel does not offer reads as None. Paths come from /proc/<pid>/cgroup (the cgroup of
 each hierarchy) and /proc/self/mountinfo (where each hierarchy is mounted); both are parameters so
@@ -156,6 +157,26 @@ def cpu_seconds(directory: str, version: int) -> float | None:
         return None if ns is None else ns / 1e9
     usec = keyed(os.path.join(directory, "cpu.stat"), "usage_usec")
     return None if usec is None else usec / 1e6
+
+
+def cpu_quota(directory: str, version: int) -> float | None:
+    """CPUs the cgroup at `directory` may use by its CFS quota (quota / period); None without one."""
+    if version == 1:
+        quota = number(os.path.join(directory, "cpu.cfs_quota_us"))        # -1 (no quota) reads as None
+        period = number(os.path.join(directory, "cpu.cfs_period_us"))
+    else:
+        quota, _, period = read_text(os.path.join(directory, "cpu.max")).strip().partition(" ")
+        quota, period = (int(quota), int(period)) if quota.isdigit() and period.isdigit() else (None, None)
+    return quota / period if quota and period else None
+
+
+def own_cpu_quota(mount_list: list[Mount] | None = None, proc: str = "/proc") -> float | None:
+    """The CPUs this process's cgroup quota allows (a device of the edge testbed, a container given
+    --cpus), or None where no quota applies."""
+    mount_list = mounts() if mount_list is None else mount_list
+    directory = process_dir("cpu", "self", mount_list, proc)
+    m = controller_mount("cpu", mount_list)
+    return None if directory is None or m is None else cpu_quota(directory, m.version)
 
 
 def own_memory(mount_list: list[Mount] | None = None, proc: str = "/proc") -> Memory | None:
