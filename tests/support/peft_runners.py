@@ -96,12 +96,17 @@ def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: in
     return report
 
 
+# The classifier heads a LoRA run trains beside its adapters (BERT's; BART's and T5's), as peft's
+# modules_to_save does.
+HEADS = ("classifier.", "classification_head.")
+
+
 def lora_tensors(runner, family: str, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The trained tensors (LoRA's and BERT's classifier), or their gradients, of every stage at
-    full shape, by peft key."""
+    """The trained tensors (LoRA's and the classifier head's), or their gradients, of every stage
+    at full shape, by peft key."""
     to_hf = family_of(family).hf_names(runner.model.config)
     return {peft_key(to_hf(n)): t for n, t in runner.full_state(grads=grads).items()
-            if ".lora_" in n or n.startswith("classifier.")}
+            if ".lora_" in n or n.startswith(HEADS)}
 
 
 def lora_grads(ref) -> dict[str, torch.Tensor]:
