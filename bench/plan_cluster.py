@@ -42,7 +42,7 @@ from plan_accuracy import method_keys
 from planning_runs import ROOT, env, profile, use_cluster, write_base
 
 DEVICE_LINE = re.compile(r"galaxy\.edge: device (\S+) \(rank (\d+)\): exit (-?\d+), peak memory (\S+) of")
-KILLED_LINE = re.compile(r"(\S+) (was killed|lost a process): out of memory.*")
+KILLED_LINE = re.compile(r"(\S+(?: \(rank \d+\))?) (was killed|lost a process): out of memory.*")
 
 
 def user_plans(world: int, layers: int, micro: int) -> dict[str, dict]:
