@@ -11,7 +11,7 @@ device, its CPU share, memory limit and shaped link), on all-MiniLM-L6-v2 classi
        micro-batches, 1F1B); one that does not fit a device is killed there and reported so;
      - the fastest device training alone (the most cpus; a cluster of that one device);
      - its neighbours: the next --neighbours plans of the search's ranking (other stage splits,
-       micro-batches, schedules, shares, meshes, recomputation);
+       micro-batches, rows per data-parallel replica, schedules, shares, meshes, recomputation);
   3. the searched plan and the --final_top fastest others train --final_rounds more times,
      alternating; each counts its least disturbed run (a shared host's spells slow whole runs).
 
@@ -30,6 +30,7 @@ needs root (the testbed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -119,7 +120,8 @@ def candidates(ranked: list[dict], world: int, layers: int, args, predict) -> di
 
 def neighbour_keys(keys: dict, layers: int, batch: int):
     """Plans one change away from `keys`, then two: a layer moved between neighbouring stages,
-    another count of micro-batches, the other schedule, a head / 64 MLP columns / 8 tokens moved
+    another count of micro-batches, a row per micro-batch moved between two data-parallel replicas
+    (dp_batch_list), the other schedule, a head / 64 MLP columns / 8 tokens moved
     between two ranks of the Galaxy group, another method for one sub-block, recomputation."""
     singles = list(_single_changes(keys, layers, batch))
     yield from singles
@@ -140,10 +142,18 @@ def _single_changes(keys: dict, layers: int, batch: int):
                     yield {**keys, "stage_num_hidden_layers_list": moved}
     micro_key = "num_microbatches" if keys.get("pp_deg", 1) > 1 else "grad_accum_steps"
     micro = keys.get(micro_key, 1)
+    rows = keys.get("dp_batch_list") or [batch // keys.get("dp_deg", 1)] * keys.get("dp_deg", 1)
     for m in sorted(range(1, batch + 1), key=lambda m: abs(m - micro)):      # the nearest counts first
-        if m != micro and batch % (m * keys.get("dp_deg", 1)) == 0:
+        if m != micro and batch % keys.get("dp_deg", 1) == 0 and all(r % m == 0 for r in rows):
             yield {**keys, micro_key: m} if m > 1 or micro_key == "num_microbatches" else \
                 {k: v for k, v in keys.items() if k != micro_key}
+    for i, j in itertools.permutations(range(len(rows)) if len(rows) > 1 else (), 2):
+        if rows[i] - micro >= micro:                 # one row per micro-batch from replica i to j
+            moved = list(rows)
+            moved[i] -= micro
+            moved[j] += micro
+            yield {**keys, "dp_batch_list": moved} if len(set(moved)) > 1 else \
+                {k: v for k, v in keys.items() if k != "dp_batch_list"}
     if keys.get("pp_deg", 1) > 1:
         yield {**keys, "pipeline_schedule": "gpipe" if keys.get("pipeline_schedule") == "1f1b" else "1f1b"}
     for share, step in (("tp_num_attention_heads_list", 1), ("tp_intermediate_size_list", 64),
@@ -204,7 +214,8 @@ def describe(keys: dict) -> str:
     group = "" if not keys.get("att_parallel_method") or keys.get("pp_deg", 1) * keys.get("dp_deg", 1) > 1 and not shares \
         else f" ATT {keys['att_parallel_method']} MLP {keys['mlp_parallel_method']} CON {keys['con_parallel_method']} " \
         f"{shares or 'even'}"
-    return mesh + group + accumulate + recompute
+    rows = f" rows {keys['dp_batch_list']}" if keys.get("dp_batch_list") else ""
+    return mesh + rows + group + accumulate + recompute
 
 
 def chart(results: dict, path: Path, title: str) -> None:

@@ -7,6 +7,7 @@
                 encoder-decoder's cross-attention xatt TP|SP (None: as att)
     shares      per Galaxy rank: query heads (a TP ATT or XATT), MLP columns (a TP MLP), tokens
                 (SP), and an encoder-decoder's decoder tokens (its target sequence, SP)
+                per data-parallel replica: rows of every global batch (replica_rows; None: even)
     pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
                 accumulation's otherwise) and the schedule (gpipe | 1f1b)
     memory      the layers that recompute in backward (activation checkpointing), and whether the
@@ -26,6 +27,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from itertools import accumulate
 from typing import NamedTuple
+
+from galaxy.plan_shares import given_share_problems, microbatch_problems, share_problems
 
 
 class Layout(str, Enum):
@@ -57,7 +60,7 @@ FIELD_OF_KEY = {
     "grad_accum_steps": "microbatches", "pipeline_schedule": "schedule",
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks",
-    "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens",
+    "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
 }
 SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
               "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
@@ -102,6 +105,7 @@ class Plan:
     kv_blocks: bool = False
     xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
+    replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -145,6 +149,8 @@ class Plan:
             keys["grad_accum_steps"] = self.microbatches
         if self.dp > 1:
             keys["dp_sharding"] = self.dp_sharding
+            if self.replica_rows is not None:
+                keys["dp_batch_list"] = list(self.replica_rows)
         if self.comm_chunks > 1:
             keys["comm_chunks"] = self.comm_chunks
         if self.kv_blocks:
@@ -230,7 +236,8 @@ class Plan:
             if value < 1:
                 key = key or ("num_microbatches" if self.pp > 1 else "grad_accum_steps")
                 problems.append(f"{key} must be at least 1, got {value}")
-        for name, key in (*SHARE_KEYS.items(), ("stages", "stage_num_hidden_layers_list")):
+        for name, key in (*SHARE_KEYS.items(), ("replica_rows", "dp_batch_list"),
+                          ("stages", "stage_num_hidden_layers_list")):
             values = getattr(self, name)
             if values is not None and not values:
                 problems.append(f"{key} must not be empty; give one entry per rank or remove the key")
@@ -248,7 +255,9 @@ class Plan:
             problems.append(f"--world {world} is not divisible by pp_deg {self.pp} x dp_deg "
                             f"{self.dp} = {cells}; use a multiple of {cells} ranks or change "
                             f"pp_deg/dp_deg")
-        if work.rows is not None and work.rows % self.dp:
+        problems += share_problems(self.replica_rows, self.dp, work.rows)
+        problems += microbatch_problems(self.replica_rows, self.dp, work.rows, self.microbatches, self.pp > 1)
+        if work.rows is not None and work.rows % self.dp and self.replica_rows is None:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
         problems += self._pipeline_problems(work)
@@ -298,7 +307,7 @@ class Plan:
                                     "has no decoder; remove the key")
                 continue
             if given is not None:
-                problems += _given_share_problems(key, given, size, total, what, cells,
+                problems += given_share_problems(key, given, size, total, what, cells,
                                                   kv_group if name == "heads" and att_tp else 1, work)
                 out[name] = tuple(given)
                 continue
@@ -333,24 +342,12 @@ class Plan:
             problems.append(f"num_microbatches is {self.microbatches} but the 1f1b schedule needs at least "
                             f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg) "
                             f"or set pipeline_schedule to gpipe")
-        if stages > 1 and work.rows is not None and (work.rows // self.dp) % self.microbatches:
+        even = work.rows is not None and self.replica_rows is None
+        if stages > 1 and even and (work.rows // self.dp) % self.microbatches:
             problems.append(f"num_microbatches {self.microbatches} does not divide the "
                             f"{work.rows // self.dp} rows per replica (batch_size / dp_deg); "
                             "choose a divisor")
         return problems
-
-
-def _given_share_problems(key, given, size, total, what, cells, kv_group, work) -> list[str]:
-    if len(given) != size:
-        return [f"{key} has {len(given)} entries but the Galaxy group has {size} ranks ({cells})"]
-    if sum(given) != total:
-        return [f"{key} sums to {sum(given)} but {what} is {total}; make the entries add up to {total}"]
-    for i, v in enumerate(given):
-        if v % kv_group:
-            return [f"{key}[{i}] is {v}, not a multiple of {kv_group}: the model's {work.heads} query "
-                    f"heads share {work.kv_heads} KV heads, so each TP rank needs whole groups of "
-                    f"{kv_group} heads"]
-    return []
 
 
 class PlanError(ValueError):

@@ -281,6 +281,38 @@ def test_check_under_a_plan_names_the_shares(monkeypatch, capsys, ws):
             "[48, 48], tokens [9, 7])") in out
 
 
+# dp_batch_list at world 2 (dp 2), batch_size 8: each mistake one line, before the process group.
+BAD_ROWS = {
+    "length": (dict(dp_batch_list=[8]), "dp_batch_list has 1 entries but dp_deg is 2; give one row count per "
+                                        "replica"),
+    "sum": (dict(dp_batch_list=[3, 3]), "dp_batch_list sums to 6 but batch_size is 8; make the entries add up to 8"),
+    "zero": (dict(dp_batch_list=[8, 0]), "dp_batch_list[1] must be at least 1 (every rank needs a share), got 0"),
+    "accumulation": (dict(dp_batch_list=[7, 1], grad_accum_steps=2),
+                     "dp_batch_list[0] is 7, which does not split into grad_accum_steps 2 equal micro-batches; "
+                     "give every replica a multiple of 2 rows or lower grad_accum_steps"),
+    "dp1": (dict(dp_batch_list=[6, 2], dp_deg=1, pp_deg=2, num_microbatches=2),
+            "dp_batch_list is set but dp_deg is 1: it splits each batch between data-parallel replicas; set "
+            "dp_deg to its length or remove dp_batch_list"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ROWS)
+def test_uneven_replica_rows_that_do_not_fit(monkeypatch, capsys, ws, case):
+    keys, wanted = BAD_ROWS[case]
+    config = write_config(ws, f"rows-{case}", **outputs(ws, f"rows-{case}"), **keys)
+    code, _, line = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
+                              script="pretrain_dp_bert.py", preset="dp")
+    assert code == 2 and len(line.splitlines()) == 1 and line.startswith("pretrain_dp_bert.py: error: "), line
+    assert wanted in line
+
+
+def test_check_names_the_rows_per_replica(monkeypatch, capsys, ws):
+    config = write_config(ws, "check-rows", dp_batch_list=[6, 2], grad_accum_steps=2)
+    code, out, _ = run_entry(monkeypatch, capsys, config, "--check", "--world", "2", "--rank", "1",
+                             script="pretrain_dp_bert.py", preset="dp")
+    assert code == 0 and "pp 1 x dp 2 x Galaxy group 1 (rows per replica [6, 2])" in out, out
+
+
 def test_check_a_llama_run(monkeypatch, capsys, tmp_path):
     config = tmp_path / "llama.json"
     config.write_text(json.dumps({"model_path": "models/tiny-llama", "pad_size": 16, "batch_size": 4, "max_steps": 2}))

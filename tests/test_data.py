@@ -300,6 +300,19 @@ def test_shard_rows_are_the_slice_of_the_global_batch(tokenizer):
                 assert torch.equal(p[key], f[key][2 * index:2 * index + 2])
 
 
+def test_uneven_shards_are_consecutive_slices_of_the_global_batch(tokenizer):
+    """shard=(index, rows of every shard): dp_batch_list [3, 1] reads rows 0-2 and 3."""
+    full = list(ClassificationBatches(EXAMPLES, tokenizer, 8, 4, shuffle=True, seed=7))
+    for index, rows in ((0, slice(0, 3)), (1, slice(3, 4))):
+        part = list(ClassificationBatches(EXAMPLES, tokenizer, 8, 4, shuffle=True, seed=7, shard=(index, [3, 1])))
+        assert len(part) == len(full)
+        for p, f in zip(part, full):
+            for key in f:
+                assert torch.equal(p[key], f[key][rows])
+    with pytest.raises(ValueError, match=r"shard rows \[2, 1\] do not split batch_size 4"):
+        ClassificationBatches(EXAMPLES, tokenizer, 8, 4, shuffle=False, shard=(0, [2, 1]))
+
+
 def test_shard_tokenises_only_its_rows(tokenizer):
     seen = []
 

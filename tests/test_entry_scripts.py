@@ -3,7 +3,7 @@
 A tiny BERT (with the real MiniLM tokenizer) trains 3 SGD steps on a TSV file under
 pretrain_bert.py (serial), pretrain_galaxy.py (world 2, uneven shares; and dp 2 x Galaxy 2 at
 world 4), pretrain_tp_bert.py (world 2), pretrain_sp_bert.py (world 3), pretrain_dp_bert.py
-(world 2) and pretrain_pp_bert.py (world 2, 4 micro-batches), one process per rank started by
+(world 2, replicas of 6 and 2 rows: dp_batch_list) and pretrain_pp_bert.py (world 2, 4 micro-batches), one process per rank started by
 hand. The losses in metrics_file (global-batch means) must equal HF
 BertForSequenceClassification trained on the same batches.
 """
@@ -73,10 +73,10 @@ def sgd_losses(model, job, steps=STEPS, batch=BATCH, pad=PAD, lr=LR):
                                    seq_scatter_list=[9, 7])),
     ("pretrain_tp_bert.py", 2, {}),
     ("pretrain_sp_bert.py", 3, dict(seq_scatter_list=[7, 5, 4])),
-    ("pretrain_dp_bert.py", 2, {}),
+    ("pretrain_dp_bert.py", 2, dict(dp_batch_list=[6, 2])),
     ("pretrain_pp_bert.py", 2, dict(stage_num_hidden_layers_list=[1, 1], num_microbatches=4)),
     ("pretrain_galaxy.py", 4, dict(dp_deg=2, tp_num_attention_heads_list=[4, 2], seq_scatter_list=[9, 7])),
-], ids=["serial", "galaxy-w2", "tp-w2", "sp-w3", "dp-w2", "pp-w2", "dp2xgalaxy2-w4"])
+], ids=["serial", "galaxy-w2", "tp-w2", "sp-w3", "dp-w2-uneven", "pp-w2", "dp2xgalaxy2-w4"])
 def test_script_reports_hf_losses(job, script, world, extra):
     config, metrics_file = write_config(job, f"{script.removesuffix('.py')}-w{world}", **extra)
     run_script(script, config, world)

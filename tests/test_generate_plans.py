@@ -1,7 +1,8 @@
 """KV-cached generation (galaxy.inference.engine) gives Hugging Face generate's greedy tokens
 (do_sample=False, with its own cache) under every plan: Llama under all 8 ATT x MLP x CON
 combinations at world 2 with uneven shares, world 3, a 2-stage pipeline (alone and of Galaxy
-groups), 2 data-parallel replicas splitting the prompts; Qwen2 and GPT-2 under several. Prompts of
+groups), 2 data-parallel replicas splitting the prompts (evenly, and 2 / 1 under seeded sampling:
+dp_batch_list); Qwen2 and GPT-2 under several. Prompts of
 different lengths go in one left-padded batch, and alone. Seeded sampling under a plan draws the
 serial run's tokens; LoRA from a peft folder (and folded into the weights) gives peft's tokens;
 each rank's cache holds its share (heads under TP, tokens under SP)."""
@@ -9,6 +10,7 @@ import pytest
 
 from support.generation_runners import galaxy_generate, hf_generate, requests_for
 
+from galaxy.inference.replicas import replica_requests
 from galaxy.inference.sampling import Sampling
 from galaxy.plan import Plan
 
@@ -103,9 +105,16 @@ def test_seeded_sampling_under_plans_equals_serial(dist_pool, lm):
                 for i, p in enumerate(PROMPTS)]
     serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of("llama", 1), requests)[0][0]
     assert len({tuple(t) for t, _ in serial}) == 3
-    for plan in (plan_of("llama", 2, "SP", "TP", "SP"), plan_of("llama", 2, dp=2)):
-        for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan, requests)):
+    # dp 2 with uneven rows (dp_batch_list [2, 1]): replica 0 samples prompts 0 and 1, replica 1 prompt 2
+    for plan, rows in ((plan_of("llama", 2, "SP", "TP", "SP"), 8), (plan_of("llama", 2, dp=2), [2, 1])):
+        for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan, requests, rows)):
             assert got == serial, f"{plan.att}/{plan.mlp}/{plan.con} dp {plan.dp} rank {rank}"
+
+
+def test_uneven_replicas_take_their_rows_of_every_block_of_prompts():
+    assert replica_requests(7, 0, 2, [2, 1]) == ([0, 1, 3, 4, 6], 2)
+    assert replica_requests(7, 1, 2, [2, 1]) == ([2, 5], 1)
+    assert replica_requests(5, 1, 2, 3) == ([1, 3], 3)         # even: round-robin
 
 
 def test_lora_from_peft_folder_and_folded(dist_pool, lm, tmp_path):

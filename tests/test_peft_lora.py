@@ -3,7 +3,7 @@
 Both start from one peft adapter directory (random non-zero A and B, a trained classifier; r 4,
 alpha 8 on query, value and every "dense": column-parallel, row-parallel and replicated
 projections). Under all 8 per-sub-block plans at world 2 with uneven shares, serially, under DP
-(dp 2) and PP (pp 2, 1f1b), for BERT and Llama (Qwen2, Llama with q/k/v biases: the Galaxy
+(dp 2, even, FSDP2, and uneven rows: dp_batch_list) and PP (pp 2, 1f1b), for BERT and Llama (Qwen2, Llama with q/k/v biases: the Galaxy
 plan and pp 2), the loss of each of 5 SGD steps and, at the end, every tensor peft
 would save (lora_A, lora_B, the classifier; gathered to full shape) match peft within 1e-5
 relative. GPT-2 likewise under the Galaxy plan with heads 3 / 1, LoRA on its Conv1D projections
@@ -63,12 +63,13 @@ def test_serial_matches_peft(dist_pool, tiny_bert_dir, adapter_dir):
                            SERIAL, tiny_batch)[0], 0)
 
 
-@pytest.mark.parametrize("pp,dp,sharding", [(1, 2, "none"), (2, 1, "none"), (1, 2, "full")],
-                         ids=["dp2", "pp2", "dp2-sharded"])
-def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp, sharding):
-    """dp2-sharded: FSDP shards the frozen base weights and the LoRA tensors alike."""
+@pytest.mark.parametrize("pp,dp,sharding,rows", [(1, 2, "none", (6, 2)), (2, 1, "none", None), (1, 2, "full", None)],
+                         ids=["dp2-uneven", "pp2", "dp2-sharded"])
+def test_mesh_matches_peft(dist_pool, tiny_bert_dir, adapter_dir, pp, dp, sharding, rows):
+    """dp2-uneven: replicas of 6 and 2 rows (dp_batch_list). dp2-sharded: FSDP shards the frozen base
+    weights and the LoRA tensors alike."""
     reports = dist_pool(2).run(lora_mesh_vs_peft, "bert", tiny_bert_dir, adapter_dir, Plan(), pp, dp,
-                               SERIAL, tiny_batch, 5, 0.1, 8, 2, sharding)
+                               SERIAL, tiny_batch, 5, 0.1, 8, 2, sharding, None, None, rows)
     for rank, report in enumerate(reports):
         check(report, rank)
 
@@ -119,15 +120,17 @@ def test_decoder_galaxy_matches_peft(dist_pool, decoder_lora, family):
 @pytest.mark.parametrize("family,pp,dp,layers,galaxy", [
     ("llama", 1, 2, None, False), ("llama", 2, 1, None, False), ("qwen2", 2, 1, None, False),
     ("llama", 2, 1, "stage1", False), ("llama", 2, 1, "stage0", False), ("llama", 2, 1, "stage1", True)],
-    ids=["llama-dp2", "llama-pp2", "qwen2-pp2", "llama-pp2-stage1-targets", "llama-pp2-stage0-targets",
+    ids=["llama-dp2-uneven", "llama-pp2", "qwen2-pp2", "llama-pp2-stage1-targets", "llama-pp2-stage0-targets",
          "llama-pp2xgalaxy2-stage1-targets"])
 def test_llama_mesh_matches_peft(dist_pool, decoder_lora, family, pp, dp, layers, galaxy):
-    """Causal LM: the loss weighted by label tokens across replicas and micro-batches. With
-    targets in one stage's layers, the other stage trains nothing (galaxy's optimizer, empty)."""
+    """Causal LM: the loss weighted by label tokens across replicas and micro-batches (dp 2: rows
+    5 / 3). With targets in one stage's layers, the other stage trains nothing (galaxy's optimizer,
+    empty)."""
     plan, shares = (Plan.preset("galaxy"), DECODERS[family][2]) if galaxy else (Plan(), ((8,), (96,), (TINY_SEQ,)))
     world = pp * dp * len(shares[0])
     reports = dist_pool(world).run(lora_mesh_vs_peft, family, *decoder_lora(family, layers), plan, pp, dp,
-                                   shares, tiny_lm_batch, 5, 0.1, 8, 2, "none", None, "sgd" if layers else None)
+                                   shares, tiny_lm_batch, 5, 0.1, 8, 2, "none", None, "sgd" if layers else None,
+                                   (5, 3) if dp > 1 else None)
     for rank, report in enumerate(reports):
         check(report, rank)
     # Stage 0 (the first half of the ranks): with nothing trainable at or below it, no backward.

@@ -22,6 +22,7 @@ from galaxy.planner.device_compute import DeviceCompute
 from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
 from galaxy.planner.profiles import check_link
 from galaxy.planner.search import search
+from galaxy.planner.table import table
 from galaxy.train.metrics import read_metrics
 
 N_LAYER = 12 * PER_HEAD + 1536 * PER_COLUMN      # the synthetic model's parameters per layer
@@ -141,6 +142,34 @@ def test_the_best_plan_per_method_on_a_slow_link(method):
     else:
         assert (best.plan.pp, best.plan.dp, best.plan.microbatches) == (1, 2, 1)
         assert best.step_s == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_uneven_replica_rows_follow_speed_under_lora():
+    """Two devices 2:1 (2e10 and 1e10 FLOP/s) on a quick link (1 GB/s), 12 rows under LoRA: rows 8 / 4
+    finish together, in the slow device's time for 4 rows; even DDP waits for its 6; a Galaxy group
+    at 2:1 shares computes as fast but moves every layer's activations. The search starts from the
+    speeds (8 / 4) and keeps them; the written keys and the table carry them."""
+    R, B, opt = 1e10, 1e9, 1e-8
+    link = check_link({"latency_s": 0.0, "bytes_per_s": B}, "quick link")
+    devices = [dict(device(rate), optimizer_s_per_param={"adamw": opt}, grad_accumulate_s_per_param=1e-9)
+               for rate in (2 * R, R)]
+    cost = CostModel(with_method(synthetic_model(), LORA), devices, link, batch_size=12, method=LORA)
+    t = 6 * (A0 + 12 * A1)                                    # trained: what the DDP all-reduce moves
+
+    def by_hand(slow_rows):     # the slow replica's rows, then the trained gradients' sync and step
+        return slow_rows * 6 * 3 * (ATT_F + MLP_F) / R + 4 * t / B + t * opt
+    even = P(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
+    uneven = replace(even, replica_rows=(8, 4))
+    assert cost.estimate(even).step_s == pytest.approx(by_hand(6), rel=1e-9)
+    assert cost.estimate(uneven).step_s == pytest.approx(by_hand(4), rel=1e-9)
+    assert cost.estimate(replace(even, replica_rows=(9, 3))).step_s > by_hand(4)     # the fast one now waits
+    group = cost.estimate(P(1, 1, "TP", "TP", "SP", (8, 4), (1024, 512), (32, 16), (6,)))
+    assert group.step_s > by_hand(4) * 1.01      # its collectives: 2% more at 1 GB/s
+    best = search(cost, [1e6, 1e6]).ranked[0]
+    assert (best.plan.pp, best.plan.dp, best.plan.replica_rows, best.plan.microbatches) == (1, 2, (8, 4), 1)
+    assert best.step_s == pytest.approx(by_hand(4), rel=1e-9)
+    assert best.plan.to_keys()["dp_batch_list"] == [8, 4]
+    assert "rows 8,4" in table([best])
 
 
 # --- side-tuning ---------------------------------------------------------------------------------------

@@ -101,6 +101,9 @@ class PlanKeys:
     seq_scatter_list: list[int] | None = key(None, "tokens per Galaxy rank (SP sub-blocks); null: even")
     pp_deg: int = key(1, "pipeline stages", at_least=1)
     dp_deg: int = key(1, "data-parallel replicas of every stage", at_least=1)
+    dp_batch_list: list[int] | None = key(None, "rows of every global batch per data-parallel replica, in "
+                                          "dp-rank order, summing to batch_size (faster devices more); "
+                                          "null: even")
     dp_sharding: Literal["none", "full", "no_reshard"] = key("none", "shard the replicas' parameters, "
                                                              "gradients and optimizer state (FSDP2); "
                                                              "needs dp_deg > 1")

@@ -2,6 +2,8 @@
 
 import torch
 
+from galaxy.plan_shares import replica_slice
+
 
 class StepBatches:
     """Global batches of `batch_size` samples, encoded lazily per step by `encode` (subclasses).
@@ -12,21 +14,25 @@ class StepBatches:
     """
 
     def __init__(self, samples, batch_size, shuffle, seed=0, shard=None):
+        # shard: (index, count) for even shares, or (index, rows of every shard) for uneven ones
         index, count = shard if shard is not None else (0, 1)
+        shares = None if isinstance(count, int) else tuple(count)
+        count = count if shares is None else len(shares)
         if batch_size <= 0:
             raise ValueError(f"batch_size ({batch_size}) must be positive")
         if count <= 0 or not 0 <= index < count:
             raise ValueError(f"bad shard {shard!r}: need 0 <= index < count")
-        if batch_size % count:
+        if shares is None and batch_size % count:
             raise ValueError(f"shard count {count} does not divide batch_size {batch_size}")
+        if shares is not None and (sum(shares) != batch_size or min(shares) < 1):
+            raise ValueError(f"shard rows {list(shares)} do not split batch_size {batch_size}")
         if len(samples) < batch_size:
             raise ValueError(f"{len(samples)} examples is less than one batch of {batch_size}")
         self.samples = samples
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
-        local = batch_size // count
-        self.rows = slice(index * local, (index + 1) * local)  # this shard within a batch
+        self.rows = replica_slice(shares, index, batch_size, count)  # this shard within a batch
         self.epoch = 0
         self.step = 0
 
@@ -94,7 +100,8 @@ class ClassificationBatches(StepBatches):
     (len(self) = len(examples) // batch_size steps per epoch).
 
     shard=(index, count): this process only tokenises rows
-    [index*B, (index+1)*B) of each global batch, B = batch_size // count.
+    [index*B, (index+1)*B) of each global batch, B = batch_size // count;
+    shard=(index, rows): the shards' rows in order (uneven), this one rows[index] of them.
 
     Position: (epoch, step) = the next batch to yield. Iteration starts there and
     advances step before each yield, so state_dict() taken while training on a batch

@@ -23,7 +23,7 @@ from galaxy.config import ConfigError
 from galaxy.files import write_text_atomic
 from galaxy.inference.model import generation_engine, generation_task, inference_model
 from galaxy.inference.prompts import Prompt, prompt_ids, read_prompts
-from galaxy.inference.replicas import cache_mib_per_rank, generate_all
+from galaxy.inference.replicas import cache_mib_per_rank, generate_all, replica_batch
 from galaxy.inference.requests import Completion, Request
 from galaxy.inference.setup import (FromSetup, InferenceSetup, add_beam_arguments, add_sampling_arguments, beams_of,
                                     prepare_inference, sampling_of)
@@ -93,7 +93,7 @@ def run_generate(job: GenerateJob, env) -> list[Completion]:
                             task=generation_task(job.setup.shape))
     engine = generation_engine(model, plan, mesh, job.tokenizer, env.device)
     start = time.perf_counter()
-    done = generate_all(engine, job.requests, max(1, cfg.batch_size // plan.dp))
+    done = generate_all(engine, job.requests, replica_batch(cfg, plan))
     seconds = time.perf_counter() - start
     cache = cache_mib_per_rank(engine)
     if env.rank == 0:

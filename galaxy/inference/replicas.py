@@ -1,5 +1,7 @@
 """Many prompts over the data-parallel replicas: replica d generates prompts d, d + dp, d + 2 dp, ...
-in batches of its own, and every rank ends with every completion, in input order.
+in batches of its own (or, with uneven shares, rows[d] of every sum(rows) consecutive prompts, in
+batches of rows[d]: a replica on a faster device takes more), and every rank ends with every
+completion, in input order.
 
 The replicas do not step together: each runs its own batches (their prompts may need different
 numbers of steps), and they meet once, at the end, in one all-gather over the dp group.
@@ -11,12 +13,28 @@ import torch.distributed as dist
 from galaxy.inference.requests import Completion, Request
 
 
-def generate_all(engine, requests: list[Request], rows_per_batch: int, on_token=None) -> list[Completion]:
+def replica_batch(cfg, plan):
+    """The prompts a replica generates together: batch_size / dp_deg, or each replica's
+    dp_batch_list entry (a list)."""
+    return list(plan.replica_rows) if plan.replica_rows is not None else max(1, cfg.batch_size // plan.dp)
+
+
+def replica_requests(count: int, dp_rank: int, dp_size: int, rows) -> tuple[list[int], int]:
+    """(the indices of replica dp_rank's requests out of count, its rows per batch). rows: the
+    prompts every replica generates together (an int), or each replica's (the plan's dp_batch_list)."""
+    if isinstance(rows, int):
+        return list(range(dp_rank, count, dp_size)), rows
+    block, start = sum(rows), sum(rows[:dp_rank])
+    return [i for i in range(count) if start <= i % block < start + rows[dp_rank]], rows[dp_rank]
+
+
+def generate_all(engine, requests: list[Request], rows_per_batch, on_token=None) -> list[Completion]:
     """Every request's completion (collective over the mesh: every rank calls it with the same
-    requests). rows_per_batch: the prompts one replica generates together. on_token(index, token,
-    status): each token of this replica's requests as soon as this rank has it."""
+    requests). rows_per_batch: the prompts one replica generates together, or every replica's
+    (a list, in dp-rank order). on_token(index, token, status): each token of this replica's
+    requests as soon as this rank has it."""
     mesh = engine.mesh
-    mine = list(range(mesh.dp_rank, len(requests), mesh.dp_size))
+    mine, rows_per_batch = replica_requests(len(requests), mesh.dp_rank, mesh.dp_size, rows_per_batch)
     done: dict[int, Completion] = {}
     peak = 0
     for start in range(0, len(mine), rows_per_batch):

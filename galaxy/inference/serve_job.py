@@ -29,7 +29,7 @@ import torch.distributed as dist
 from galaxy.config import ConfigError
 from galaxy.distributed.failures import first_line
 from galaxy.inference.model import generation_engine, generation_task, inference_model
-from galaxy.inference.replicas import generate_all
+from galaxy.inference.replicas import generate_all, replica_batch
 from galaxy.inference.server import Front
 from galaxy.inference.setup import FromSetup, InferenceSetup, prepare_inference
 from galaxy.runtime.runners import plan_and_mesh
@@ -80,7 +80,7 @@ def run_serve(job: ServeJob, env) -> None:
                             task=generation_task(job.setup.shape))
     engine = generation_engine(model, plan, mesh, job.tokenizer, env.device)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))   # the schedule's objects
-    rows = max(1, cfg.batch_size // plan.dp)
+    rows = replica_batch(cfg, plan)
     if env.rank == 0:
         lead(job, engine, control, rows)
     else:
@@ -93,7 +93,7 @@ def _broadcast(message, control):
     return box[0]
 
 
-def follow(engine, control, rows: int) -> None:
+def follow(engine, control, rows: int | list[int]) -> None:
     while True:
         kind, requests = _broadcast(None, control)
         if kind == "stop":
@@ -102,7 +102,7 @@ def follow(engine, control, rows: int) -> None:
             generate_all(engine, requests, rows)
 
 
-def lead(job: ServeJob, engine, control, rows: int) -> None:
+def lead(job: ServeJob, engine, control, rows: int | list[int]) -> None:
     """Rank 0: serve HTTP and run the schedule until SIGINT or SIGTERM (then stop every rank) or a
     failed collective (then 503 to all, and raise: the launcher exits 1)."""
     front = Front(job.host, job.port, tokenizer=job.tokenizer, limits=job.setup.limits, model=job.model_name,
@@ -123,7 +123,7 @@ def lead(job: ServeJob, engine, control, rows: int) -> None:
     _broadcast(("stop", None), control)
 
 
-def schedule(front: Front, engine, control, rows: int, timeout_s: float) -> None:
+def schedule(front: Front, engine, control, rows: int | list[int], timeout_s: float) -> None:
     """Take the waiting requests in batches and generate each with every rank; ping while idle
     (every min(5 s, timeout_s / 4), well within the others' wait of timeout_s)."""
     works, heartbeat_s = [], min(5.0, timeout_s / 4)

@@ -75,7 +75,8 @@ def split_rows(batch: dict, n: int) -> list[dict]:
 class DataParallelRunner(Runner):
     """Forward and backward of one global batch on dp replicas of a Galaxy-group model.
 
-    Every replica gets its own batch_size / dp rows (it reads no other rows) and runs them in
+    Every replica gets its own rows (batch_size / dp, or its plan.replica_rows entry; it reads no
+    other rows) and runs them in
     the plan's micro-batches (grad_accum_steps); DDP averages over replicas at the last micro-batch only.
     With dp 1 this is plain Galaxy training (no DDP), so one runner serves every pp 1 mesh.
 
@@ -88,7 +89,7 @@ class DataParallelRunner(Runner):
     def __init__(self, model: nn.Module, plan, mesh, *, device=None, autocast=nullcontext):
         """plan: its micro-batches (gradient accumulation) and dp_sharding apply here."""
         super().__init__(model, mesh, autocast)
-        self.accum = plan.microbatches
+        self.accum, self.replica_rows = plan.microbatches, plan.replica_rows
         self.sharding = plan.dp_sharding if mesh.dp_pg is not None else "none"
         self.whole = None
         if self.sharding == "none":
@@ -112,7 +113,7 @@ class DataParallelRunner(Runner):
     def step(self, batch: dict) -> torch.Tensor:
         """batch: this replica's rows. Leaves synchronised gradients; returns the global-batch mean loss."""
         mesh, micro = self.mesh, split_rows(batch, self.accum)
-        total = total_loss_units(self.model, batch["labels"], mesh.dp_pg)
+        total = total_loss_units(self.model, batch["labels"], mesh.dp_pg, self.replica_rows)
         local = torch.zeros((), device=batch["labels"].device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1

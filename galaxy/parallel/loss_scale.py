@@ -15,8 +15,9 @@ micro-batch j's loss is scaled by D * u_dj / U. For classification with equal sh
 micro-batch means would be wrong whenever their token counts differ.
 
 Scalar collectives per step over the replicas: U needs an all-reduce before the first backward
-unless the loss terms are the rows (classification: every replica holds batch_size / D rows, so
-U = D x this replica's rows, no collective); the loss needs one at the end, and counts the
+unless the loss terms are the rows and the replicas' shares are known (classification: U is the
+global batch's rows, D x this replica's rows when they are even, the sum of dp_batch_list's
+entries when not; no collective); the loss needs one at the end, and counts the
 trainer wants summed over replicas too (the step's tokens) ride along in that same all-reduce
 (`riding_with_the_loss`) instead of costing their own.
 """
@@ -30,13 +31,15 @@ import torch.distributed as dist
 from galaxy.distributed import waiting
 
 
-def total_loss_units(model, labels: torch.Tensor, dp_pg) -> torch.Tensor:
-    """U: the loss terms of the global batch (this replica's labels summed over replicas)."""
+def total_loss_units(model, labels: torch.Tensor, dp_pg, replica_rows=None) -> torch.Tensor:
+    """U: the loss terms of the global batch (this replica's labels summed over replicas).
+    replica_rows: every replica's rows (the plan's dp_batch_list), None when they are even."""
     units = model.loss_units(labels).to(torch.long).reshape(())
     if dp_pg is not None:
         if getattr(model, "loss_units_are_rows", False):
-            # Replicas hold equal shares of the global batch's rows (galaxy.data shards batches
-            # evenly; runners split them into equal micro-batches).
+            # Every row is a term, and galaxy.data gives each replica its known share of the rows.
+            if replica_rows is not None:
+                return torch.full_like(units, sum(replica_rows))
             return units * dist.get_world_size(dp_pg)
         units = units.clone()
         waiting.all_reduce(units, group=dp_pg)

@@ -88,7 +88,7 @@ class PipelineRunner(Runner):
         target, losses = None, None
         if m.attached.is_last_stage:
             target, losses = batch["labels"], []
-            self._total_units = total_loss_units(m, target, mesh.dp_pg)
+            self._total_units = total_loss_units(m, target, mesh.dp_pg, self.plan.replica_rows)
         with self.autocast():
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if self.whole is not None:

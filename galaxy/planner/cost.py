@@ -15,7 +15,10 @@ work of each stage from its own end (both ends of a tied weight wait for each ot
 "sum" all-reduce, DDP's all-reduce over the data-parallel replicas (not overlapped with backward),
 the all-reduce of a weight tied across the pipeline's ends, the optimizer step of the rank's
 parameters and, with m micro-batches, m - 1 additions of its gradients into .grad; the step ends
-with the last stage to finish.
+with the last stage to finish. Replicas with uneven rows (dp_batch_list) run their own
+micro-batches of rows_d / m: each replica's pipeline is timed on its own rows, and every stage's
+once-per-step work starts when its slowest replica ends (the step = the slowest replica + the DP
+sync); compute and activation memory of each rank follow its replica's rows.
 
 Under a PEFT method (galaxy.planner.method) the sub-blocks are timed as the method runs them (the
 device profile's table for it: frozen weights without weight gradients, LoRA's rank-r products
@@ -39,7 +42,7 @@ from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import stage_ends
-from galaxy.planner.link_model import data_parallel_traffic, group_scale, link_time
+from galaxy.planner.link_model import data_parallel_traffic, link_time
 
 SUB_BLOCKS = ("ATT", "CON", "MLP", "CON")
 
@@ -94,54 +97,53 @@ class CostModel(MemoryModel):
     """estimate(plan): step time, memory, bytes sent and compute of every rank (module docstring)."""
 
     def estimate(self, plan: Plan) -> Estimate:
+        """Each replica's pipeline runs its own rows (micro-batches of rows_d / m); every stage's
+        once-per-step work (DP sync, the optimizer) starts when that stage's slowest replica ends."""
         g, pp, dp, m = plan.group, plan.pp, plan.dp, plan.microbatches
-        rows = self.batch / (dp * m)
         kinds = [self._kinds(plan, j) for j in range(g)]
-        carry_bytes, grad_bytes = self._carry_bytes(rows * max(k[2] for k in kinds))
         world = g * pp * dp
-        hops = tuple(self._hop(plan, p, carry_bytes) for p in range(pp - 1))
-        s = _Step(plan, rows, self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1, kinds, hops,
-                  carry_bytes, grad_bytes,
-                  [0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
-        fwds, bwds, extras, comm_path = [], [], [], 0.0
-        for p in range(pp):
-            fwd, bwd, extra, path = self._stage(s, p)
-            fwds.append(fwd), bwds.append(bwd), extras.append(extra)
-            comm_path = max(comm_path, path)
-        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule))
-        if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
-            ends[0] = ends[-1] = max(ends[0], ends[-1])
+        forms, padded = self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1
+        figures = ([0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
+        ends, extras, comm_path = [0.0] * pp, [0.0] * pp, 0.0
+        for d, rows in enumerate(self.replica_rows(plan)):
+            carry_bytes, grad_bytes = self._carry_bytes(rows / m * max(k[2] for k in kinds))
+            hops = tuple(self._hop(plan, p, carry_bytes, d) for p in range(pp - 1))
+            s = _Step(plan, rows / m, forms, padded, kinds, hops, carry_bytes, grad_bytes, *figures)
+            stages = [self._stage(s, p, d) for p in range(pp)]
+            fwds, bwds, own, paths = (tuple(x) for x in zip(*stages))
+            replica_ends = list(stage_ends(fwds, bwds, hops, m, plan.schedule))
+            if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
+                replica_ends[0] = replica_ends[-1] = max(replica_ends[0], replica_ends[-1])
+            ends = [max(a, b) for a, b in zip(ends, replica_ends)]
+            extras = [max(a, b) for a, b in zip(extras, own)]
+            comm_path = max(comm_path, *paths)
         step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, [x / MIB for x in s.memory], [int(x) for x in s.sent], s.compute_s, comm_path,
                         s.comm_s, s.sub_s)
 
-    def _stage(self, s: _Step, p: int) -> tuple[float, float, float, float]:
-        """(forward and backward of one micro-batch on stage p, its once-per-step work, its
-        communication on the critical path), filling in its ranks' figures."""
+    def _stage(self, s: _Step, p: int, d: int) -> tuple[float, float, float, float]:
+        """(forward and backward of one micro-batch of replica d on stage p, its once-per-step
+        work, its communication on the critical path), filling in its ranks' figures."""
         plan, m = s.plan, s.plan.microbatches
         first, last = p == 0, p == plan.pp - 1
         c = self.recomputed(plan, p)
-        comm = self._stage_comm(s, p, c)
+        ranks = [(p * plan.dp + d) * plan.group + j for j in range(plan.group)]
+        comm = self._stage_comm(s, p, c, tuple(ranks))
         p2p = (0 if last else s.hops[p]) + (0 if first else s.hops[p - 1])    # its sends per micro-batch
-        worst_fwd = worst_bwd = extra = 0.0
-        for d in range(plan.dp):
-            ranks = [(p * plan.dp + d) * plan.group + j for j in range(plan.group)]
-            fwd, bwd, per_rank = self._replica_compute(s, p, c, ranks)
-            worst_fwd, worst_bwd = max(worst_fwd, fwd), max(worst_bwd, bwd)
-            for j, r in enumerate(ranks):
-                extra = max(extra, self._rank_step(s, p, c, j, r, per_rank[j], comm))
+        fwd, bwd, per_rank = self._replica_compute(s, p, c, ranks)
+        extra = max(self._rank_step(s, p, c, j, r, per_rank[j], comm) for j, r in enumerate(ranks))
         path = m * (comm.mb + p2p) + comm.step
-        for r in self.stage_ranks(plan, p):
+        for r in ranks:
             s.comm_s[r] += path
-        return worst_fwd + comm.fwd, worst_bwd + comm.mb - comm.fwd, comm.step + extra, path
+        return fwd + comm.fwd, bwd + comm.mb - comm.fwd, comm.step + extra, path
 
-    def _stage_comm(self, s: _Step, p: int, c: int) -> _StageComm:
-        """Galaxy collectives of stage p (c layers recomputed) per micro-batch (half of them in
-        forward, the other half and the recomputed forwards' in backward), and once per step."""
+    def _stage_comm(self, s: _Step, p: int, c: int, group: tuple[int, ...]) -> _StageComm:
+        """Galaxy collectives of stage p's group `group` (global ranks; c layers recomputed) per
+        micro-batch (half of them in forward, the other half and the recomputed forwards' in
+        backward), and once per step."""
         plan, g = s.plan, s.plan.group
         L, last = plan.stages[p], p == plan.pp - 1
         out = _StageComm()
-        group = self._slowest_group(plan, p)
         for kind, f, fwd_share in s.forms:
             b = s.rows * (L * f["a_layer"] + (f["a_fixed"] if last else 0))
             calls = L * f["c_layer"] + (f["c_fixed"] if last else 0)
@@ -159,21 +161,12 @@ class CostModel(MemoryModel):
             out.step += link_time(self.link, "all_reduce", g, 0, 1, ranks=group)    # the stage's own "sum" call
         return out
 
-    def _slowest_group(self, plan: Plan, p: int) -> tuple[int, ...]:
-        """The global ranks of stage p's Galaxy group whose link is slowest (the replicas' groups
-        wait for one another at the step's end; a link profiled per pair tells them apart)."""
-        groups = [tuple((p * plan.dp + d) * plan.group + j for j in range(plan.group)) for d in range(plan.dp)]
-        if self.link is None or len(groups) == 1:
-            return groups[0]
-        return min(groups, key=lambda ranks: group_scale(self.link, ranks))
-
-    def _hop(self, plan: Plan, p: int, carry_bytes: float) -> float:
-        """One micro-batch's send from stage p to stage p + 1: every rank sends its counterpart
-        the carry at once, so the slowest pair's time."""
+    def _hop(self, plan: Plan, p: int, carry_bytes: float, d: int) -> float:
+        """One micro-batch's send from stage p to stage p + 1 in replica d: every rank sends its
+        counterpart the carry at once, so the slowest pair's time."""
         g, dp = plan.group, plan.dp
         return max(link_time(self.link, "send_recv", 2, carry_bytes, 1,
-                             ranks=((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j))
-                   for d in range(dp) for j in range(g))
+                             ranks=((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)) for j in range(g))
 
     def _method_sum(self, plan: Plan, p: int, out: _StageComm, group: tuple[int, ...]) -> None:
         """The Galaxy group's sum of a method's trained "sum" gradients, once per step (stage p)."""

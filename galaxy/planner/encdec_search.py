@@ -27,6 +27,8 @@ METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_
 
 
 class EncDecSearcher(Searcher):
+    uneven_rows = False     # EncDecCostModel times even rows per replica
+
     def __init__(self, cost: EncDecCostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
                  meshes=None, max_moves: int = 400):
         self.cost, self.budgets = cost, list(budgets)

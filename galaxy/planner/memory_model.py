@@ -50,10 +50,14 @@ class MemoryModel(ModelTerms):
         (galaxy.layers.block checkpoints a layer only while autograd records it)."""
         return plan.recomputed_in_stage(p) if self.backward_through_backbone else 0
 
+    def replica_rows(self, plan: Plan) -> list[float]:
+        """Rows of a global batch per replica: the plan's dp_batch_list, else an even split."""
+        return list(plan.replica_rows) if plan.replica_rows is not None else [self.batch / plan.dp] * plan.dp
+
     def estimate_memory(self, plan: Plan) -> list[float]:
         """MiB per rank (the memory half of estimate(), cheaper)."""
         g, pp, m = plan.group, plan.pp, plan.microbatches
-        rows = self.batch / (plan.dp * m)
+        rows = [r / m for r in self.replica_rows(plan)]        # one micro-batch's, per replica
         s_con = [self._kinds(plan, j)[2] for j in range(g)]
         out = [0.0] * (g * pp * plan.dp)
         for p in range(pp):
@@ -62,7 +66,7 @@ class MemoryModel(ModelTerms):
                 n = self.params_of(plan, p, j)
                 for d in range(plan.dp):
                     r = (p * plan.dp + d) * g + j
-                    out[r] = self._memory(plan, p, j, r, n, rows, self.recomputed(plan, p), inflight, plan.stages[p],
+                    out[r] = self._memory(plan, p, j, r, n, rows[d], self.recomputed(plan, p), inflight, plan.stages[p],
                                           s_con[j], p == 0, p == pp - 1) / MIB
         return out
 

@@ -8,11 +8,14 @@ least pp of them, else gpipe) and sharded data parallelism (with replicas). For 
   start    heads / columns / tokens per Galaxy rank proportional to its speed (the slowest device
            holding that Galaxy rank in any group: every group uses the same lists), in whole
            units (a K/V group of heads for grouped-query attention); layers per stage
-           proportional to the stage's speed
+           proportional to the stage's speed; rows of the global batch per data-parallel replica
+           proportional to the replica's speed (its slowest device), in whole micro-batches
+           (dp_batch_list; even rows are left as null)
   moves    a step of units from the rank that is most over its budget, or slowest at the
            sub-blocks that share splits, to the one with the most room or the least time (steps
            from about a quarter of a share down to one unit); a layer from the slowest or fullest
-           stage to any other, and from every stage to its neighbours
+           stage to any other, and from every stage to its neighbours; one row per micro-batch
+           from the slowest (or fullest) replica to the quickest (or roomiest) two
   accept   a move that lowers the total memory overflow, or keeps it and lowers the step time
   memory   after every move each stage recomputes the fewest leading layers
            (activation_checkpointing) that make its ranks fit, all of them when nothing else does
@@ -66,6 +69,8 @@ def proportional(total: int, unit: int, weights: list[float]) -> tuple[int, ...]
 
 
 class Searcher:
+    uneven_rows = True      # choose rows per replica (the encoder-decoder search keeps them even)
+
     def __init__(self, cost: CostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
                  meshes: list[tuple[int, int]] | None = None, methods=None, max_moves: int = 400):
         self.cost, self.budgets = cost, list(budgets)
@@ -172,8 +177,11 @@ class Searcher:
                        for p in range(pp)]
         stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
         schedule = "1f1b" if m >= pp else "gpipe"
+        replica_speed = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for j in range(g)) for d in range(dp)]
+        rows = proportional(self.cost.batch, m, replica_speed) if dp > 1 else None
         return Plan(att=att, mlp=mlp, con=con, pp=pp, dp=dp, heads=heads, columns=columns, tokens=tokens,
-                    stages=stages, microbatches=m, schedule=schedule, checkpoint=(), dp_sharding=shard)
+                    stages=stages, microbatches=m, schedule=schedule, checkpoint=(), dp_sharding=shard,
+                    replica_rows=uneven(rows))
 
     # --- local search ----------------------------------------------------------------------------
 
@@ -213,6 +221,8 @@ class Searcher:
                 candidates += self._share_moves(est, name, steps[name], unit, subs)
             if plan.pp > 1:
                 candidates += self._stage_moves(est)
+            if plan.dp > 1 and self.uneven_rows:
+                candidates += self._row_moves(est)
             best = None
             for trial in dict.fromkeys(candidates):
                 s, e = self.evaluate(trial)
@@ -307,6 +317,32 @@ class Searcher:
             out.append(replace(plan, stages=tuple(trial)))
         return out
 
+    def _row_moves(self, est: Estimate) -> list[Plan]:
+        """Plans with one row per micro-batch moved between replicas: from the slowest (its ranks'
+        compute and communication) to the two quickest, and from the one with the least memory
+        room to the two with the most when a rank is over its budget."""
+        plan, m = est.plan, est.plan.microbatches
+        rows = self.cost.replica_rows(plan)
+        replica_ranks = [[r for p in range(plan.pp) for r in range((p * plan.dp + d) * plan.group,
+                                                                   (p * plan.dp + d + 1) * plan.group)]
+                         for d in range(plan.dp)]
+        t = [max(est.compute_s[r] + est.comm_rank_s[r] for r in ranks) for ranks in replica_ranks]
+        room = [min(self.budgets[r] - est.memory_mib[r] for r in ranks) for ranks in replica_ranks]
+        by_t = sorted(range(plan.dp), key=lambda d: t[d])
+        pairs = [(by_t[-1], b) for b in by_t[:2]]
+        if min(room) < 0:
+            by_room = sorted(range(plan.dp), key=lambda d: room[d])
+            pairs += [(by_room[0], b) for b in by_room[::-1][:2]]
+        out = []
+        for a, b in dict.fromkeys(pairs):
+            if a == b or rows[a] - m < m:
+                continue
+            trial = [int(x) for x in rows]
+            trial[a] -= m
+            trial[b] += m
+            out.append(replace(plan, replica_rows=uneven(tuple(trial))))
+        return out
+
     def run(self, top: int = 5) -> SearchResult:
         start = time.perf_counter()
         results: dict[Plan, tuple] = {}
@@ -320,6 +356,11 @@ class Searcher:
             leanest = min((e for _, e in ordered),
                           key=lambda e: (sum(e.shortfall(self.budgets)), max(e.shortfall(self.budgets))))
         return SearchResult(fitting[:top], leanest, self.budgets, self.tried, time.perf_counter() - start)
+
+
+def uneven(rows: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """Replica rows as a plan holds them: None when every replica has the same."""
+    return None if rows is None or len(set(rows)) == 1 else tuple(rows)
 
 
 def search(cost: CostModel, budgets: list[float], *, top: int = 5, dp_sharding=("none",), **kw) -> SearchResult:

@@ -14,6 +14,8 @@ def describe(plan) -> dict:
         splits.append("tok " + ",".join(map(str, plan.tokens)))
     if g > 1 and plan.decoder_tokens and "SP" in (plan.att, plan.mlp, plan.con, plan.xatt):
         splits.append("dec tok " + ",".join(map(str, plan.decoder_tokens)))     # an encoder-decoder's target
+    if plan.dp > 1 and plan.replica_rows is not None:
+        splits.append("rows " + ",".join(map(str, plan.replica_rows)))      # per DP replica (dp_batch_list)
     methods = f"{plan.att} {plan.mlp} {plan.con}" if g > 1 else "-"
     if g > 1 and plan.xatt:
         methods += f" X{plan.xatt}"      # an encoder-decoder's XATT
@@ -26,7 +28,7 @@ def describe(plan) -> dict:
 
 def table(ranked) -> str:
     head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
-            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank")
+            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank (rows per replica)")
     lines = [head]
     for i, est in enumerate(ranked, 1):
         d = describe(est.plan)

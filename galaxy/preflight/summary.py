@@ -15,6 +15,8 @@ def _plan(cfg, world: int) -> str:
     shares = [f"{what} {list(getattr(plan, name))}" for name, what in
               (("heads", "heads"), ("columns", "MLP columns"), ("tokens", "tokens"))
               if getattr(plan, name) and plan.group > 1]
+    if plan.replica_rows is not None:
+        shares.append(f"rows per replica {list(plan.replica_rows)}")
     return text + (f" ({', '.join(shares)})" if shares else "")
 
 

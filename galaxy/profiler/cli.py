@@ -9,8 +9,8 @@ synthetic (random token ids, no padding, seeded): FLOPs and bytes do not depend 
 Rank 0 prints the module tree, the sub-block summary, and under a plan every rank's local FLOPs
 and communication; --json writes the report (schema: docs/profiling.md).
 
-dp_deg > 1: every data-parallel replica profiles its batch_size / dp_deg rows on its Galaxy group's
-model; the figures are those of replica 0's ranks. The gradient reduction over the replicas (DDP's
+dp_deg > 1: every data-parallel replica profiles its rows (batch_size / dp_deg, or its dp_batch_list
+entry) on its Galaxy group's model; the figures are those of replica 0's ranks. The gradient reduction over the replicas (DDP's
 all-reduce, or FSDP's gathers and reduce-scatters) is not in the step; under dp_sharding the memory
 report divides weights, gradients and optimizer state over the dp_deg replicas.
 """
@@ -28,6 +28,7 @@ from galaxy.config import ConfigError
 from galaxy.models.shape import read_model_shape
 from galaxy.launch import main as launch_main
 from galaxy.models.registry import FAMILIES, family_of
+from galaxy.plan_shares import rows_per_replica
 from galaxy.profiler.profile import profile_model
 from galaxy.profiler.table import comm_table, human, human_check, module_table, sub_block_table, summary
 
@@ -131,10 +132,15 @@ def synthetic_batch(task: str, batch: int, seq: int, vocab: int, num_labels: int
     return {k: v.to(device) for k, v in out.items()}
 
 
+def replica_rows(cfg, plan, dp_rank: int) -> int:
+    """The rows replica dp_rank profiles: batch_size / dp_deg, or its dp_batch_list entry."""
+    return rows_per_replica(plan.replica_rows, cfg.batch_size, plan.dp)[dp_rank]
+
+
 def closed_form_flops(job: ProfileJob) -> int:
     """Forward matrix FLOPs of the serial model on one replica's rows (the whole batch without data
     parallelism), from the family's closed form."""
-    rows = job.cfg.batch_size // job.cfg.plan.dp
+    rows = replica_rows(job.cfg, job.cfg.plan, 0)
     target = {} if job.target_tokens is None else {"target": job.target_tokens}
     return job.family.matmul_flops(job.hf, rows, job.cfg.pad_size, job.num_labels, **target)["total"]
 
@@ -143,7 +149,7 @@ def closed_form_comm(job: ProfileJob, plan) -> dict:
     """Bytes per collective kind the (resolved) plan's transitions, head and gradient sync should move
     per rank (one replica's rows)."""
     head = {"num_labels": job.num_labels} if job.encoder_decoder else {}    # its LM head or its classifier
-    return job.family.plan_comm_bytes(plan, job.hf, job.cfg.batch_size // plan.dp, plan.tokens,
+    return job.family.plan_comm_bytes(plan, job.hf, replica_rows(job.cfg, plan, 0), plan.tokens,
                                       comm_chunks=plan.comm_chunks, **head)
 
 
@@ -156,7 +162,7 @@ def run(job: ProfileJob, env) -> None:
     plan, mesh = plan_and_mesh(cfg, env.world, job.shape)
     model = build_model(cfg.model_path, plan, mesh.galaxy, num_labels=job.num_labels, seed=cfg.seed,
                         device=env.device, dropout=cfg.dropout, task=job.task_kind)
-    rows = cfg.batch_size // plan.dp
+    rows = replica_rows(cfg, plan, mesh.dp_rank)
     batch = synthetic_batch(job.task_kind, rows, cfg.pad_size, job.hf.vocab_size, job.num_labels, cfg.seed,
                             env.device, job.target_tokens)
     plan_dict = None
@@ -169,7 +175,8 @@ def run(job: ProfileJob, env) -> None:
                            optimizer_states=2 if cfg.optimizer == "adamw" else 0,
                            dp_shards=plan.dp if plan.dp_sharding != "none" else 1)
     if plan.dp > 1:
-        report.notes.append(f"data parallel: each of the {plan.dp} replicas runs {rows} "
+        report.notes.append(f"data parallel: the {plan.dp} replicas run "
+                            f"{rows_per_replica(plan.replica_rows, cfg.batch_size, plan.dp)} "
                             f"of the {cfg.batch_size} rows; the gradient reduction over the replicas "
                             f"({'FSDP, ' + plan.dp_sharding if plan.dp_sharding != 'none' else 'DDP'}) is not profiled")
     deepspeed_flops = None

@@ -6,8 +6,8 @@ checkpoint is a one-line exit 2); Trainer builds the mesh (pp x dp x Galaxy grou
 replicas under DDP) and trains; the task (galaxy/train/tasks.py) brings data and evaluation.
 
 Per optimizer step k (1-based): one global batch of batch_size rows (each data-parallel replica
-reads only its batch_size / dp_deg rows), forward and backward in grad_accum_steps micro-batches
-(or num_microbatches pipeline micro-batches), gradient sync (Galaxy "sum" rule, DP average) ->
+reads only its rows: batch_size / dp_deg, or its dp_batch_list entry), forward and backward in
+grad_accum_steps micro-batches (or num_microbatches pipeline micro-batches), gradient sync (Galaxy "sum" rule, DP average) ->
 optional clipping -> lr of step k -> update. After step k: the metrics line, the dev evaluation
 every eval_interval steps, a checkpoint every save_interval steps. At the end: dev and test
 evaluation, a last checkpoint, the Hugging Face export, the summary, the plot. Checkpoints and
@@ -152,7 +152,7 @@ class Trainer:
         self.optimizer = make_optimizer(cfg, self.runner.parameters())
         # Every stage of a replica reads that replica's rows (the first stage needs the tokens,
         # the last the labels, all of them the mask); no rank reads another replica's rows.
-        self.batches = self.task.batches(shard=(mesh.dp_rank, mesh.dp_size))
+        self.batches = self.task.batches(shard=(mesh.dp_rank, plan.replica_rows or mesh.dp_size))
         self.total = len(self.batches) * cfg.num_epochs
         if cfg.max_steps is not None:
             self.total = min(self.total, cfg.max_steps)

@@ -25,7 +25,7 @@ def requests_for(model_dir, prompts, max_new: int, sampling=Sampling(), **kw) ->
     return [Request(p, tuple(tok(p)["input_ids"]), max_new, sampling, **kw) for p in prompts]
 
 
-def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch: int = 8, lora=None, fold=False, eos=None):
+def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None, fold=False, eos=None):
     """[(tokens, finish_reason)] of every request on this rank, and this rank's cache MiB, under
     `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build;
     eos: the tokens that end a row instead of the model's."""

@@ -24,7 +24,8 @@ from galaxy.train.optim import OPTIMIZERS, build_optimizer
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": None, "activation_checkpointing": "none", "task": None,
-            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None}
+            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None,
+            "dp_batch": None}
 # SGD's learning rate when a test names none: the largest at which the family's test model trains
 # 5 steps without amplifying rounding. At 0.5 the tiny causal LMs' loss climbs (4.91 -> 5.28 on the
 # tied tiny Llama), and HF's own model, its gradients perturbed by 1e-7 relative, ends 8.7e-6 away
@@ -39,10 +40,13 @@ def stable_lr(family: str) -> float:
     return STABLE_LR.get(family, CAUSAL_LM_LR)
 
 
-def replica_rows(batch: dict, dp_rank: int, dp: int) -> dict:
-    """This replica's contiguous share of the global batch's rows."""
-    rows = next(iter(batch.values())).shape[0] // dp
-    return {k: v[dp_rank * rows:(dp_rank + 1) * rows] for k, v in batch.items()}
+def replica_rows(batch: dict, dp_rank: int, dp: int, shares=None) -> dict:
+    """This replica's contiguous share of the global batch's rows: even, or shares[dp_rank] rows
+    after the earlier replicas' (uneven data parallelism, dp_batch_list)."""
+    total = next(iter(batch.values())).shape[0]
+    rows = list(shares) if shares is not None else [total // dp] * dp
+    start = sum(rows[:dp_rank])
+    return {k: v[start:start + rows[dp_rank]] for k, v in batch.items()}
 
 
 def stored_fraction(model) -> float:
@@ -70,7 +74,8 @@ def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
                    stages=tuple(o["stage_layers"] or even_split(layers, pp)),
                    microbatches=o["num_microbatches"] if pp > 1 else o["grad_accum_steps"], schedule=o["schedule"],
                    checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
-                   comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
+                   comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"],
+                   replica_rows=None if o["dp_batch"] is None else tuple(o["dp_batch"]))
 
 
 def optimizers(o: dict, params, ref_params) -> tuple:
@@ -109,12 +114,12 @@ def train_and_compare(model_dir, plan, shares, batch_fn, reference, o: dict, at_
     report = {"loss": [], "stage": list(stage.layers if stage else []), "runner": runner, "mesh": mesh}
     for step in range(o["steps"]):
         batch = batch_fn(seed=step) if o["global_batch"] is None else batch_fn(seed=step, batch=o["global_batch"])
-        local = replica_rows(batch, mesh.dp_rank, o["dp"])
+        local = replica_rows(batch, mesh.dp_rank, o["dp"], plan.replica_rows)
         ref_logits, ref_loss = forward(batch)
         ref_loss.backward()
         if step == 0:
             logits, _ = runner(**{k: v for k, v in local.items() if k != "labels"})
-            rows = replica_rows({"x": ref_logits.detach()}, mesh.dp_rank, o["dp"])["x"]
+            rows = replica_rows({"x": ref_logits.detach()}, mesh.dp_rank, o["dp"], plan.replica_rows)["x"]
             report["logits"] = rel_err(full_sequence_logits(runner.model, logits.detach()), rows)
         loss = runner.step(local)
         if step == 0 and at_step0 is not None:

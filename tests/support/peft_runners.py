@@ -70,18 +70,18 @@ def compare_tensors(ours: dict, theirs: dict) -> tuple[float, str]:
 
 def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: int, shares, batch_fn,
                       steps=5, lr=0.1, global_batch=8, num_microbatches=2, dp_sharding="none", task=None,
-                      optimizer=None):
+                      optimizer=None, dp_batch=None):
     """LoRA (started from adapter_dir) on a pp x dp x Galaxy mesh against peft's LoRA on Hugging
     Face's model, serially. Returns {"loss": per-step rel errors, "logits": step 0, "tensors":
     (worst rel error, key) of the adapter tensors, "grads": the same of their gradients at step 0,
     "frozen_grads": frozen parameters that got a gradient}. Without a pipeline the tensors are
     what the export writes (lora_adapter_state). task: the model's (None: the family's primary
     one); optimizer: parity_runners.optimizers' (None: torch's SGD; "sgd": galaxy's, which also
-    takes a pipeline stage with nothing to train)."""
+    takes a pipeline stage with nothing to train); dp_batch: rows per replica (None: even)."""
     ref = peft_reference(family, model_dir, adapter_dir, task)
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
          "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task, "optimizer": optimizer,
-         "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
+         "dp_batch": dp_batch, "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
 
     def frozen_grads(runner, mesh):
         return {"frozen_grads": [n for n, p in runner.model.named_parameters()
