@@ -24,7 +24,8 @@ from galaxy.train.optim import OPTIMIZERS, build_optimizer
 
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": None, "activation_checkpointing": "none", "task": None,
-            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None}
+            "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None,
+            "batch_streams": 1}
 # SGD's learning rate when a test names none: the largest at which the family's test model trains
 # 5 steps without amplifying rounding. At 0.5 the tiny causal LMs' loss climbs (4.91 -> 5.28 on the
 # tied tiny Llama), and HF's own model, its gradients perturbed by 1e-7 relative, ends 8.7e-6 away
@@ -70,7 +71,7 @@ def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
                    stages=tuple(o["stage_layers"] or even_split(layers, pp)),
                    microbatches=o["num_microbatches"] if pp > 1 else o["grad_accum_steps"], schedule=o["schedule"],
                    checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
-                   comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"])
+                   comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"], batch_streams=o["batch_streams"])
 
 
 def optimizers(o: dict, params, ref_params) -> tuple:
