@@ -21,6 +21,11 @@ and the reduce-scatter hands each rank back its own tokens.
 attention core is not: Q/K/V are projected chunk by chunk as the input chunks arrive, put back in
 sequence order for the core (one index_select each), and the context is projected out chunk by
 chunk as the output collectives leave.
+
+Both also come as steps (`*_steps`, generators: galaxy.distributed.streams) that yield once the
+input chunks travel and once the output chunks do, so batch streams can interleave them; the
+plain functions run the steps to the end. `Transition.link` (galaxy.distributed.transitions)
+makes one Link of every transition kind for a whole activation.
 """
 from __future__ import annotations
 
