@@ -2,8 +2,9 @@
 every sub-block boundary, so one stream's collective travels while another's sub-block computes.
 
 Parity with Hugging Face lives with the parity tests (test_parity_bert: every plan at world 2 with
-uneven shares; test_parity_llama: Llama and GPT-2, and with comm_chunks; checkpointing and a
-pipeline: test_activation_checkpointing, test_pipeline). Here: the order things run in, recorded
+uneven shares; test_parity_llama: Llama and GPT-2, and with comm_chunks; test_parity_encdec: T5;
+checkpointing, a pipeline, LoRA, adapters, bf16: test_activation_checkpointing, test_pipeline,
+test_peft_lora, test_peft_adapter_side, test_trainer_step; config errors: test_bad_input). Here: the order things run in, recorded
 on tiny BERT at world 2 under the Galaxy preset with 5 rows in 2 streams (3 and 2 rows, so every
 collective and every sub-block says by its rows which stream it serves), forward and backward:
 after a stream starts a boundary's collective, what runs next is the other stream's work, and
