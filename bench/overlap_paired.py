@@ -1,4 +1,5 @@
-"""Paired step times of the overlap settings: comm_chunks 1 / 2 / 4, gradient sync early or not.
+"""Paired step times of the overlap settings: comm_chunks 1 / 2 / 4, batch_streams 1 / 2, gradient
+sync early or not.
 
 World 2 over gloo (one thread per rank), all-MiniLM-L6-v2 with a 4-class head (checkpoint
 dropout), one global batch of real sentences padded to --pad_size, AdamW. Every variant is a
@@ -8,9 +9,12 @@ every variant once in an order that reverses each round, so machine noise hits t
 figure per variant is the median over rounds of its step time divided by its baseline's in the
 same round (paired ratio), next to the median and min step times.
 
-Variants (name: plan, comm_chunks, gradient sync started during backward):
+Variants (name: plan, comm_chunks, batch_streams, gradient sync started during backward):
   galaxy-c1 (baseline of the galaxy-*), galaxy-c2, galaxy-c4: ATT TP, MLP TP, CON SP, even shares
+  galaxy-s2, galaxy-s2-c2: the same, each micro-batch's rows in 2 batch streams (plain, and with
+      comm_chunks 2 inside each stream's sub-blocks)
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
+  tp-s2, tp-s2-c2:                                               the same in 2 batch streams
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
   sp-kv-after-gather (baseline of sp-kv-blocks), sp-kv-blocks:  ATT SP, MLP SP, CON SP; the
       attention to the rank's own keys runs after the K/V all-gather, or while it travels
@@ -53,6 +57,7 @@ class Variant(NamedTuple):
     early_sync: bool = True       # the gradient sync's buckets start during backward
     poll: bool = False            # waits poll (else block)
     kv_blocks: bool = False
+    batch_streams: int = 1
 
 
 VARIANTS = {
@@ -60,10 +65,14 @@ VARIANTS = {
     "galaxy-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2),
     "galaxy-c4": Variant("galaxy", "galaxy-c1", comm_chunks=4),
     "galaxy-c1-poll": Variant("galaxy", "galaxy-c1", poll=True),
+    "galaxy-s2": Variant("galaxy", "galaxy-c1", batch_streams=2),
+    "galaxy-s2-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2, batch_streams=2),
     "tp-c1": Variant("tp", "tp-c1"),
     "tp-c2": Variant("tp", "tp-c1", comm_chunks=2),
     "tp-c4": Variant("tp", "tp-c1", comm_chunks=4),
     "tp-c1-poll": Variant("tp", "tp-c1", poll=True),
+    "tp-s2": Variant("tp", "tp-c1", batch_streams=2),
+    "tp-s2-c2": Variant("tp", "tp-c1", comm_chunks=2, batch_streams=2),
     "sp-sync-after": Variant("sp", "sp-sync-after", early_sync=False),
     "sp-early": Variant("sp", "sp-sync-after"),
     "sp-kv-after-gather": Variant("sp", "sp-kv-after-gather"),
@@ -77,7 +86,7 @@ def build(args, name: str, shape: dict):
     from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
     v = VARIANTS[name]
-    plan = Plan.preset(v.preset, comm_chunks=v.comm_chunks, kv_blocks=v.kv_blocks)
+    plan = Plan.preset(v.preset, comm_chunks=v.comm_chunks, kv_blocks=v.kv_blocks, batch_streams=v.batch_streams)
     plan = plan.resolve(2, Workload.of(shape, args.pad_size))
     torch.manual_seed(0)
     runner = build_runner(args.model_path, plan, make_mesh(plan), num_labels=NUM_LABELS, seed=0, dropout=args.dropout)

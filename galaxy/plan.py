@@ -13,7 +13,8 @@
     memory      the layers that recompute in backward (activation checkpointing), and whether the
                 replicas shard parameters, gradients and optimizer state (dp_sharding, FSDP2)
     overlap     comm_chunks: a TP sub-block's collectives in chunks of the sequence; kv_blocks: SP
-                attention over the own keys while the other ranks' K/V travel
+                attention over the own keys while the other ranks' K/V travel; batch_streams: a
+                micro-batch's rows in streams, one's collectives travelling while another computes
 
 A Plan reads and writes the config's flat keys (`from_keys` / `to_keys`: today's JSON and
 Galaxy-LM's keep their names), fills in what a config leaves out (`resolve`: even splits, larger
@@ -59,7 +60,7 @@ FIELD_OF_KEY = {
     "stage_num_hidden_layers_list": "stages", "num_microbatches": "microbatches",
     "grad_accum_steps": "microbatches", "pipeline_schedule": "schedule",
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
-    "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks",
+    "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks", "batch_streams": "batch_streams",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
 }
 SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
@@ -103,6 +104,7 @@ class Plan:
     dp_sharding: str = "none"                 # none | full | no_reshard
     comm_chunks: int = 1
     kv_blocks: bool = False
+    batch_streams: int = 1                    # streams of a micro-batch's rows (galaxy.distributed.streams)
     xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
@@ -151,8 +153,7 @@ class Plan:
             keys["dp_sharding"] = self.dp_sharding
             if self.replica_rows is not None:
                 keys["dp_batch_list"] = list(self.replica_rows)
-        if self.comm_chunks > 1:
-            keys["comm_chunks"] = self.comm_chunks
+        keys.update({k: getattr(self, k) for k in ("comm_chunks", "batch_streams") if getattr(self, k) > 1})
         if self.kv_blocks:
             keys["kv_blocks"] = True
         if self.xatt is not None:
@@ -231,7 +232,8 @@ class Plan:
     def key_problems(self) -> list[str]:
         """What is wrong with the keys whatever the world and model: one line each."""
         problems = []
-        for name, key in (("pp", "pp_deg"), ("dp", "dp_deg"), ("microbatches", None), ("comm_chunks", "comm_chunks")):
+        for name, key in (("pp", "pp_deg"), ("dp", "dp_deg"), ("microbatches", None), ("comm_chunks", "comm_chunks"),
+                          ("batch_streams", "batch_streams")):
             value = getattr(self, name)
             if value < 1:
                 key = key or ("num_microbatches" if self.pp > 1 else "grad_accum_steps")

@@ -34,10 +34,13 @@ def dropout_bert_dir(tmp_path_factory):
                           attention_probs_dropout_prob=0.2)
 
 
+# Batch streams (2) with a recomputed layer beside an interleaved one, and with every layer recomputed
 @pytest.mark.parametrize("family,plan,spec", [
-    ("bert", GALAXY, "full"), ("bert", Plan("SP", "SP", "SP"), [1]),
-    ("llama", Plan("SP", "TP", "SP"), 1), ("llama", Plan("TP", "SP", "None"), "full")],
-    ids=["bert-galaxy-full", "bert-sp-layer1", "llama-attSP-first1", "llama-conNone-full"])
+    ("bert", replace(GALAXY, batch_streams=2), "full"), ("bert", Plan("SP", "SP", "SP"), [1]),
+    ("llama", Plan("SP", "TP", "SP"), 1), ("llama", Plan("TP", "TP", "SP", batch_streams=2), 1),
+    ("llama", Plan("TP", "SP", "None"), "full")],
+    ids=["bert-galaxy-full-streams2", "bert-sp-layer1", "llama-attSP-first1", "llama-galaxy-first1-streams2",
+         "llama-conNone-full"])
 def test_recomputed_layers_match_hf(dist_pool, tiny_bert_dir, llama_dir, family, plan, spec):
     model_dir, batch_fn, shares = ((tiny_bert_dir, tiny_batch, ((4, 2), (64, 32), (7, 5))) if family == "bert"
                                    else (llama_dir, tiny_lm_batch, ((6, 2), (64, 32), (7, 5))))

@@ -227,6 +227,36 @@ def test_resume_takes_step_n_unpadded(monkeypatch, capsys, ws, checkpoints):
     assert "is not a folder" in line and f"{checkpoints} holds step-2, step-4" in line
 
 
+@pytest.mark.parametrize("keys,expected", [
+    ({"batch_streams": 5, "grad_accum_steps": 2},
+     "batch_streams 5 exceeds the 4 rows of a micro-batch (batch_size 8 / dp_deg 1 / grad_accum_steps 2); use at "
+     "most 4 streams or raise batch_size"),
+    ({"batch_streams": 0}, "batch_streams must be at least 1, got 0")],
+    ids=["more-streams-than-rows", "no-stream"])
+def test_batch_streams_that_cannot_cut_the_micro_batch(monkeypatch, capsys, ws, keys, expected):
+    assert refused(monkeypatch, capsys, ws, "streams", **keys) == f"pretrain_bert.py: error: {expected}"
+
+
+def test_batch_streams_under_fsdp_is_refused_before_the_rendezvous(monkeypatch, capsys, ws):
+    config = write_config(ws, "streams-fsdp", dp_deg=2, dp_sharding="full", batch_streams=2)
+    code, _, err = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
+                             script="pretrain_galaxy.py", preset="galaxy")
+    assert code == 2 and "Traceback" not in err, err
+    assert ("pretrain_galaxy.py: error: batch_streams 2 cannot run under dp_sharding 'full' (FSDP2 gathers a "
+            "layer's weights once per forward, not once per stream); set batch_streams to 1 or dp_sharding to "
+            "'none'") == err.strip()
+
+
+
+def test_batch_streams_beyond_the_smallest_replica_is_refused(monkeypatch, capsys, ws):
+    config = write_config(ws, "streams-uneven", dp_deg=2, dp_batch_list=[6, 2], batch_streams=3)
+    code, _, err = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
+                             script="pretrain_galaxy.py", preset="galaxy")
+    assert code == 2 and "Traceback" not in err, err
+    assert ("pretrain_galaxy.py: error: batch_streams 3 exceeds the 2 rows of the smallest replica's "
+            "micro-batch (dp_batch_list [6, 2] / grad_accum_steps 1); use at most 2 streams or give that "
+            "replica more rows") == err.strip()
+
 # --- 4. damaged checkpoints ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

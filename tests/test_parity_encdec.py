@@ -7,7 +7,8 @@ v1.0: ReLU MLP, tied and scaled head; v1.1: gated GELU, its own head) on right-p
 of 12 tokens and target rows of 9 (labels -100 on padding, decoder inputs the labels shifted
 right). At world 2 the 8 ATT x MLP x CON combinations, each with the XATT method that makes every
 pair of the four methods appear (a 2^(4-1) design), uneven heads (3 / 1), MLP columns (64 / 32),
-source tokens (7 / 5) and target tokens (4 / 5, the other rank larger); world 3 and serial; T5
+source tokens (7 / 5) and target tokens (4 / 5, the other rank larger), T5's in 2 batch streams;
+world 3 and serial; T5
 v1.1 under two plans and serially. Each: logits, loss, every gathered gradient, 5 SGD steps'
 losses and the final gathered weights within 1e-5 relative (fp32).
 """
@@ -52,7 +53,8 @@ def run(dist_pool, world, family, model_dir, cases, build=None, batch_fn=tiny_se
 
 @pytest.mark.parametrize("family", ("bart", "t5"))
 def test_world2_uneven_plans_match_hf(dist_pool, tiny_lm_dir, family):
-    run(dist_pool, 2, family, tiny_lm_dir(family), COMBOS)
+    # T5 in 2 batch streams (rows 2 / 1): XATT's transitions, each stream's own memory and bias rows
+    run(dist_pool, 2, family, tiny_lm_dir(family), COMBOS, {"batch_streams": 2} if family == "t5" else None)
 
 
 @pytest.mark.parametrize("family", ("bart", "t5"))

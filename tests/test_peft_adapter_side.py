@@ -9,6 +9,8 @@ relative. At step 0 an adapter model and a use_side model compute the base model
 for bit (zero-initialised up-projections). Side-only never runs the backbone's layers, and
 use_side runs the backbone without autograd; frozen weights get no gradient.
 """
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -53,8 +55,10 @@ def tiny_llama_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("method", list(OPTIONS))
 def test_llama_galaxy_matches_serial(dist_pool, tiny_llama_dir, method):
-    """Causal masks in the side network's attention; pre-norm CONs with adapters."""
-    reports = dist_pool(2).run(peft_plan_vs_serial, tiny_llama_dir, PLANS["galaxy"], ((6, 2), (64, 32), (7, 5)),
+    """Causal masks in the side network's attention; pre-norm CONs with adapters. In 2 batch streams
+    (side-tuning runs one: its backbone runs without autograd)."""
+    reports = dist_pool(2).run(peft_plan_vs_serial, tiny_llama_dir, replace(PLANS["galaxy"], batch_streams=2),
+                               ((6, 2), (64, 32), (7, 5)),
                                OPTIONS[method], tiny_lm_batch)
     for rank, report in enumerate(reports):
         check(report, rank)

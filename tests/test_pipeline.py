@@ -64,8 +64,10 @@ def test_world3_matches_hf(dist_pool, bert4_dir, schedule, stages):
 
 
 def test_pp2_x_galaxy2_matches_hf(dist_pool, bert3_dir):
-    """Stages are Galaxy groups (uneven heads, columns, tokens): rank r of stage 0 talks to rank r of stage 1."""
-    reports = run_case(dist_pool(4), "bert", bert3_dir, GALAXY, 2, UNEVEN_2, tiny_batch, stage_layers=[2, 1])
+    """Stages are Galaxy groups (uneven heads, columns, tokens): rank r of stage 0 talks to rank r of stage 1.
+    Each micro-batch's 2 rows run as 2 batch streams inside each stage."""
+    reports = run_case(dist_pool(4), "bert", bert3_dir, GALAXY, 2, UNEVEN_2, tiny_batch, stage_layers=[2, 1],
+                       batch_streams=2)
     assert [r["stage"] for r in reports] == [[0, 1], [0, 1], [2], [2]]
 
 

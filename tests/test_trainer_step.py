@@ -66,8 +66,9 @@ def test_bf16_autocast_trains_under_galaxy(dist_pool, ws):
     losses = {}
     for precision in ("none", "bf16"):
         name = f"precision_{precision}"
+        # batch_streams 2: the config key through the trainer, and autocast across the streams' turns
         summary = pool.run(train_on_rank, write_config(ws, name, max_steps=3, mixed_precision=precision,
-                                                       **GALAXY_W2))[0][0]
+                                                       batch_streams=2, **GALAXY_W2))[0][0]
         losses[precision] = step_losses(f"{ws['root']}/{name}/metrics.jsonl")
         assert 0 <= summary["dev_accuracy"] <= 1
     diffs = [abs(losses["bf16"][k] - losses["none"][k]) for k in (1, 2, 3)]

@@ -60,4 +60,26 @@ def plan_key_problems(keys, rows: int | None = None) -> list[str]:
         problems.append(f"batch_size {rows} is not divisible by grad_accum_steps "
                         f"{accumulation}; batch_size is the global batch of one optimizer "
                         f"step, split into grad_accum_steps equal micro-batches")
+    return problems + batch_stream_problems(plan, rows)
+
+
+def batch_stream_problems(plan: Plan, rows: int | None) -> list[str]:
+    """batch_streams against the micro-batch it cuts and the modes it cannot interleave."""
+    problems, streams = [], plan.batch_streams
+    if streams > 1 and plan.dp_sharding != "none":
+        problems.append(f"batch_streams {streams} cannot run under dp_sharding '{plan.dp_sharding}' (FSDP2 "
+                        f"gathers a layer's weights once per forward, not once per stream); set batch_streams "
+                        f"to 1 or dp_sharding to 'none'")
+    split = 'num_microbatches' if plan.pp > 1 else 'grad_accum_steps'
+    micro = max(plan.dp, 1) * max(plan.microbatches, 1)
+    if streams > 1 and plan.replica_rows is not None:        # uneven replicas: the smallest one's micro-batch
+        least = min(plan.replica_rows) // max(plan.microbatches, 1)
+        if least < streams:
+            problems.append(f"batch_streams {streams} exceeds the {least} rows of the smallest replica's "
+                            f"micro-batch (dp_batch_list {list(plan.replica_rows)} / {split} {plan.microbatches}); "
+                            f"use at most {least} streams or give that replica more rows")
+    elif streams > 1 and rows is not None and rows % micro == 0 and rows // micro < streams:
+        problems.append(f"batch_streams {streams} exceeds the {rows // micro} rows of a micro-batch (batch_size "
+                        f"{rows} / dp_deg {plan.dp} / {split} "
+                        f"{plan.microbatches}); use at most {rows // micro} streams or raise batch_size")
     return problems

@@ -21,6 +21,11 @@ and the reduce-scatter hands each rank back its own tokens.
 attention core is not: Q/K/V are projected chunk by chunk as the input chunks arrive, put back in
 sequence order for the core (one index_select each), and the context is projected out chunk by
 chunk as the output collectives leave.
+
+Both also come as steps (`*_steps`, generators: galaxy.distributed.streams) that yield once the
+input chunks travel and once the output chunks do, so batch streams can interleave them; the
+plain functions run the steps to the end. `Transition.link` (galaxy.distributed.transitions)
+makes one Link of every transition kind for a whole activation.
 """
 from __future__ import annotations
 
@@ -28,8 +33,9 @@ import functools
 
 import torch
 
-from galaxy.distributed.collectives import (Pending, start_all_gather_sequence, start_all_reduce,
+from galaxy.distributed.collectives import (Pending, split_sequence, start_all_gather_sequence, start_all_reduce,
                                             start_reduce_scatter_sequence)
+from galaxy.distributed.streams import run_to_end
 
 
 class Link:
@@ -91,6 +97,18 @@ def scatter_link(sizes, rank: int, pg) -> Link:
                 lambda g: start_all_gather_sequence(g, sizes, pg), sizes)
 
 
+def gather_replicated_link(sizes, rank: int, pg) -> Link:
+    """S -> R for a consumer that repeats the work on every rank: all-gather | keep own share."""
+    return Link(lambda x: start_all_gather_sequence(x, sizes, pg),
+                lambda g: Pending(None, lambda: split_sequence(g, sizes, rank)), sizes)
+
+
+def split_link(sizes, rank: int, pg) -> Link:
+    """R -> S: keep own share | all-gather of the gradient."""
+    return Link(lambda x: Pending(None, lambda: split_sequence(x, sizes, rank)),
+                lambda g: start_all_gather_sequence(g.contiguous(), sizes, pg), sizes)
+
+
 def copy_link(pg) -> Link:
     """R -> R for a TP consumer: nothing | all-reduce of the gradient."""
     return Link(lambda x: Pending(None, lambda: x.clone()),
@@ -116,8 +134,15 @@ def chunked_tokenwise(x: torch.Tensor, fn, chunks: int, in_links, out_links):
     fn(x_j) -> (y_j, extra): y_j [b, s_j', h'], extra the same every call (a deferred bias).
     Returns (y [b, sum of the chunks' results along the sequence, h'], extra).
     """
+    return run_to_end(chunked_tokenwise_steps(x, fn, chunks, in_links, out_links))
+
+
+def chunked_tokenwise_steps(x: torch.Tensor, fn, chunks: int, in_links, out_links):
+    """chunked_tokenwise as steps (galaxy.distributed.streams): it yields once every input chunk
+    travels and once every output chunk does, so another batch stream can compute meanwhile."""
     tokens = _start_chunks(x, chunks, in_links)
-    return _finish_chunks((wait(t, link) for t, link in zip(tokens, in_links)), fn, out_links)
+    yield
+    return (yield from _finish_chunks((wait(t, link) for t, link in zip(tokens, in_links)), fn, out_links))
 
 
 def chunked_attention(x: torch.Tensor, att, chunks: int, in_links, out_links, **att_kwargs):
@@ -129,7 +154,13 @@ def chunked_attention(x: torch.Tensor, att, chunks: int, in_links, out_links, **
     rotary positions); the context goes back to gathered order and att.finish runs chunk by chunk,
     each result leaving while the next is computed.
     """
+    return run_to_end(chunked_attention_steps(x, att, chunks, in_links, out_links, **att_kwargs))
+
+
+def chunked_attention_steps(x: torch.Tensor, att, chunks: int, in_links, out_links, **att_kwargs):
+    """chunked_attention as steps, yielding where chunked_tokenwise_steps does."""
     tokens = _start_chunks(x, chunks, in_links)
+    yield
     projected = [att.project(wait(t, link)) for t, link in zip(tokens, in_links)]   # [chunk](q, k, v)
     lengths = [p[0].shape[1] for p in projected]
     orders = gathered_order(in_links, x.device)    # None: the chunks are already in sequence order
@@ -140,7 +171,7 @@ def chunked_attention(x: torch.Tensor, att, chunks: int, in_links, out_links, **
     ctx = att.attend(*whole, **att_kwargs)                                          # [b, S, heads*d]
     if orders is not None:
         ctx = ctx.index_select(1, order)
-    return _finish_chunks(ctx.split(lengths, dim=1), att.finish, out_links)
+    return (yield from _finish_chunks(ctx.split(lengths, dim=1), att.finish, out_links))
 
 
 def gathered_order(links, device=None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -173,10 +204,11 @@ def _start_chunks(x, chunks: int, links) -> list:
 
 
 def _finish_chunks(parts, fn, out_links):
-    """fn on each part in turn, its result's output collective started at once; then wait for
-    them all: (results joined along the sequence, fn's extra)."""
+    """fn on each part in turn, its result's output collective started at once; then (after a
+    step's yield) wait for them all: (results joined along the sequence, fn's extra)."""
     outs, extra = [], None
     for part, link in zip(parts, out_links):
         y, extra = fn(part)
         outs.append(start(y, link))
+    yield
     return torch.cat([wait(t, link) for t, link in zip(outs, out_links)], dim=1), extra

@@ -23,8 +23,8 @@ from torch import nn
 from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
                                             reduce_scatter_sequence, split_sequence)
 from galaxy.distributed.group import GalaxyGroup
-from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, reduce_link, scatter_link,
-                                        start, wait)
+from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, gather_replicated_link,
+                                        reduce_link, scatter_link, split_link, start, wait)
 from galaxy.plan import Layout   # noqa: F401 (the layouts' home; importers take it from here too)
 
 
@@ -184,6 +184,19 @@ class Transition(nn.Module):
 
     def forward(self, x):
         return x if self.fn is None else self.fn(x, self.group)
+
+    def link(self) -> Link | None:
+        """This transition as one asynchronous Link over the whole activation (the batch streams
+        of galaxy.distributed.streams start it, let another stream compute, then wait); None for
+        the identity."""
+        g, fn = self.group, self.fn
+        if fn is None:
+            return None
+        if fn in (copy_for_sharded_consumer, reduce_to_replicated):
+            return (copy_link if fn is copy_for_sharded_consumer else reduce_link)(g.pg)
+        make = {gather_for_sharded_consumer: gather_link, gather_for_replicated_consumer: gather_replicated_link,
+                reduce_scatter_to_shards: scatter_link, split_to_shards: split_link}[fn]
+        return make(tuple(g.tokens), g.rank, g.pg)
 
     def chunk_links(self, chunks: int, seq_len: int) -> list[Link] | None:
         """This transition as one asynchronous Link per chunk along the sequence

@@ -10,13 +10,21 @@ the sequence, each chunk's all-gather in and reduce-scatter out (all-reduces und
 travelling while other chunks' GEMMs run, in forward and backward (galaxy.distributed.overlap).
 The MLP works token by token; ATT's projections do (`project` and `finish`, per chunk) and its
 core (`attend`) runs once over the whole sequence. The result is the same up to summation order.
+
+Batch streams (the plan's batch_streams, galaxy.distributed.streams): `steps` is the layer as a
+generator that yields right after starting each boundary's collective (a Transition's Link; with
+comm_chunks, after the chunks' collectives start), so the model's layer loop can run another
+stream's sub-block while it travels. The plain forward runs the same steps without interleaving,
+each transition a blocking collective. A recomputed layer (activation checkpointing) runs whole
+in each stream: torch's checkpoint records one forward at a time.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from galaxy.distributed.overlap import chunked_attention, chunked_tokenwise
+from galaxy.distributed.overlap import chunked_attention_steps, chunked_tokenwise_steps, start, wait
+from galaxy.distributed.streams import run_to_end
 from galaxy.distributed.transitions import Transition
 from galaxy.layers.recompute import run_checkpointed
 
@@ -62,26 +70,37 @@ class TransformerBlock(nn.Module):
         return self._forward(stream, x, **att_kwargs)
 
     def _forward(self, stream, x, **att_kwargs):
-        out, bias = self._att(x, **att_kwargs)
+        return run_to_end(self._steps(stream, x, att_kwargs, interleave=False))
+
+    def steps(self, stream, x, context: dict, interleave: bool = True):
+        """This layer as steps (a generator returning forward's result): with `interleave`, it
+        yields after starting each boundary's collective and waits for it when resumed; a
+        recomputed layer, or interleave False, runs whole (no yield)."""
+        if not interleave or (self.recompute and torch.is_grad_enabled()):
+            return self(stream, x, **context)
+        return (yield from self._steps(stream, x, context, interleave))
+
+    def _steps(self, stream, x, att_kwargs: dict, interleave: bool):
+        out, bias = yield from self._att(x, att_kwargs, interleave)
         stream, x = self.con1(out, bias, stream)
-        out, bias = self._mlp(x)
+        out, bias = yield from self._mlp(x, interleave)
         return self.con2(out, bias, stream)
 
-    def _att(self, x, **att_kwargs):
+    def _att(self, x, att_kwargs: dict, interleave: bool):
         """to_att -> ATT -> from_att, in comm_chunks overlapped chunks when the transitions allow."""
         links = self._chunk_links(self.to_att, self.from_att, x.shape[1])
         if links:
-            return chunked_attention(x, self.att, len(links[0]), *links, **att_kwargs)
-        out, bias = self.att(self.to_att(x), **att_kwargs)
-        return self.from_att(out), bias
+            return (yield from chunked_attention_steps(x, self.att, len(links[0]), *links, **att_kwargs))
+        out, bias = self.att((yield from cross(self.to_att, x, interleave)), **att_kwargs)
+        return (yield from cross(self.from_att, out, interleave)), bias
 
-    def _mlp(self, x):
+    def _mlp(self, x, interleave: bool):
         """to_mlp -> MLP -> from_mlp, in comm_chunks overlapped chunks when the transitions allow."""
         links = self._chunk_links(self.to_mlp, self.from_mlp, x.shape[1])
         if links:
-            return chunked_tokenwise(x, self.mlp, len(links[0]), *links)
-        out, bias = self.mlp(self.to_mlp(x))
-        return self.from_mlp(out), bias
+            return (yield from chunked_tokenwise_steps(x, self.mlp, len(links[0]), *links))
+        out, bias = self.mlp((yield from cross(self.to_mlp, x, interleave)))
+        return (yield from cross(self.from_mlp, out, interleave)), bias
 
     def _chunk_links(self, into: Transition, out_of: Transition, seq_len: int):
         """(links in, links out) of a TP sub-block's transitions in comm_chunks chunks, or None
@@ -93,3 +112,14 @@ class TransformerBlock(nn.Module):
         if links_in and links_out and len(links_in) == len(links_out) > 1:
             return links_in, links_out
         return None
+
+
+def cross(transition: Transition, x, interleave: bool):
+    """x through a sub-block boundary, as a step: at once (a blocking collective), or with
+    `interleave` its Link started, a yield (another stream's turn), then its wait."""
+    link = transition.link() if interleave else None
+    if link is None:
+        return transition(x)
+    token = start(x, link)
+    yield
+    return wait(token, link)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from galaxy.distributed.transitions import Transition
-from galaxy.layers.block import TransformerBlock
+from galaxy.layers.block import TransformerBlock, cross
 
 
 class DecoderBlock(TransformerBlock):
@@ -33,11 +33,14 @@ class DecoderBlock(TransformerBlock):
 
     cons = ("con1", "conx", "con2")
 
-    def _forward(self, stream, x, memory=None, cross=None, **att_kwargs):
-        # stream, x: [b, s_con, h] (decoder tokens); memory: [b, S_src, h]
-        out, bias = self._att(x, **att_kwargs)
+    def _steps(self, stream, x, context: dict, interleave: bool):
+        # stream, x: [b, s_con, h] (decoder tokens); context: memory [b, S_src, h], cross (XATT's
+        # context) and the self-attention's
+        context = dict(context)
+        memory, cross_context = context.pop("memory", None), context.pop("cross", None) or {}
+        out, bias = yield from self._att(x, context, interleave)
         stream, x = self.con1(out, bias, stream)
-        out, bias = self.xatt(self.to_xatt(x), memory, **(cross or {}))
-        stream, x = self.conx(self.from_xatt(out), bias, stream)
-        out, bias = self._mlp(x)
+        out, bias = self.xatt((yield from cross(self.to_xatt, x, interleave)), memory, **cross_context)
+        stream, x = self.conx((yield from cross(self.from_xatt, out, interleave)), bias, stream)
+        out, bias = yield from self._mlp(x, interleave)
         return self.con2(out, bias, stream)

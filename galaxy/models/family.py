@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from galaxy.distributed.streams import cut_context, cut_rows, join_rows, round_robin, run_to_end, stream_rows
 from galaxy.models.attached import Attached
 
 
@@ -98,13 +99,35 @@ class GalaxyModel(nn.Module):
         raise NotImplementedError
 
     def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        """Run `layers` (all, or a pipeline stage's) over the carry."""
+        """Run `layers` (all, or a pipeline stage's) over the carry. Under the plan's
+        batch_streams > 1 (training), the carry's rows and the context are cut into streams that
+        take turns at every sub-block boundary (galaxy.distributed.streams)."""
+        sizes = self.stream_sizes(carry)
+        if sizes is None:
+            return run_to_end(self.layer_steps(carry, context, layers, interleave=False))
+        streams = [self.layer_steps(c, k, layers, interleave=True)
+                   for c, k in zip(cut_rows(carry, sizes), cut_context(context, sum(sizes), sizes))]
+        return join_rows(round_robin(streams))
+
+    def stream_sizes(self, carry: tuple) -> list[int] | None:
+        """Rows per batch stream of this forward; None for one stream: always unless training
+        under a plan with batch_streams > 1 on at least 2 rows. Side-tuning runs one stream (its
+        backbone runs without autograd)."""
+        plan = self.attached.plan
+        if plan is None or plan.batch_streams == 1 or not self.training or self.side_mode:
+            return None
+        sizes = stream_rows(carry[0].shape[0], plan.batch_streams)
+        return sizes if len(sizes) > 1 else None
+
+    def layer_steps(self, carry: tuple, context: dict, layers, interleave: bool):
+        """run_layers' loop over one stream, as steps (TransformerBlock.steps): yields while a
+        boundary's collective travels (interleave), returns the carry after `layers`."""
         n = self.carry_size
         backbone, side = carry[:n], carry[n:]
         for layer in layers:
             if self.side_mode != "side_only":       # side-only never runs the backbone's layers
-                with self.backbone_grad():
-                    backbone = layer(backbone[0], backbone[-1], **context)[:n]
+                with self.backbone_grad():          # (no yield inside under side-tuning: one stream)
+                    backbone = (yield from layer.steps(backbone[0], backbone[-1], context, interleave))[:n]
             if side:
                 side = (layer.side(side[0], backbone[0], context),)
         return (*backbone, *side)

@@ -126,9 +126,10 @@ class EncoderDecoder(GalaxyModel):
         """The decoder's ATT mask from the target's [b, T]: causal and padding, [b, 1, T, T]."""
         return causal_padding_mask(keep)
 
-    def run_layers(self, carry: tuple, context: dict, layers) -> tuple:
-        """The layers over the carry: (source, target) streams, then under side-tuning the side
-        states (side encoder's, side decoder's), each side layer after its backbone layer."""
+    def layer_steps(self, carry: tuple, context: dict, layers, interleave: bool):
+        """The layers over one stream's carry, as steps (GalaxyModel.run_layers drives them):
+        (source, target) streams, then under side-tuning the side states (side encoder's, side
+        decoder's), each side layer after its backbone layer."""
         n = self.carry_size
         source, target, side = carry[:n], carry[n:2 * n], carry[2 * n:]
         memory = side_memory = None
@@ -136,8 +137,8 @@ class EncoderDecoder(GalaxyModel):
         for layer in layers:
             if layer.sequence == "source":
                 if run_backbone:
-                    with self.backbone_grad():
-                        source = layer(source[0], source[-1], **context["source"])[:n]
+                    with self.backbone_grad():       # (no yield inside under side-tuning: one stream)
+                        source = (yield from layer.steps(source[0], source[-1], context["source"], interleave))[:n]
                 if side:
                     side = (layer.side(side[0], source[0], context["side_source"]), side[1])
                 continue
@@ -145,8 +146,8 @@ class EncoderDecoder(GalaxyModel):
                 with self.backbone_grad():
                     if memory is None and not layer.xatt.memory_cached:   # once per stage: the encoder's output, whole
                         memory = self.encoder_output(self.memory(source[-1]))
-                    target = layer(target[0], target[-1], memory=memory, cross=context["cross"],
-                                   **context["target"])[:n]
+                    decoder_context = {**context["target"], "memory": memory, "cross": context["cross"]}
+                    target = (yield from layer.steps(target[0], target[-1], decoder_context, interleave))[:n]
             if side:
                 if side_memory is None:      # once per stage too: the side encoder's output, whole
                     side_memory = self.side_memory(side[0])

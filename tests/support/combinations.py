@@ -22,7 +22,8 @@ FACTORS = {
     "precision": ["none", "bf16"],
     "accum": [1, 2],
     "clip": ["off", "on"],
-    "overlap": ["off", "on"],          # comm_chunks 2 (a TP ATT's or MLP's) and kv_blocks (an SP ATT's)
+    "overlap": ["off", "on"],          # comm_chunks 2 (a TP ATT's or MLP's), kv_blocks (an SP ATT's), and
+    #                                    batch_streams 2 on a Galaxy group or pipeline without accumulation
 }
 # Combinations the whole product found failing, run in the suite too (pairs do not hold them).
 FOUND = [
@@ -103,6 +104,8 @@ def config(row: dict, model: dict, folder: str) -> tuple[str, str, int, str]:
             "clip_grad": CLIP if row["clip"] == "on" else None}
     if row["overlap"] == "on":
         keys.update(comm_chunks=2, kv_blocks=True)
+        if row["mesh"] in ("galaxy2", "pp2") and row["accum"] == 1:     # micro-batches of 4 or 2 rows
+            keys["batch_streams"] = 2
     path = os.path.join(folder, name(row) + ".json")
     with open(path, "w") as f:
         json.dump(keys, f)

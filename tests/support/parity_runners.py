@@ -25,7 +25,7 @@ from galaxy.train.optim import OPTIMIZERS, build_optimizer
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": None, "activation_checkpointing": "none", "task": None,
             "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None,
-            "dp_batch": None}
+            "dp_batch": None, "batch_streams": None}
 # SGD's learning rate when a test names none: the largest at which the family's test model trains
 # 5 steps without amplifying rounding. At 0.5 the tiny causal LMs' loss climbs (4.91 -> 5.28 on the
 # tied tiny Llama), and HF's own model, its gradients perturbed by 1e-7 relative, ends 8.7e-6 away
@@ -66,7 +66,7 @@ def hf_forward(ref):
 def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
     """The resolved plan a test runs: `plan`'s methods, the shares given (heads, columns, tokens
     and, for an encoder-decoder, its decoder's tokens), and the mesh, stages, micro-batches and
-    options of o (DEFAULTS' keys)."""
+    options of o (DEFAULTS' keys; batch_streams None: the plan's)."""
     heads, columns, tokens, *decoder = shares
     pp, layers = o["pp"], read_model_shape(model_dir)["num_hidden_layers"]
     return replace(plan, pp=pp, dp=o["dp"], heads=tuple(heads), columns=tuple(columns), tokens=tuple(tokens),
@@ -75,6 +75,7 @@ def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
                    microbatches=o["num_microbatches"] if pp > 1 else o["grad_accum_steps"], schedule=o["schedule"],
                    checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
                    comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"],
+                   batch_streams=o["batch_streams"] or plan.batch_streams,
                    replica_rows=None if o["dp_batch"] is None else tuple(o["dp_batch"]))
 
 
