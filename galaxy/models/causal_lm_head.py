@@ -45,6 +45,12 @@ class CausalLMHead:
         """x [b, s_con, h] -> logits [b, s_con, vocab] with the LM head's (possibly copied) weight."""
         return F.linear(x, weight)
 
+    def vocab_slice_logits(self, x, rows: slice):
+        """x [b, s, h] -> the logits of the vocabulary `rows` [b, s, rows] (a decode step's head
+        split by rows, galaxy.inference.split_head). A family whose lm_logits adds more than the
+        product (BART's final_logits_bias) overrides this."""
+        return self.lm_logits(x, self.lm_head.weight[rows])
+
     def head(self, carry: tuple, labels=None):
         x = self.head_input(carry)
         weight, rows = self.lm_head.weight, slice(None)
