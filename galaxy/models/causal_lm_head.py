@@ -89,7 +89,9 @@ def causal_padding_mask(keep):
     A query that would see no key at all (a sample that is all padding) sees itself, so that
     attention stays finite; such rows carry no loss.
     """
-    S = keep.shape[1]
+    b, S = keep.shape
+    if S == 1:                 # a decode step: the one query sees itself (the cache's keys come apart)
+        return torch.ones(b, 1, 1, 1, dtype=torch.bool, device=keep.device)
     causal = torch.ones(S, S, dtype=torch.bool, device=keep.device).tril()
     mask = causal & keep[:, None, None, :]
     blind = ~mask.any(-1, keepdim=True)
