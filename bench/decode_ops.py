@@ -16,11 +16,17 @@ cancels. Per run (rank 0 of a plan) it prints:
   the most frequent operators     name, calls per token, self-time share
 
 Also (--latency): a micro-bench of the primitives a one-token all-reduce could be made of, on two
-ranks over loopback, for --bytes: all_reduce, all_gather into one tensor then a sum, and a paired
-isend / irecv exchange then an add; median and min microseconds of 300 calls.
+ranks over loopback, for --bytes: all_reduce, all_gather into one tensor then a sum, all_to_all
+then a sum, and a paired isend / irecv exchange then an add; median and min microseconds of 300
+calls (waits polled where comm_wait polls, but the exchange's: gloo's send and receive works
+report completion only inside wait()).
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/decode_ops.py [--plans serial hf tp sp galaxy]
-        [--new 16] [--layers 8] [--hidden 1024] [--latency] [--json out.json]
+        [--new 16] [--layers 8] [--hidden 1024] [--token_sum all_to_all] [--latency] [--json out.json]
+
+A folder given as --model_dir is written once and reused. To count another revision the same
+way, run this file from an export of it (`git archive REV | tar -x -C DIR`): it imports the galaxy
+beside it.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ def write_model(path: str, shape: dict) -> None:
     default_tokenizer().save_pretrained(path)
 
 
-def galaxy_runner(path: str, name: str, world: int, shape: dict, pad: int):
+def galaxy_runner(path: str, name: str, world: int, shape: dict, pad: int, token_sum=None):
     from transformers import AutoTokenizer
     from galaxy.distributed.mesh import make_mesh
     from galaxy.inference.engine import Engine
@@ -72,8 +78,9 @@ def galaxy_runner(path: str, name: str, world: int, shape: dict, pad: int):
     from galaxy.runtime.assemble import build_model
     plan = (Plan() if name == "serial" else Plan.preset(name)).resolve(world, Workload.of(shape, pad))
     mesh = make_mesh(plan)
+    chosen = {"token_sum": token_sum} if token_sum else {}          # none: the revision's default
     engine = Engine(build_model(path, plan, mesh.galaxy), plan, mesh, AutoTokenizer.from_pretrained(path),
-                    eos_ids=[shape["eos_token_id"]])
+                    eos_ids=[shape["eos_token_id"]], **chosen)
 
     def run(ids, new):
         return engine.generate([Request("", tuple(ids), new, ignore_eos=True)])[0].tokens
@@ -143,7 +150,7 @@ def rank_main(rank: int, world: int, init: str, path: str, plans: list, args, ou
     shape = json.loads((Path(path) / "config.json").read_text())
     ids = [1] + list(range(3, 3 + args.prompt - 1))
     for name in plans:
-        run = hf_runner(path) if name == "hf" else galaxy_runner(path, name, world, shape, args.prompt)
+        run = hf_runner(path) if name == "hf" else galaxy_runner(path, name, world, shape, args.prompt, args.token_sum)
         result = per_token(run, ids, args.new)
         if rank == 0:
             out[name] = result
@@ -170,13 +177,20 @@ def latency_bench(nbytes: int, calls: int = 300) -> dict:
         waiting.wait(dist.all_gather_into_tensor(flat, x, async_op=True))
         flat.view(world, -1).sum(0)
 
+    sent, got = torch.empty(world, x.numel()), torch.empty(world, x.numel())
+
+    def all_to_all_sum():
+        sent.copy_(x.expand(world, -1))
+        waiting.wait(dist.all_to_all_single(got, sent, async_op=True))
+        got.sum(0)
+
     def exchange():
         peer = 1 - rank
         works = [dist.isend(x, peer), dist.irecv(recv, peer)]
         for w in works:
             w.wait()         # gloo's send and receive works report completion only inside wait()
         x + recv
-    tried = {"all_reduce": all_reduce, "all_gather + sum": gather_sum}
+    tried = {"all_reduce": all_reduce, "all_gather + sum": gather_sum, "all_to_all + sum": all_to_all_sum}
     if world == 2:
         tried["isend/irecv exchange + add"] = exchange
     result = {}
@@ -202,6 +216,7 @@ def main() -> None:
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"))
     p.add_argument("--latency", action="store_true", help="also the one-token reduction micro-bench")
     p.add_argument("--bytes", type=int, default=4096)
+    p.add_argument("--token_sum", help="all_to_all, exchange or all_reduce (galaxy.parallel.decode_layout)")
     p.add_argument("--json")
     args = p.parse_args()
     path = args.model_dir or tempfile.mkdtemp()
