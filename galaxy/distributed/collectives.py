@@ -74,7 +74,7 @@ def sum_by_all_to_all(x: torch.Tensor, pg) -> torch.Tensor:
     if pg is None:
         return x
     n = dist.get_world_size(pg)
-    sent = x.unsqueeze(0).expand(n, *x.shape).contiguous()               # [n, *x.shape]
+    sent = x.expand(n, *x.shape).contiguous()                           # [n, *x.shape]: n copies
     got = torch.empty_like(sent)
     if comm_recorder is not None:
         comm_recorder("all_gather", x, n)          # (n - 1) copies of x sent: an all-gather's bytes
