@@ -37,18 +37,21 @@ import torch.distributed as dist  # noqa: E402
 
 from inference_latency import SHAPE, run_galaxy, write_model  # noqa: E402
 from galaxy.distributed.mesh import make_mesh  # noqa: E402
+from galaxy.distributed.transitions import TOKEN_SUMS  # noqa: E402
 from galaxy.inference.engine import Engine  # noqa: E402
+from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM  # noqa: E402
 from galaxy.plan import Plan, Workload  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 
 
-def engine_for(path: str, name: str, world: int, pad: int) -> Engine:
+def engine_for(path: str, name: str, world: int, pad: int, token_sum: str) -> Engine:
     from transformers import AutoTokenizer
     plan = Plan() if name == "serial" else Plan.preset(name)
     plan = plan.resolve(world, Workload.of(SHAPE, pad))
     mesh = make_mesh(plan)
     model = build_model(path, plan, mesh.galaxy)
-    return Engine(model, plan, mesh, AutoTokenizer.from_pretrained(path), eos_ids=[SHAPE["eos_token_id"]])
+    return Engine(model, plan, mesh, AutoTokenizer.from_pretrained(path), eos_ids=[SHAPE["eos_token_id"]],
+                  token_sum=token_sum)
 
 
 def measure(engines: dict, args) -> dict:
@@ -87,6 +90,8 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
                    help="how ranks wait for collectives (config key comm_wait; auto polls where each rank has a core)")
+    p.add_argument("--token_sum", default=DEFAULT_TOKEN_SUM, choices=sorted(TOKEN_SUMS),
+                   help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout)")
     p.add_argument("--json")
     p.add_argument("--world", type=int, default=1, help="set by galaxy.edge run")
     p.add_argument("--rank", type=int, default=0, help="set by galaxy.edge run")
@@ -109,7 +114,7 @@ def main() -> None:
         if args.rank == 0:
             write_model(own)
         dist.broadcast_object_list(path, src=0)          # every rank reads rank 0's copy
-        engines = {name: engine_for(path[0], name, args.world, args.prompt) for name in args.plans}
+        engines = {name: engine_for(path[0], name, args.world, args.prompt, args.token_sum) for name in args.plans}
         result = measure(engines, args)
         dist.barrier()                                   # rank 0's folder outlives every reader
     if args.rank == 0:

@@ -5,13 +5,19 @@ groups), 2 data-parallel replicas splitting the prompts (evenly, and 2 / 1 under
 dp_batch_list); Qwen2 and GPT-2 under several. Prompts of
 different lengths go in one left-padded batch, and alone. Seeded sampling under a plan draws the
 serial run's tokens; LoRA from a peft folder (and folded into the weights) gives peft's tokens;
-each rank's cache holds its share (heads under TP, tokens under SP)."""
+each rank's cache holds its share (heads under TP, tokens under SP). Every decode step splits the
+LM head by vocabulary rows over the group; a TP sub-block's one-token sum is an all-to-all, and
+the paired exchange and the all-reduce give the same tokens."""
+from dataclasses import replace
+
 import pytest
 
-from support.generation_runners import galaxy_generate, hf_generate, requests_for
+from support.generation_runners import galaxy_generate, galaxy_generate_token_sums, hf_generate, requests_for
 
+from galaxy.distributed.group import GalaxyGroup
 from galaxy.inference.replicas import replica_requests
 from galaxy.inference.sampling import Sampling
+from galaxy.inference.split_head import vocab_shares
 from galaxy.plan import Plan
 
 PAD, NEW = 24, 10
@@ -80,6 +86,24 @@ def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_single_prompt(dist_pool, lm, world):
     check(dist_pool(world), "llama", lm, plan_of("llama", world), prompts=PROMPTS[2:])
+
+
+def test_every_decode_token_sum_gives_hf_tokens(dist_pool, lm):
+    """A TP sub-block's one-token output summed by a paired exchange or gloo's all-reduce instead of
+    the default all-to-all (galaxy.parallel.decode_layout), under uneven heads and columns."""
+    model_dir, want = lm("llama")
+    results = dist_pool(2).run(galaxy_generate_token_sums, model_dir, plan_of("llama", 2, "TP", "TP", "None"),
+                               requests_for(model_dir, PROMPTS, NEW), ("exchange", "all_reduce"))
+    for rank, per_sum in enumerate(results):
+        for name, (got, _) in zip(("exchange", "all_reduce"), per_sum):
+            assert [tokens for tokens, _ in got] == want, f"{name} rank {rank}: {got} != HF {want}"
+
+
+def test_the_decode_head_splits_the_vocabulary_by_column_shares():
+    """Each rank's rows of the LM head in a decode step (galaxy.inference.split_head)."""
+    group = GalaxyGroup(0, 3, None, (1, 1, 1), (300, 200, 100), (1, 1, 1))
+    assert vocab_shares(1000, group) == (500, 333, 167)
+    assert vocab_shares(7, replace(group, columns=(1, 1, 1))) == (2, 3, 2)
 
 
 def test_each_rank_caches_its_share(dist_pool, lm):

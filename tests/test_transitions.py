@@ -103,3 +103,36 @@ def test_auto_wait_polls_only_on_gloo_with_a_core_per_rank():
     assert not waiting.choose_poll("block", "gloo", ranks_on_host=1, cores_on_host=8)
     with pytest.raises(ValueError, match="comm_wait"):
         waiting.choose_poll("spin", "gloo", 1, 1)
+
+
+def token_sums_on_rank(names, poll):
+    """Every named one-token sum (TOKEN_SUMS) of this rank's fp32 summand of a [3, 1, 16] token:
+    (its largest error against the float64 sum, the result) per name."""
+    waiting.set_polling(poll)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = GalaxyGroup(rank, world, dist.group.WORLD, (1,) * world, (1,) * world, (1,) * world)
+        g = torch.Generator().manual_seed(99)                      # same on every rank
+        summands = [torch.randn(3, 1, 16, generator=g) for _ in range(world)]
+        want = sum(s.double() for s in summands)
+        out = {}
+        for name in names:
+            got = T.TOKEN_SUMS[name](summands[rank].clone(), group)
+            out[name] = ((got.double() - want).abs().max().item() / want.abs().max().item(), got)
+        return out
+    finally:
+        waiting.set_polling(False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_decoded_tokens_sum_is_the_same_on_every_rank_by_every_primitive(dist_pool, world):
+    """The decode phase's P -> R of one token (galaxy.parallel.decode_layout): the all-to-all
+    (polled), the paired exchange (world 2) and the all-reduce give the sum within fp32 rounding,
+    and every rank holds the same bits."""
+    names = ["all_to_all", "all_reduce"] + (["exchange"] if world == 2 else [])
+    results = dist_pool(world).run(token_sums_on_rank, names, True)
+    for name in names:
+        for rank, per_name in enumerate(results):
+            err, got = per_name[name]
+            assert err < 1e-6, f"{name} rank {rank}: off by {err:.2e} relative"
+            assert torch.equal(got, results[0][name][1]), f"{name}: rank {rank} holds other bits than rank 0"

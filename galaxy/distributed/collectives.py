@@ -62,6 +62,45 @@ def start_all_reduce(x: torch.Tensor, pg) -> Pending:
     return Pending(dist.all_reduce(x, group=pg, async_op=True), lambda: x)
 
 
+# -- a decoded token's sums: latency is all they cost --------------------------------------------
+
+def sum_by_all_to_all(x: torch.Tensor, pg) -> torch.Tensor:
+    """x summed over the group, for tensors so small that each round of messages is their cost (a
+    decoded token's [b, 1, h], a few KB): one all-to-all in which every rank sends x to every other
+    rank, a single round of direct messages where a ring all-reduce takes 2 (n - 1), then the n
+    copies summed in rank order, the same order on every rank (every rank holds the same bits).
+    Not differentiable: for generation, under no_grad. gloo's all-to-all reports completion to a
+    polling wait (waiting.py)."""
+    if pg is None:
+        return x
+    n = dist.get_world_size(pg)
+    sent = x.expand(n, *x.shape).contiguous()                           # [n, *x.shape]: n copies
+    got = torch.empty_like(sent)
+    if comm_recorder is not None:
+        comm_recorder("all_gather", x, n)          # (n - 1) copies of x sent: an all-gather's bytes
+    waiting.wait(dist.all_to_all_single(got, sent, group=pg, async_op=True))
+    return got.sum(0)
+
+
+def sum_by_exchange(x: torch.Tensor, pg) -> torch.Tensor:
+    """x summed over a group of two by one paired send and receive: x + the peer's x (addition
+    commutes, so both ranks hold the same bits). Not differentiable, as sum_by_all_to_all. gloo's
+    send and receive works report completion only inside wait(), so this wait blocks."""
+    if pg is None:
+        return x
+    if dist.get_world_size(pg) != 2:
+        raise ValueError("sum_by_exchange is for a group of two ranks")
+    peer = dist.get_global_rank(pg, 1 - dist.get_rank(pg))
+    x = x.contiguous()
+    got = torch.empty_like(x)
+    if comm_recorder is not None:
+        comm_recorder("all_gather", x, 2)          # one copy of x sent: an all-gather's bytes
+    ops = [dist.P2POp(dist.isend, x, peer, pg), dist.P2POp(dist.irecv, got, peer, pg)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return x + got
+
+
 def split_sequence(x: torch.Tensor, sizes, rank: int) -> torch.Tensor:
     """Keep this rank's token range of a replicated [b, s, h] tensor."""
     if len(sizes) == 1:

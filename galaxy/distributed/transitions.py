@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from galaxy.distributed.collectives import (all_gather_sequence, all_reduce,
-                                            reduce_scatter_sequence, split_sequence)
+from galaxy.distributed.collectives import (all_gather_sequence, all_reduce, reduce_scatter_sequence,
+                                            split_sequence, sum_by_all_to_all, sum_by_exchange)
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.distributed.overlap import (Link, chunk_sizes, copy_link, gather_link, gather_replicated_link,
                                         reduce_link, scatter_link, split_link, start, wait)
@@ -123,6 +123,27 @@ def split_to_shards(x, group):                # R -> S
     return x if group.size == 1 else _SplitToShards.apply(x, group)
 
 
+# -- a decoded token's P -> R: generation only (no_grad), so plain functions, no backward ---------
+# Which primitive sums a one-token partial output ([b, 1, h], a few KB) is a matter of rounds of
+# messages, not of bytes (galaxy.parallel.decode_layout; bench/decode_ops.py measures them).
+
+def sum_token_by_all_reduce(x, group):
+    """all-reduce, in place: x is the sub-block's fresh partial output, read by nothing else."""
+    return all_reduce(x, group.pg)
+
+
+def sum_token_by_all_to_all(x, group):
+    return sum_by_all_to_all(x, group.pg)
+
+
+def sum_token_by_exchange(x, group):
+    return sum_by_exchange(x, group.pg)
+
+
+TOKEN_SUMS = {"all_reduce": sum_token_by_all_reduce, "all_to_all": sum_token_by_all_to_all,
+              "exchange": sum_token_by_exchange}
+
+
 class KVGather:
     """SP attention's K/V all-gather (S -> R for a sharded consumer): call it, or `start` it and
     call what start returns once the result is needed (the Q projection and the attention to the
@@ -181,6 +202,13 @@ class Transition(nn.Module):
         self.label = f"{src.value}->{dst.value}" + (" (TP consumer)" if sharded_consumer else "")
         if self.fn is None:
             self.label += ", identity"
+
+    def use(self, fn, label: str, group: GalaxyGroup) -> None:
+        """Run `fn(x, group)` (None: the identity) in place of the plan's transition, until set again
+        (the decode phase's layouts, galaxy.parallel.decode_layout)."""
+        self.fn = fn if group.size > 1 else None
+        self.group = group
+        self.label = label if self.fn is not None else f"{label}, identity"
 
     def forward(self, x):
         return x if self.fn is None else self.fn(x, self.group)

@@ -13,7 +13,10 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
             group, then the last stage broadcasts it over the pipeline: every rank goes on with
             the same tokens and knows which rows have stopped.
   decode    one token per row under the decode layouts (galaxy.parallel.decode_layout), positions
-            continuing each row's own, until every row has stopped.
+            continuing each row's own, until every row has stopped. The LM head of a decode step
+            is split by vocabulary rows over the last stage's group and its logits gathered to
+            the sampler (galaxy.inference.split_head); each TP sub-block's one-token partial
+            output is summed by `token_sum`'s primitive.
 
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
@@ -29,15 +32,17 @@ import torch.distributed as dist
 
 from galaxy.inference.beam_search import BeamProgress
 from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
+from galaxy.inference.split_head import SplitHead
 from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
-from galaxy.parallel.decode_layout import decode_layouts
+from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, decode_layouts
 from galaxy.pipeline.stage import carry_dtype, carry_shapes, carry_slots, pack_carry, unpack_carry
 from galaxy.plan import Layout
 
 
 class Engine:
-    def __init__(self, model, plan, mesh, tokenizer, *, eos_ids, device="cpu"):
-        """model: this rank's part, built under `plan` on `mesh` (galaxy.runtime.assemble)."""
+    def __init__(self, model, plan, mesh, tokenizer, *, eos_ids, device="cpu", token_sum=DEFAULT_TOKEN_SUM):
+        """model: this rank's part, built under `plan` on `mesh` (galaxy.runtime.assemble);
+        token_sum: how a decode step sums a TP sub-block's output (galaxy.parallel.decode_layout)."""
         self.model, self.plan, self.mesh, self.tokenizer = model, plan, mesh, tokenizer
         self.group, self.device = mesh.galaxy, torch.device(device)
         self.eos = frozenset(eos_ids)
@@ -45,6 +50,9 @@ class Engine:
         self.pad = pad if pad is not None else min(self.eos, default=0)
         self.split_tokens = self.group.size > 1 and plan.uses("tokens")
         self.is_sampler = mesh.is_last_stage and self.group.rank == self.group.size - 1
+        self.token_sum = token_sum
+        self.split_head = SplitHead(model, self.group) if SplitHead.applies(model, self.group, mesh.is_last_stage) \
+            else None
         self.cache_bytes = 0                 # this rank's KV cache of the last batch
         model.eval()
         for layer in model.layers:           # chunked transitions call ATT's pieces, not its cache path
@@ -68,7 +76,7 @@ class Engine:
             logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
             self._advance(progress, logits, on_token, caches)
             ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
-            with decode_layouts(self.model):
+            with decode_layouts(self.model, self.token_sum):
                 step = 0
                 while not progress.done:
                     tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]
@@ -123,6 +131,9 @@ class Engine:
         slots = carry_slots(m)
         carry = self._through_stage(lambda: m.embed(ids, positions=positions), slots, slots,
                                     carry_shapes(m, layout, *ids.shape), context, m.layers)
+        if step.decoding and self.split_head is not None:
+            logits = self.split_head.logits(carry)                              # [b, vocab], every rank
+            return logits if self.is_sampler else None
         if not self.is_sampler:
             return None
         logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]

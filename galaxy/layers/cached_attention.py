@@ -76,7 +76,7 @@ def _every_token(att, x, context: dict, step):
     if not step.decoding:      # the prompt attends to itself, as in training
         return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1)
     k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
-    mask = decode_mask(keep, context.get(KEY_BIAS), torch.arange(keep.shape[1], device=keep.device), q.dtype)
+    mask = decode_mask(keep, context.get(KEY_BIAS), slice(0, keep.shape[1]), q.dtype)
     ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                          scale=att.scale, enable_gqa=att.group > 1)    # [b, heads, 1, d]
     return ctx.transpose(1, 2).flatten(2)
@@ -84,7 +84,8 @@ def _every_token(att, x, context: dict, step):
 
 def decode_mask(keep, bias, columns, dtype):
     """A decode step's mask over cached keys, keep [b, T]: bool [b, 1, 1, T], or, with a key bias
-    [1 | b, heads, 1, T_all], the bias at these keys' `columns` [T] with hidden keys at -inf."""
+    [1 | b, heads, 1, T_all], the bias at these keys' `columns` (an index [T] or a slice) with
+    hidden keys at -inf."""
     if bias is None:
         return keep[:, None, None, :]
     return bias[..., columns].to(dtype).masked_fill(~keep[:, None, None, :], float("-inf"))

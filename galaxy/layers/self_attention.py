@@ -9,7 +9,7 @@ Megatron core's split: the model names its parts, the parallel machinery is writ
                                 core: the scale, dropout, how positions enter Q and K
                                 (`positions`: Llama's rotary) and which layer_context tensors are
                                 indexed by query position (`query_dims`: a [b, 1, S, S] mask's
-                                rows, Llama's [b, S, d] rotary tables)
+                                rows, Llama's [b, S, 1, d] rotary tables)
   SelfAttention owns            TP: shard_tp keeps this rank's heads and their K/V heads;
                                 SP: sequence_parallel(group) gathers K and V over the group
                                 (`kv_gather`), cuts the query-indexed context to this rank's rows

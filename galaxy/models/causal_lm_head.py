@@ -45,6 +45,12 @@ class CausalLMHead:
         """x [b, s_con, h] -> logits [b, s_con, vocab] with the LM head's (possibly copied) weight."""
         return F.linear(x, weight)
 
+    def vocab_slice_logits(self, x, rows: slice):
+        """x [b, s, h] -> the logits of the vocabulary `rows` [b, s, rows] (a decode step's head
+        split by rows, galaxy.inference.split_head). A family whose lm_logits adds more than the
+        product (BART's final_logits_bias) overrides this."""
+        return self.lm_logits(x, self.lm_head.weight[rows])
+
     def head(self, carry: tuple, labels=None):
         x = self.head_input(carry)
         weight, rows = self.lm_head.weight, slice(None)
@@ -83,7 +89,9 @@ def causal_padding_mask(keep):
     A query that would see no key at all (a sample that is all padding) sees itself, so that
     attention stays finite; such rows carry no loss.
     """
-    S = keep.shape[1]
+    b, S = keep.shape
+    if S == 1:                 # a decode step: the one query sees itself (the cache's keys come apart)
+        return torch.ones(b, 1, 1, 1, dtype=torch.bool, device=keep.device)
     causal = torch.ones(S, S, dtype=torch.bool, device=keep.device).tril()
     mask = causal & keep[:, None, None, :]
     blind = ~mask.any(-1, keepdim=True)

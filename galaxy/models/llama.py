@@ -50,10 +50,9 @@ def rotate_half(x):
 
 
 def rotary(t, context: dict):
-    """Queries or keys t [b, s, heads, d] rotated by the context's cos, sin [b, s, d] (the
+    """Queries or keys t [b, s, heads, d] rotated by the context's cos, sin [b, s, 1, d] (the
     layer_context's tables, at t's positions)."""
-    cos, sin = context["cos"][:, :, None], context["sin"][:, :, None]
-    return t * cos + rotate_half(t) * sin
+    return t * context["cos"] + rotate_half(t) * context["sin"]
 
 
 def llama_layer(cfg, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> TransformerBlock:
@@ -122,7 +121,9 @@ class LlamaBackbone(GalaxyModel):
         # Any parameter gives the rotary tables' dtype and device (a pipeline stage may lack
         # the embeddings).
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
-        return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos, "sin": sin}
+        # [b, S, 1, d]: broadcast over the heads once here, not in every layer's q and k (a
+        # decode step made 4 views a layer of them)
+        return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos[:, :, None], "sin": sin[:, :, None]}
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         # input_ids, attention_mask, labels: [b, S] on every rank (labels [b] for a classifier);

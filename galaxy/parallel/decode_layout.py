@@ -14,7 +14,13 @@ the CON layout is R on every rank and each sub-block keeps its method where one 
   CON         S or R                      R: every rank holds the token's stream
   embeddings  R -> CON layout             R -> R
 
-So a decode step costs one all-reduce per TP sub-block and one small all-gather per SP ATT.
+So a decode step costs one sum of a token's partial output per TP sub-block and one small
+all-gather per SP ATT. Decoding runs under no_grad, so the transitions are plain functions, no
+autograd (an R -> R into a TP sub-block, whose backward would all-reduce, is the identity), and
+a TP output's sum is the primitive `token_sum` names (galaxy.distributed.transitions.TOKEN_SUMS):
+a one-token sum of a few KB costs its rounds of messages, not its bytes, and a ring all-reduce
+takes 2 (n - 1) rounds where an all-to-all and a local sum take one ("all_to_all", the default;
+"exchange": a paired send and receive, groups of two only; "all_reduce": gloo's ring).
 
 An encoder-decoder (a model with `enter_decoder`) decodes only with its decoder: the encoder runs
 once, at the first pass, under the plan's layouts (its entry, its layers and the memory's
@@ -25,25 +31,28 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from galaxy.distributed.transitions import Layout, Transition
+from galaxy.distributed.transitions import TOKEN_SUMS, Transition
+
+DEFAULT_TOKEN_SUM = "all_to_all"
 
 
 @contextmanager
-def decode_layouts(model):
-    """Inside: the model's transitions as the decode phase wants them; the plan's again after."""
+def decode_layouts(model, token_sum: str = DEFAULT_TOKEN_SUM):
+    """Inside: the model's transitions as the decode phase wants them (under no_grad); the plan's
+    again after. token_sum: the primitive of a TP sub-block's P -> R (TOKEN_SUMS)."""
     saved = [(t, t.fn, t.label) for t in model.modules() if isinstance(t, Transition)]
     plan, group = model.attached.plan, model.attached.group
     encoder_decoder = hasattr(model, "enter_decoder")
+    summed = TOKEN_SUMS[token_sum]
     try:
-        (model.enter_decoder if encoder_decoder else model.enter).set(Layout.R, Layout.R, sharded_consumer=False,
-                                                                      group=group)
+        (model.enter_decoder if encoder_decoder else model.enter).use(None, "R->R", group)
         for layer in model.layers:
             if encoder_decoder and layer.sequence == "source":
                 continue
             for name, into, out in layer.parts():
                 tp = plan.method(name) == "TP"
-                into.set(Layout.R, Layout.R, sharded_consumer=tp, group=group)
-                out.set(Layout.P if tp else Layout.R, Layout.R, sharded_consumer=False, group=group)
+                into.use(None, "R->R" + (" (TP consumer)" if tp else ""), group)
+                out.use(summed if tp else None, f"P->R by {token_sum}" if tp else "R->R", group)
         yield
     finally:
         for t, fn, label in saved:

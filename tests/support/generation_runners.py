@@ -25,10 +25,12 @@ def requests_for(model_dir, prompts, max_new: int, sampling=Sampling(), **kw) ->
     return [Request(p, tuple(tok(p)["input_ids"]), max_new, sampling, **kw) for p in prompts]
 
 
-def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None, fold=False, eos=None):
+def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None, fold=False, eos=None,
+                    token_sum=None):
     """[(tokens, finish_reason)] of every request on this rank, and this rank's cache MiB, under
     `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build;
-    eos: the tokens that end a row instead of the model's."""
+    eos: the tokens that end a row instead of the model's; token_sum: the decode step's TP sum
+    (galaxy.parallel.decode_layout) instead of the default."""
     mesh = make_mesh(plan)
     model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh),
                         task=generation_task(read_model_shape(model_dir)))
@@ -42,8 +44,15 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None
     engine = generation_engine(model, plan, mesh, tok)
     if eos is not None:
         engine.eos = frozenset(eos)
+    if token_sum is not None:
+        engine.token_sum = token_sum
     out = generate_all(engine, requests, rows_per_batch)
     return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+
+
+def galaxy_generate_token_sums(model_dir, plan, requests, token_sums):
+    """galaxy_generate under `plan` with each of `token_sums` in one pool call: [its result per sum]."""
+    return [galaxy_generate(model_dir, plan, requests, token_sum=name) for name in token_sums]
 
 
 def galaxy_generate_plans(model_dir, plans, requests, rows_per_batch: int = 8, eos=None):
