@@ -290,7 +290,10 @@ def main() -> None:
     statistic = args.profile_statistic or ("mean" if args.cluster else "median")
     model_json, devices_json = str(out / "model.json"), str(out / "devices.json")
     if not (args.reuse_profiles and Path(model_json).exists() and Path(devices_json).exists()):
-        model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic)
+        # profile-devices times the 8 x 1024 model's sub-blocks at 512 tokens on each device: on
+        # home3's 0.35-cpu device that is minutes (its LM head alone does 100 GFLOP a call)
+        model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic,
+                                           timeout=3600)
     searched = search(out, base, model_json, devices_json, args)
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     alone_cluster, alone = one_device_cluster(cluster_doc, out) if cluster_doc else (None, 0)
