@@ -292,8 +292,12 @@ def main() -> None:
     if not (args.reuse_profiles and Path(model_json).exists() and Path(devices_json).exists()):
         # profile-devices times the 8 x 1024 model's sub-blocks at 512 tokens on each device: on
         # home3's 0.35-cpu device that is minutes (its LM head alone does 100 GFLOP a call)
-        model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic,
-                                           timeout=3600)
+        try:
+            model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic,
+                                               timeout=3600)
+        except RuntimeError as e:           # e.g. a device killed for memory: the testbed's line says so
+            sys.exit("profile-devices failed: " + " | ".join(line for line in str(e).splitlines()
+                                                             if "out of memory" in line or "rror" in line)[-400:])
     searched = search(out, base, model_json, devices_json, args)
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     alone_cluster, alone = one_device_cluster(cluster_doc, out) if cluster_doc else (None, 0)
