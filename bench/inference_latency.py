@@ -50,11 +50,12 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_
 DECODE_TARGET, PREFILL_TARGET = 0.9, 1.05
 
 
-def write_model(path: str):
-    """The random bench Llama (seed 0) and a tokenizer for the engine (ids are drawn, not encoded)."""
+def write_model(path: str, shape: dict = SHAPE):
+    """The random bench Llama (seed 0; SHAPE unless a smaller one is given) and a tokenizer for the
+    engine (ids are drawn, not encoded)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(path)
     default_tokenizer().save_pretrained(path)
     hf = LlamaForCausalLM.from_pretrained(path).eval()
     hf.generation_config.eos_token_id = None          # exactly max_new_tokens, as galaxy's ignore_eos

@@ -1,9 +1,11 @@
 """Generation latency under Galaxy plans: prefill and decode of one prompt, per plan, on the ranks
 this process is one of (issue 31's testbed targets).
 
-inference_latency.py's random Llama (8 layers, hidden 1024, 16 heads, MLP 2816, vocab 32000),
-batch 1, fp32. For each plan in --plans (presets: tp, sp, galaxy, megatron...; even shares; or
-"serial" on one rank): prefill = the seconds to the first new token of a --prompt-token prompt;
+inference_latency.py's random Llama (8 layers, hidden 1024, 16 heads, MLP 2816, vocab 32000; or
+the one in --model_path), batch 1, fp32. For each plan in --plans (presets: tp, sp, galaxy,
+galaxy2, megatron (= galaxy: Megatron TP+SP), each with even shares; "pipeline": even stages over
+every rank; "serial" on one rank) and each --plan_file NAME=CONFIG.json (the plan keys of a
+config, e.g. one plan.py search wrote): prefill = the seconds to the first new token of a --prompt-token prompt;
 decode = (K - 1) / (t(K) - t(1)) tokens/s after a --decode_prompt-token prompt, EOS ignored. The
 plans alternate their order every round; medians over --repeats rounds; rank 0 prints them and the
 greedy tokens of every plan must equal the first plan's.
@@ -15,7 +17,8 @@ Run as the ranks of the edge testbed (galaxy.edge appends --world, --rank, --ini
     python -m galaxy.edge run --cluster ONE_DEVICE.json -- \\
         .venv/bin/python bench/inference_plans.py --plans serial --json one.json    # a cluster file of one of its devices
 
-Rank 0 writes the model to a temporary folder that every rank reads (one file system).
+Rank 0 writes the model to a temporary folder that every rank reads (one file system), unless
+--model_path names one already written (bench/latency_cluster.py writes it once for its runs).
 """
 from __future__ import annotations
 
@@ -35,28 +38,51 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from inference_latency import SHAPE, run_galaxy, write_model  # noqa: E402
+from inference_latency import run_galaxy, write_model  # noqa: E402
 from galaxy.distributed.mesh import make_mesh  # noqa: E402
 from galaxy.distributed.transitions import TOKEN_SUMS  # noqa: E402
 from galaxy.inference.engine import Engine  # noqa: E402
+from galaxy.models.shape import read_model_shape  # noqa: E402
 from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM  # noqa: E402
-from galaxy.plan import Plan, Workload  # noqa: E402
+from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
+from galaxy.runtime.runners import stage_of  # noqa: E402
 
 
-def engine_for(path: str, name: str, world: int, pad: int, token_sum: str) -> Engine:
+def named_plans(names: list[str], files: list[str], world: int, layers: int) -> dict[str, Plan]:
+    """{name: unresolved Plan} of --plans and --plan_file NAME=CONFIG.json (its plan keys)."""
+    plans = {}
+    for name in names:
+        if name == "serial":
+            plans[name] = Plan()
+        elif name == "pipeline":        # as-equal stages, one per rank; one request is one micro-batch
+            plans[name] = Plan(pp=world, stages=tuple(even_split(layers, world)), schedule="gpipe")
+        else:
+            plans[name] = Plan.preset("galaxy" if name == "megatron" else name)
+    for entry in files:
+        name, _, path = entry.partition("=")
+        plans[name] = Plan.from_keys(json.loads(Path(path).read_text()))
+    return plans
+
+
+def model_config(path: str) -> dict:
+    """The model folder's config.json (its shape, vocab_size, eos_token_id)."""
+    return {**json.loads((Path(path) / "config.json").read_text()), **read_model_shape(path)}
+
+
+def engine_for(path: str, plan: Plan, world: int, pad: int, token_sum: str) -> Engine:
     from transformers import AutoTokenizer
-    plan = Plan() if name == "serial" else Plan.preset(name)
-    plan = plan.resolve(world, Workload.of(SHAPE, pad))
+    shape = model_config(path)
+    plan = plan.resolve(world, Workload.of(shape, pad))
     mesh = make_mesh(plan)
-    model = build_model(path, plan, mesh.galaxy)
-    return Engine(model, plan, mesh, AutoTokenizer.from_pretrained(path), eos_ids=[SHAPE["eos_token_id"]],
+    model = build_model(path, plan, mesh.galaxy, stage=stage_of(plan, mesh))
+    return Engine(model, plan, mesh, AutoTokenizer.from_pretrained(path), eos_ids=[shape["eos_token_id"]],
                   token_sum=token_sum)
 
 
-def measure(engines: dict, args) -> dict:
+def measure(engines: dict, args, vocab: int) -> dict:
     draw = torch.Generator().manual_seed(1)
-    long_ids = [1] + torch.randint(3, SHAPE["vocab_size"], (args.prompt - 1,), generator=draw).tolist()
+    long_ids = [1] + torch.randint(3, vocab, (args.prompt - 1,), generator=draw).tolist()
     short = long_ids[:args.decode_prompt]
     times = {n: {"prefill": [], "one": [], "many": []} for n in engines}
     tokens = {}
@@ -75,14 +101,18 @@ def measure(engines: dict, args) -> dict:
     for name, t in times.items():
         one, many = statistics.median(t["one"]), statistics.median(t["many"])
         out[name] = {"prefill_ms": 1e3 * statistics.median(t["prefill"]),
-                     "decode_tokens_per_s": (args.new - 1) / max(many - one, 1e-9)}
+                     "decode_tokens_per_s": (args.new - 1) / max(many - one, 1e-9), "tokens": tokens[name]}
     first = tokens[names[0]]
     return {"plans": out, "tokens_equal": all(tokens[n] == first for n in names)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--plans", nargs="+", default=["tp", "sp", "galaxy"])
+    p.add_argument("--plans", nargs="*", default=["tp", "sp", "galaxy"])
+    p.add_argument("--plan_file", action="append", default=[], metavar="NAME=CONFIG.json",
+                   help="also measure the plan keys of this config under NAME (repeatable)")
+    p.add_argument("--model_path", help="a bench Llama already written (every rank reads it); default: rank 0 "
+                                        "writes inference_latency.py's to a temporary folder")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--prompt", type=int, default=512)
@@ -99,6 +129,10 @@ def main() -> None:
     args = p.parse_args()
     if "serial" in args.plans and args.world != 1:
         p.error("--plans serial runs on one rank (a one-device cluster)")
+    if not args.plans and not args.plan_file:
+        p.error("name a plan: --plans or --plan_file")
+    if any("=" not in f for f in args.plan_file):
+        p.error("--plan_file takes NAME=CONFIG.json")
     torch.set_num_threads(args.threads)
     if args.init_method:
         from galaxy.distributed.interface import bind_to_rendezvous
@@ -110,16 +144,18 @@ def main() -> None:
     waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
     print(f"rank {args.rank}: waits {'poll' if waiting.polling() else 'block'}", flush=True)
     with tempfile.TemporaryDirectory() as own:
-        path = [own]
-        if args.rank == 0:
+        path = [args.model_path or own]
+        if args.rank == 0 and not args.model_path:
             write_model(own)
         dist.broadcast_object_list(path, src=0)          # every rank reads rank 0's copy
-        engines = {name: engine_for(path[0], name, args.world, args.prompt, args.token_sum) for name in args.plans}
-        result = measure(engines, args)
+        shape = model_config(path[0])
+        plans = named_plans(args.plans, args.plan_file, args.world, shape["num_hidden_layers"])
+        engines = {name: engine_for(path[0], plan, args.world, args.prompt, args.token_sum) for name, plan in plans.items()}
+        result = measure(engines, args, shape["vocab_size"])
         dist.barrier()                                   # rank 0's folder outlives every reader
     if args.rank == 0:
-        print(f"random Llama 8 x 1024, batch 1, fp32, world {args.world} x {args.threads} thread(s), "
-              f"prompt {args.prompt}, decode after {args.decode_prompt}")
+        print(f"random Llama {shape['num_hidden_layers']} x {shape['hidden_size']}, batch 1, fp32, world {args.world} "
+              f"x {args.threads} thread(s), prompt {args.prompt}, decode after {args.decode_prompt}")
         for name, r in result["plans"].items():
             print(f"{name:>8}: prefill {r['prefill_ms']:8.1f} ms   decode {r['decode_tokens_per_s']:6.2f} tokens/s")
         print(f"greedy tokens equal across plans: {'yes' if result['tokens_equal'] else 'NO'}")

@@ -73,8 +73,20 @@ def run_on(cluster: str, out: Path, base: str, name: str, keys: dict, timeout: f
     path = out / f"{slug(name)}.json"
     path.write_text(json.dumps(cfg, indent=1))
     Path(cfg["metrics_file"]).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "galaxy.edge", "run", "--cluster", cluster, "--", sys.executable,
-           "pretrain_galaxy.py", "--config_file", str(path)]
+    got = launch_on(cluster, ["pretrain_galaxy.py", "--config_file", str(path)], timeout)
+    if got["status"] != "ok":
+        return got
+    records = [json.loads(line) for line in Path(cfg["metrics_file"]).read_text().splitlines()]
+    times = [r["time_s"] for r in records if "event" not in r and "time_s" in r]
+    got.update(step_s=statistics.median(times[1:] or times), step_times=times)
+    return got
+
+
+def launch_on(cluster: str, argv: list[str], timeout: float, grace_s: float | None = None) -> dict:
+    """`python *argv` as every device's rank on the testbed: {"peak_mib" (per device: the cgroup's),
+    "status": "ok" | the failure's line (a device killed for memory: the testbed's line)}."""
+    grace = ["--grace_s", str(grace_s)] if grace_s else []
+    cmd = [sys.executable, "-m", "galaxy.edge", "run", *grace, "--cluster", cluster, "--", sys.executable, *argv]
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
         text, code = done.stdout + done.stderr, done.returncode
@@ -86,10 +98,6 @@ def run_on(cluster: str, out: Path, base: str, name: str, keys: dict, timeout: f
         killed = KILLED_LINE.search(text)
         errors = [line for line in text.splitlines() if "error" in line.lower()]
         got["status"] = killed.group(0) if killed else f"exit {code}: " + (errors or text.strip().splitlines() or ["?"])[0][:200]
-        return got
-    records = [json.loads(line) for line in Path(cfg["metrics_file"]).read_text().splitlines()]
-    times = [r["time_s"] for r in records if "event" not in r and "time_s" in r]
-    got.update(step_s=statistics.median(times[1:] or times), step_times=times)
     return got
 
 

@@ -599,6 +599,7 @@ def test_profile_devices_on_two_gloo_ranks(tmp_path):
     assert len(doc["devices"]) == 2
     for d in doc["devices"]:
         assert d["memory_mib"] > 0 and d["baseline_mib"] > 0 and d["gemm_flops_per_s"] > 0
+        assert d["decode_flops_per_s"] > 0          # one token's product, what decode steps are timed by
         assert d["grad_accumulate_s_per_param"] > 0 and d["optimizer_s_per_param"]["adamw"] > 0
         assert set(d["compute"]["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head"}
         assert d["compute"]["model"]["pad_size"] == 12

@@ -91,6 +91,14 @@ def test_prefill_and_decode_by_hand():
     assert pipe.decode_s_per_token * (M - 1) == pytest.approx(
         sum(step(k, 3, 2 * R) + step(k, 1, R) + HEAD_F / SEQ / R for k in range(M - 1)), rel=1e-9)
 
+    # a profile's rate on one token (decode_flops_per_s) times the decode steps, not its GEMM rate;
+    # the prefill keeps the GEMM rate
+    weight_bound = LatencyCostModel(causal_lm_profile(), [{**device(r), "decode_flops_per_s": r / 4} for r in rate],
+                                    FREE_LINK, prompt_tokens=N, new_tokens=M)
+    slower = weight_bound.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
+    assert slower.decode_s_per_token == pytest.approx(4 * est.decode_s_per_token, rel=1e-9)
+    assert slower.prefill_s == pytest.approx(est.prefill_s, rel=1e-9)
+
 
 def test_sequence_parallel_attention_decodes_against_its_own_keys():
     """ATT SP, MLP SP, CON SP on equal devices: the prompt is padded to pad_size (16 and 8 tokens),

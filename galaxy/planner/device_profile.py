@@ -7,8 +7,8 @@ time (so that ranks sharing a host contend as they will in training):
   compute     the model's own sub-blocks (galaxy.planner.harness) forward and backward at a grid
               of shares (heads, columns, tokens) and rows, and again as the config's PEFT method
               runs them (frozen weights, LoRA, adapters, the side block); one GEMM at the model's
-              largest shape (the fallback rate); the optimizer's step per parameter (AdamW, SGD);
-              adding a gradient into .grad per parameter (every micro-batch after the first does)
+              largest shape (the fallback rate) and on one token (a decode step's rate); the
+              optimizer's step per parameter (AdamW, SGD); adding a gradient into .grad per parameter (every micro-batch after the first does)
   memory      what a rank may use (CPU: its cgroup's memory limit where one applies, as on a device
               of the edge testbed or in a container, else MemAvailable; shared by the ranks on the
               host; CUDA: the free device memory) and the RSS of a process holding training's
@@ -162,6 +162,17 @@ def gemm_rate(bench: SubBlockBench, batch: int, device, repeats: int, statistic:
     return 2.0 * x.shape[0] * hf.hidden_size * columns / seconds
 
 
+def decode_rate(bench: SubBlockBench, device, repeats: int, statistic: str = "median") -> float:
+    """FLOPs per second of the largest projection on one token (1 x hidden -> intermediate), as a
+    decode step runs it: it reads the whole weight for one row, so it runs far below gemm_rate
+    (on a CPU, memory-bound)."""
+    hf, columns = bench.hf, getattr(bench, "columns", None) or bench.hf.intermediate_size
+    x = torch.randn(1, hf.hidden_size, device=device)
+    w = torch.randn(columns, hf.hidden_size, device=device)
+    seconds = timed(lambda: torch.nn.functional.linear(x, w), device, repeats, statistic)
+    return 2.0 * hf.hidden_size * columns / seconds
+
+
 def optimizer_rates(device, repeats: int, statistic: str = "median", numel: int = 1 << 23) -> dict:
     """Seconds per parameter of one optimizer step (built as training builds it: galaxy.train.optim),
     the two optimizers timed in alternation. 8 M parameters: with gradient and two moments 128 MiB,
@@ -229,6 +240,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
     return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type,
             "threads": torch.get_num_threads(), "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1),
             "gemm_flops_per_s": gemm_rate(bench, cfg.batch_size, env.device, max(3, repeats), statistic),
+            "decode_flops_per_s": decode_rate(bench, env.device, max(10, repeats), statistic),
             "optimizer_s_per_param": optimizer_rates(env.device, max(3, repeats), statistic),
             "optimizer_fused": step_kind("adamw", list(bench.model.parameters()), lr=1e-4) == "fused",
             "grad_accumulate_s_per_param": accumulate_rate(env.device, max(3, repeats), statistic),

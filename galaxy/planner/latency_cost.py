@@ -20,8 +20,8 @@ Decode. One token, so no token split: CON and an SP MLP run the whole token on e
 ATT projects it with every head and attends to its own cached keys (its prompt tokens and the
 decoded tokens it owns, round-robin), a TP sub-block its heads or columns. Timed as matrix FLOPs
 (the model profile's per token, and 4 x heads x head_dim per cached key for the scores) over the
-device's GEMM rate: the profiled tables hold pad_size tokens, not one (a decode point in
-profile-devices would time the weight-bound products better). Per layer: one all-reduce of [1, h]
+device's rate on one token (profile-devices' decode_flops_per_s: the largest product at one row,
+weight-bound; a profile without it falls back to the GEMM rate, and under-counts). Per layer: one all-reduce of [1, h]
 per TP sub-block, one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT,
 each a few bytes: their per-call latency is what counts (the link's smallest measured call, or
 its fit's latency). Each pass ends with the sampler's [1, 2] broadcast over the group and the
@@ -152,7 +152,7 @@ class LatencyCostModel(ModelTerms):
         L, ranks, steps = plan.stages[p], self._ranks(plan, p), self.new - 1
         if steps < 1:
             return
-        rate = [self.devices[r]["gemm_flops_per_s"] for r in ranks]
+        rate = [self.decode_rate(r) for r in ranks]
         own, path = self._decode_attention(plan, tuple(rate))
         self._charge(out, ranks, "ATT", [L * t for t in own], L * path)
         mlp = self._decode_fraction(plan, "mlp")
@@ -164,6 +164,11 @@ class LatencyCostModel(ModelTerms):
         self._communicate(plan, out, ranks, self.decode_calls(plan), L * steps)
         if p < plan.pp - 1:
             self._hop(out, ranks, self.carry * self.hidden * FP32, steps)
+
+    def decode_rate(self, r: int) -> float:
+        """Rank r's FLOPs per second on one token: its profile's decode_flops_per_s (one token's
+        product reads the whole weight: memory-bound), else its GEMM rate (older profiles)."""
+        return self.devices[r].get("decode_flops_per_s") or self.devices[r]["gemm_flops_per_s"]
 
     def _decode_fraction(self, plan: Plan, sub: str) -> list[float]:
         """Per Galaxy rank, its share of a sub-block's matrix work for one token: TP its heads or

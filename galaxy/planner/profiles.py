@@ -11,6 +11,7 @@ A cluster description ("galaxy-devices", what `plan.py profile-devices` writes a
               "memory_mib": float,               # what a rank may use (CPU: MemAvailable / ranks on the host)
               "baseline_mib": float,             # a training process before its model (CPU RSS; 0 on CUDA)
               "gemm_flops_per_s": float,         # matmul rate at the model's largest GEMM
+              "decode_flops_per_s": float | absent,  # the same product on one token (decode steps)
               "optimizer_s_per_param": {"adamw": float, "sgd": float},
               "optimizer_fused": bool | absent,  # torch's fused step (no temporaries); absent: false
               "grad_accumulate_s_per_param": float | absent,  # adding a micro-batch's gradient into .grad
@@ -130,6 +131,7 @@ def check_device(device, where: str) -> dict:
     for name in opt:
         _number(f"{where} optimizer_s_per_param", opt, name, positive=False)
     out["optimizer_s_per_param"] = dict(opt)
+    _number(where, out, "decode_flops_per_s", required=False)
     out["grad_accumulate_s_per_param"] = _number(where, out, "grad_accumulate_s_per_param", positive=False,
                                                  required=False) or 0.0
     for flag in ("optimizer_fused", "freed_memory_kept"):
