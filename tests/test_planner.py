@@ -589,7 +589,8 @@ def test_profile_devices_on_two_gloo_ranks(tmp_path):
     # with a tokenizer: the baseline is a process holding training's modules and tokenizer
     model_dir = make_tiny_bert_with_minilm_tokenizer(str(tmp_path / "model"), 3)
     base = _base(tmp_path, model_dir, class_list=["a", "b", "c"], distributed_backend="gloo",
-                 tp_num_attention_heads_list=[1, 2, 3])               # a plan for world 3: profiling drops it
+                 tp_num_attention_heads_list=[1, 2, 3],               # a plan for world 3: profiling drops it
+                 timeout_s=120)           # a driver started for this run imports torch while rank 0 waits
     out = tmp_path / "devices.json"
     # on the command drivers (support.script_runner): `python plan.py profile-devices ...` on each rank
     stdout = run_script(["plan.py", "profile-devices"], base, 2, "--out", str(out), "--quick")
