@@ -49,9 +49,12 @@ def run_argv(argv: list[str], root: str) -> int:
 
 
 def run_without(argv: list[str], root: str, modules: list[str]) -> int:
-    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError."""
-    hidden = {name: sys.modules.get(name) for name in modules}
-    sys.modules.update(dict.fromkeys(modules))
+    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError.
+    Their submodules a script before imported are hidden too (`import a.b` finds a loaded a.b
+    without looking at a)."""
+    names = [n for n in sys.modules if any(n.startswith(m + ".") for m in modules)] + list(modules)
+    hidden = {name: sys.modules.get(name) for name in names}
+    sys.modules.update(dict.fromkeys(names))
     try:
         return run_argv(argv, root)
     finally:

@@ -82,16 +82,19 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
 
 @contextmanager
 def matplotlib_hidden():
-    """`import matplotlib` raises ImportError inside (None in sys.modules), as if not installed."""
-    saved = sys.modules.get("matplotlib")
-    sys.modules["matplotlib"] = None
+    """`import matplotlib` (and of any of its modules loaded before) raises ImportError inside
+    (None in sys.modules), as if not installed."""
+    names = [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] or ["matplotlib"]
+    saved = {name: sys.modules.get(name) for name in names}
+    sys.modules.update(dict.fromkeys(names))
     try:
         yield
     finally:
-        if saved is None:
-            del sys.modules["matplotlib"]
-        else:
-            sys.modules["matplotlib"] = saved
+        for name, module in saved.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
 
 
 def probe_optimizer_state(trainer):
