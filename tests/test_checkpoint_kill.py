@@ -1,6 +1,6 @@
 """A process killed in the middle of a save leaves the previous checkpoint loadable.
 
-A real training run (the serial entry point, in a subprocess) saves at steps 2 and 4; a hook in
+A real training run (the serial entry point, in a fresh process) saves at steps 2 and 4; a hook in
 the safetensors writer SIGKILLs the process halfway through the second save, after a torn file
 has been written. Then: `latest` still names step 2, that checkpoint loads in transformers, and
 `resume: "latest"` finishes the run with the losses of an uninterrupted run.
@@ -13,6 +13,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
+from support.script_runner import run_scripts
 from support.trainer_support import make_workspace, step_losses, train_on_rank, write_config
 
 from galaxy.train.checkpoint import latest_checkpoint, step_dir_name
@@ -65,10 +66,11 @@ def test_kill_during_save_keeps_the_previous_checkpoint(dist_pool, ws):
     BertForSequenceClassification.from_pretrained(ckpt.model_dir)
     assert load_file(os.path.join(ckpt.path, "optimizer.safetensors"))
 
-    resumed = run_serial(["pretrain_bert.py", "--config_file", write_config(ws, "killed", save_dir=save_dir,
-                                                                            resume="latest", **RUN)])
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "continuing from" in resumed.stdout + resumed.stderr
+    # the resume on a command driver (support.script_runner), as `python pretrain_bert.py ...` runs
+    ((code, out, err),), = run_scripts([("pretrain_bert.py", write_config(ws, "killed", save_dir=save_dir,
+                                                                        resume="latest", **RUN), 1)])
+    assert code == 0, out + err
+    assert "continuing from" in out + err
     assert sorted(os.listdir(save_dir)) == ["latest", step_dir_name(2), step_dir_name(4), step_dir_name(6)]
 
     dist_pool(1).run(train_on_rank, write_config(ws, "uninterrupted", save_dir=save_dir + "_ref", **RUN))

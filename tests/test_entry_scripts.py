@@ -42,9 +42,14 @@ def write_config(job, name, **extra):
     return str(path), cfg["metrics_file"]
 
 
+_HF_LOSSES: dict = {}       # model folder -> HF's losses: the same reference for every script
+
+
 def hf_losses(job):
     from transformers import BertForSequenceClassification
-    return sgd_losses(BertForSequenceClassification.from_pretrained(job["model_dir"]), job)
+    if job["model_dir"] not in _HF_LOSSES:
+        _HF_LOSSES[job["model_dir"]] = sgd_losses(BertForSequenceClassification.from_pretrained(job["model_dir"]), job)
+    return list(_HF_LOSSES[job["model_dir"]])
 
 
 def sgd_losses(model, job, steps=STEPS, batch=BATCH, pad=PAD, lr=LR):

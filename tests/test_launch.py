@@ -56,12 +56,15 @@ def finish(proc, timeout=60):
     return proc.returncode, out, err
 
 
-def test_bad_config_one_line_exit_2(config):
-    code, out, err = finish(start(["--config_file", config(pad_size=0)]))
+def test_bad_config_one_line_exit_2(config, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(open(config(pad_size=0)).read())
+    procs = [start(["--config_file", str(bad)]),       # both at once: each spends seconds importing torch
+             start(["--config_file", config(), "--world", "2", "--rank", "5"])]
+    (code, out, err), (code2, _, err2) = map(finish, procs)
     assert code == 2
     assert err.splitlines() == ["launch_target.py: error: pad_size must be at least 1, got 0"]
-    code, _, err = finish(start(["--config_file", config(), "--world", "2", "--rank", "5"]))
-    assert code == 2 and len(err.splitlines()) == 1 and "--rank 5" in err and "Traceback" not in err
+    assert code2 == 2 and len(err2.splitlines()) == 1 and "--rank 5" in err2 and "Traceback" not in err2
 
 
 def test_argparse_error_is_one_line():
@@ -70,14 +73,16 @@ def test_argparse_error_is_one_line():
         "launch_target.py: error: the following arguments are required: --config_file/--config"]
 
 
-def test_single_process(config):
-    code, out, err = finish(start(["--config_file", config()]))
+def test_single_process(config, tmp_path):
+    system = tmp_path / "system.json"
+    system.write_text(open(config(cpu_allocator="system")).read())
+    procs = [start(["--config_file", config()]), start(["--config_file", str(system)])]     # both at once
+    (code, out, err), (code2, out2, err2) = map(finish, procs)
     assert code == 0, err
     assert "freed_memory_stays=True" in out           # cpu_allocator "keep", the default
-    code, out, err = finish(start(["--config_file", config(cpu_allocator="system")]))
-    assert code == 0, err
-    assert "freed_memory_stays=False" in out          # glibc unmaps a 64 MiB block on free
-    assert "rank 0/1 ok backend=gloo device=cpu" in out
+    assert code2 == 0, err2
+    assert "freed_memory_stays=False" in out2         # glibc unmaps a 64 MiB block on free
+    assert "rank 0/1 ok backend=gloo device=cpu" in out2
 
 
 def test_two_ranks_over_tcp(config):
@@ -112,17 +117,21 @@ def test_torchrun_env_disagreeing_with_flags(monkeypatch):
     assert info.value.code == 2
 
 
-def test_peer_death_fails_fast(config):
+def test_peer_death_fails_fast_and_the_message_starts_a_line_of_its_own(config):
+    """Rank 1 dies while rank 0 draws a progress bar (as the trainer does): rank 0 stops within
+    timeout_s, its one message on a line of its own after the bar's."""
     timeout_s = 10
     cfg, url = config(timeout_s=timeout_s), f"tcp://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     procs = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url],
-                   LAUNCH_TARGET_DIE_RANK="1") for r in range(2)]
+                   LAUNCH_TARGET_DIE_RANK="1", LAUNCH_TARGET_BAR="1") for r in range(2)]
     code, _, err = finish(procs[0], timeout=timeout_s + 15)
     assert time.monotonic() - t0 < timeout_s + 15
     assert code == 1
     assert "launch_target.py: rank 0: a collective failed or timed out (a peer may have died)" in err
     assert "Traceback" not in err
+    assert "train:" in err                                  # the bar was drawn
+    assert any(line.startswith("launch_target.py: rank 0: a collective failed") for line in err.splitlines()), err
     assert finish(procs[1])[0] == 9
 
 
@@ -204,14 +213,3 @@ def test_a_second_job_on_a_busy_port_stops_at_once_and_the_first_goes_on(config,
     for r, proc in enumerate(first):
         code, out, err = finish(proc)
         assert code == 0 and f"rank {r}/2 ok" in out, err
-
-
-def test_after_a_peer_dies_the_message_starts_a_line_of_its_own(config):
-    cfg, url = config(timeout_s=5), f"tcp://127.0.0.1:{free_port()}"
-    procs = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url],
-                   LAUNCH_TARGET_DIE_RANK="1", LAUNCH_TARGET_BAR="1") for r in range(2)]
-    code, _, err = finish(procs[0], timeout=30)
-    finish(procs[1])
-    assert code == 1
-    assert "train:" in err                                  # the bar was drawn
-    assert any(line.startswith("launch_target.py: rank 0: a collective failed") for line in err.splitlines()), err

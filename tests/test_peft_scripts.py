@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from support.script_runner import launch, run_script
+from support.script_runner import run_script, run_scripts
 from support.tiny_models import make_tiny_bert_with_minilm_tokenizer
 
 from galaxy.data import pydoc_topics_dataset
@@ -76,7 +76,8 @@ def test_galaxy_lora_equals_serial_lora_and_exports_a_peft_adapter(job):
 
 def test_two_peft_methods_are_a_one_line_exit_2(job):
     config, _ = write_config(job, "two-methods", use_lora=True, use_adapter=True)
-    (code, out, err), = launch("pretrain_bert.py", config, 1)
+    # on a command driver (exit 2 comes before any process group or model, and keeps the driver)
+    ((code, out, err),), = run_scripts([("pretrain_bert.py", config, 1)])
     assert code == 2 and "use_lora and use_adapter" in err and len(err.strip().splitlines()) == 1, err
 
 

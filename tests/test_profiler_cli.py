@@ -1,20 +1,16 @@
 """profile_flops.py as users run it: serial tiny BERT with --json, and one-line errors."""
 import json
-import os
-import subprocess
-import sys
 from argparse import Namespace
 
 import pytest
 
+from support.script_runner import run_script
 from support.tiny_models import TINY_BERT
 
 from galaxy.config import ConfigError, load_config
 from galaxy.profiler import bert_matmul_flops
 from galaxy.launch import parse_args
 from galaxy.profiler.cli import SCRIPT, add_arguments, prepare
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_config(tmp_path, model_dir, **extra):
@@ -26,18 +22,16 @@ def write_config(tmp_path, model_dir, **extra):
 
 def test_serial_json(tmp_path, tiny_bert_dir):
     out = tmp_path / "report.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "profile_flops.py", "--model", "bert", "--config_file",
-                           write_config(tmp_path, tiny_bert_dir), "--json", str(out), "--repeats", "1",
-                           "--depth", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # on a command driver (support.script_runner): run as `python profile_flops.py ...`, torch imported once
+    stdout, = run_script("profile_flops.py", write_config(tmp_path, tiny_bert_dir), 1, "--model", "bert",
+                         "--json", str(out), "--repeats", "1", "--depth", "1")
     expected = bert_matmul_flops(batch=3, seq=10, hidden=TINY_BERT["hidden_size"], intermediate=TINY_BERT[
         "intermediate_size"], layers=TINY_BERT["num_hidden_layers"], num_labels=3)["total"]
     doc = json.loads(out.read_text())
     assert doc["totals"]["fwd_flops"] == expected == doc["closed_form"]["fwd_flops"]
     assert doc["totals"]["bwd_flops"] == 2 * expected
     assert len(doc["sub_blocks"]) == 4 * TINY_BERT["num_hidden_layers"] and len(doc["ranks"]) == 1
-    assert "(exact)" in proc.stdout and "CON (con1)" in proc.stdout and "element-wise" in proc.stdout
+    assert "(exact)" in stdout and "CON (con1)" in stdout and "element-wise" in stdout
 
 
 def test_wrong_family_is_a_config_error(tmp_path, tiny_bert_dir):

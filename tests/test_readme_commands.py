@@ -12,7 +12,9 @@ repository), as from a clean clone after the README's set-up, so outputs land in
 Command drivers (tests/support/command_driver.py) run many commands per process: one for the
 single-process commands, and one per rank for the world-2 ones (each command gets its own
 --init_method port). Every command must exit 0, and every training command's metrics file must
-end with a finished run of 1 step.
+end with a finished run of 1 step. The drivers find matplotlib unimportable, so the trainer skips
+its loss plot (about 0.5 s of CPU a run), as on the other tests' drivers; test_trainer_scripts.py
+and test_trainer_plot.py draw it.
 """
 import glob
 import json
@@ -172,8 +174,9 @@ def start_driver(tmp_path, name: str, commands: list[str]) -> subprocess.Popen:
     listing.write_text(json.dumps(commands))
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "support", "command_driver.py"), ROOT, str(listing)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    driver = os.path.join(ROOT, "tests", "support", "command_driver.py")
+    return subprocess.Popen([sys.executable, driver, ROOT, str(listing), "--without", "matplotlib"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_documented_commands_run_and_finish(tmp_path):

@@ -30,3 +30,15 @@ def test_plot_is_a_png_next_to_the_metrics_file(tmp_path):
     assert out == plot_path_for(str(path)) == str(tmp_path / "run" / "metrics.png")
     with open(out, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_without_evaluations_or_classes_plots_its_loss(tmp_path):
+    """A causal-LM or seq2seq run (no class list, no dev set), as the LM scripts draw it: the
+    entry-script and pool tests run with matplotlib hidden, so this one draws that case."""
+    path = tmp_path / "lm" / "metrics.jsonl"
+    with MetricsWriter(path) as w:
+        w.log_event("start", step=0, resumed_from=None)
+        for k in range(1, 4):
+            w.log_step(k, 5.0 - k, 0.1, 100, 0.5)
+    with open(plot_metrics(str(path)), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

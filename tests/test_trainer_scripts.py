@@ -1,13 +1,15 @@
 """The trainer through an entry script, as users run it: evaluation events, summary, plot, errors.
 
 pretrain_galaxy.py on 2 processes with eval_interval, a test set, clipping and metrics_file; and a
-bad row in a held-out file, which must stop the script before any process group starts.
+bad row in a held-out file, which must stop the script before any process group starts. Both run
+on the session's command drivers (tests/support/script_runner.py: no torch import per run; an
+exit 2 keeps the driver); the diverging run, which exits 1, in a fresh process.
 """
 import os
 
 import pytest
 
-from support.script_runner import launch as launch_script
+from support.script_runner import launch as launch_script, run_scripts
 from support.trainer_support import GALAXY_W2, make_workspace, write_config
 
 from galaxy.train.metrics import read_metrics
@@ -18,6 +20,10 @@ def launch(config, world):
     return launch_script("pretrain_galaxy.py", config, world)
 
 
+def on_drivers(config, world):
+    return run_scripts([("pretrain_galaxy.py", config, world)], without=())[0]     # with matplotlib: the plot
+
+
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory):
     return make_workspace(tmp_path_factory.mktemp("scripts"), n_train=32)
@@ -25,7 +31,7 @@ def ws(tmp_path_factory):
 
 def test_galaxy_script_evaluates_summarises_and_plots(ws):
     config = write_config(ws, "e2e", max_steps=4, eval_interval=2, clip_grad=1.0, **GALAXY_W2)
-    (code0, out0, err0), (code1, out1, err1) = launch(config, 2)
+    (code0, out0, err0), (code1, out1, err1) = on_drivers(config, 2)
     assert (code0, code1) == (0, 0), err0 + err1
     metrics_file = os.path.join(ws["root"], "e2e", "metrics.jsonl")
     records = read_metrics(metrics_file)
@@ -55,7 +61,7 @@ def test_a_bad_row_in_the_test_file_stops_before_training(ws, tmp_path):
     bad = tmp_path / "test.tsv"
     bad.write_text("a fine passage\tlexical\nno label here\nanother\tlexical\n")
     config = write_config(ws, "bad", test_path=str(bad), max_steps=1)
-    for code, out, err in launch(config, 1):
+    for code, out, err in on_drivers(config, 1):
         assert code == 2, out + err
         assert f"{bad}:2: missing tab" in err
         assert "Traceback" not in err

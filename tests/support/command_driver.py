@@ -2,10 +2,10 @@
 them (`python SCRIPT ARGS...` from the current directory), so torch and transformers are imported
 once for many commands.
 
-    python tests/support/command_driver.py REPO_ROOT COMMANDS.json
+    python tests/support/command_driver.py REPO_ROOT COMMANDS.json [--without MODULE,...]
     python tests/support/command_driver.py REPO_ROOT --serve
 
-COMMANDS.json: a list of command lines. For each, "@@ end CODE WALL_S CPU_S COMMAND" goes to
+COMMANDS.json: a list of command lines, run with the modules named by --without unimportable. For each, "@@ end CODE WALL_S CPU_S COMMAND" goes to
 stdout (CODE: the script's exit status; a script that fails in training exits the whole process,
 as galaxy.launch does, and the caller sees it; CPU_S: this process's CPU seconds, the imports
 included for the first command). The ranks of a distributed command run as drivers
@@ -27,10 +27,10 @@ import time
 import traceback
 
 
-def run(command: str, root: str) -> int:
+def run(command: str, root: str, without: list[str]) -> int:
     python, script, *args = shlex.split(command)
     assert python == "python", command
-    return run_argv([script, *args], root)
+    return run_without([script, *args], root, without)
 
 
 def run_argv(argv: list[str], root: str) -> int:
@@ -49,9 +49,12 @@ def run_argv(argv: list[str], root: str) -> int:
 
 
 def run_without(argv: list[str], root: str, modules: list[str]) -> int:
-    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError."""
-    hidden = {name: sys.modules.get(name) for name in modules}
-    sys.modules.update(dict.fromkeys(modules))
+    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError.
+    Their submodules a script before imported are hidden too (`import a.b` finds a loaded a.b
+    without looking at a)."""
+    names = [n for n in sys.modules if any(n.startswith(m + ".") for m in modules)] + list(modules)
+    hidden = {name: sys.modules.get(name) for name in names}
+    sys.modules.update(dict.fromkeys(names))
     try:
         return run_argv(argv, root)
     finally:
@@ -85,10 +88,11 @@ if __name__ == "__main__":
         serve(sys.argv[1])
         sys.exit(0)
     root, commands = sys.argv[1], json.load(open(sys.argv[2]))
+    without = sys.argv[4].split(",") if sys.argv[3:4] == ["--without"] else []
     cpu = 0.0
     for command in commands:
         start = time.perf_counter()
-        code = run(command, root)
+        code = run(command, root, without)
         usage = resource.getrusage(resource.RUSAGE_SELF)
         used, cpu = usage.ru_utime + usage.ru_stime - cpu, usage.ru_utime + usage.ru_stime
         print(f"@@ end {code} {time.perf_counter() - start:.1f} {used:.1f} {command}", flush=True)

@@ -7,6 +7,9 @@ session): the script runs as `python SCRIPT ARGS` would, without paying for impo
 transformers again (about 5 s of CPU per process on this 2-core machine). A driver whose script
 failed is replaced, so no state of a broken run reaches the next test. `run_scripts` runs many
 jobs and reports how each exited (the combination test, whose jobs may be refused).
+
+On the drivers matplotlib is unimportable unless a test asks for it (`without=()`): the trainer
+then skips its loss plot, about 0.5 s of CPU a run; test_trainer_scripts.py draws it.
 """
 import atexit
 import json
@@ -21,6 +24,7 @@ from support.dist_pool import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+NO_PLOT = ("matplotlib",)      # the trainer's loss plot, skipped (the default of run_scripts)
 
 
 def _argv(script, config: str, world: int, rank: int, port: int, extra) -> list[str]:
@@ -84,7 +88,7 @@ def _close_drivers():
         d.close()
 
 
-def run_scripts(jobs: list[tuple], timeout: float = 240, without: tuple = ()) -> list[list[tuple]]:
+def run_scripts(jobs: list[tuple], timeout: float = 240, without: tuple = NO_PLOT) -> list[list[tuple]]:
     """Each job (script, config, world, *extra) run on the drivers; for each job, every rank's
     (exit status, stdout, stderr), the status None for a rank that did not finish in time.
     without: modules the scripts must find unimportable (command_driver.py's "without").
@@ -120,9 +124,10 @@ def run_scripts(jobs: list[tuple], timeout: float = 240, without: tuple = ()) ->
     return results
 
 
-def run_script(script, config: str, world: int, *extra: str, timeout: float = 240) -> list[str]:
+def run_script(script, config: str, world: int, *extra: str, timeout: float = 240,
+               without: tuple = NO_PLOT) -> list[str]:
     """Every rank's stdout; fails the test (showing its stderr) unless every rank exits 0."""
-    results = run_scripts([(script, config, world, *extra)], timeout)[0]
+    results = run_scripts([(script, config, world, *extra)], timeout, without)[0]
     for rank, (code, out, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{out}\n{err}"
     return [out for _, out, _ in results]
