@@ -237,25 +237,21 @@ def test_batch_streams_that_cannot_cut_the_micro_batch(monkeypatch, capsys, ws, 
     assert refused(monkeypatch, capsys, ws, "streams", **keys) == f"pretrain_bert.py: error: {expected}"
 
 
-def test_batch_streams_under_fsdp_is_refused_before_the_rendezvous(monkeypatch, capsys, ws):
-    config = write_config(ws, "streams-fsdp", dp_deg=2, dp_sharding="full", batch_streams=2)
+@pytest.mark.parametrize("keys,expected", [
+    ({"dp_sharding": "full", "batch_streams": 2},
+     "batch_streams 2 cannot run under dp_sharding 'full' (FSDP2 gathers a layer's weights once per forward, "
+     "not once per stream); set batch_streams to 1 or dp_sharding to 'none'"),
+    ({"dp_batch_list": [6, 2], "batch_streams": 3},
+     "batch_streams 3 exceeds the 2 rows of the smallest replica's micro-batch (dp_batch_list [6, 2] / "
+     "grad_accum_steps 1); use at most 2 streams or give that replica more rows")],
+    ids=["fsdp", "smallest-replica"])
+def test_batch_streams_over_replicas_are_refused_before_the_rendezvous(monkeypatch, capsys, ws, keys, expected):
+    config = write_config(ws, "streams-dp", dp_deg=2, **keys)
     code, _, err = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
                              script="pretrain_galaxy.py", preset="galaxy")
     assert code == 2 and "Traceback" not in err, err
-    assert ("pretrain_galaxy.py: error: batch_streams 2 cannot run under dp_sharding 'full' (FSDP2 gathers a "
-            "layer's weights once per forward, not once per stream); set batch_streams to 1 or dp_sharding to "
-            "'none'") == err.strip()
+    assert f"pretrain_galaxy.py: error: {expected}" == err.strip()
 
-
-
-def test_batch_streams_beyond_the_smallest_replica_is_refused(monkeypatch, capsys, ws):
-    config = write_config(ws, "streams-uneven", dp_deg=2, dp_batch_list=[6, 2], batch_streams=3)
-    code, _, err = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
-                             script="pretrain_galaxy.py", preset="galaxy")
-    assert code == 2 and "Traceback" not in err, err
-    assert ("pretrain_galaxy.py: error: batch_streams 3 exceeds the 2 rows of the smallest replica's "
-            "micro-batch (dp_batch_list [6, 2] / grad_accum_steps 1); use at most 2 streams or give that "
-            "replica more rows") == err.strip()
 
 # --- 4. damaged checkpoints ----------------------------------------------------------------------
 

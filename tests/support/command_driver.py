@@ -26,6 +26,8 @@ import sys
 import time
 import traceback
 
+from hidden_modules import modules_hidden   # run as a script: tests/support is sys.path[0]
+
 
 def run(command: str, root: str, without: list[str]) -> int:
     python, script, *args = shlex.split(command)
@@ -49,20 +51,9 @@ def run_argv(argv: list[str], root: str) -> int:
 
 
 def run_without(argv: list[str], root: str, modules: list[str]) -> int:
-    """run_argv with `modules` unimportable: None in sys.modules makes `import` raise ImportError.
-    Their submodules a script before imported are hidden too (`import a.b` finds a loaded a.b
-    without looking at a)."""
-    names = [n for n in sys.modules if any(n.startswith(m + ".") for m in modules)] + list(modules)
-    hidden = {name: sys.modules.get(name) for name in names}
-    sys.modules.update(dict.fromkeys(names))
-    try:
+    """run_argv with `modules` unimportable (hidden_modules)."""
+    with modules_hidden(modules):
         return run_argv(argv, root)
-    finally:
-        for name, module in hidden.items():
-            if module is None:
-                del sys.modules[name]
-            else:
-                sys.modules[name] = module
 
 
 def serve(root: str) -> None:

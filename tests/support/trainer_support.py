@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from support.hidden_modules import modules_hidden
 from support.tiny_models import MINILM_TOKENIZER_FILES, make_tiny_bert_with_minilm_tokenizer
 
 CLASSES = ["statements", "expressions", "data-model", "builtin-types", "lexical", "execution"]
@@ -80,21 +79,9 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     return summary, early, (after(trainer) if after is not None else None)
 
 
-@contextmanager
 def matplotlib_hidden():
-    """`import matplotlib` (and of any of its modules loaded before) raises ImportError inside
-    (None in sys.modules), as if not installed."""
-    names = [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] or ["matplotlib"]
-    saved = {name: sys.modules.get(name) for name in names}
-    sys.modules.update(dict.fromkeys(names))
-    try:
-        yield
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                del sys.modules[name]
-            else:
-                sys.modules[name] = module
+    """`import matplotlib` raises ImportError inside, as if not installed."""
+    return modules_hidden(["matplotlib"])
 
 
 def probe_optimizer_state(trainer):
