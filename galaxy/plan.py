@@ -184,6 +184,10 @@ class Plan:
         return self.att == "SP" or self.mlp == "SP" or self.con == "SP" or (share == "decoder_tokens"
                                                                              and self.xatt == "SP")
 
+    def splits_prompt(self) -> bool:
+        """Whether generation pads prompts to pad_size: tokens split, or XATT SP caching the memory's by them."""
+        return self.group > 1 and (self.uses("tokens") or self.xatt == "SP")
+
     def method(self, kind: str) -> str:
         """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""
         return getattr(self, kind) if kind != "xatt" or self.xatt is not None else self.att

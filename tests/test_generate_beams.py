@@ -106,7 +106,7 @@ def seq2seq_plan(world, att="TP", mlp="TP", con="SP", xatt="TP", **mesh):
 @pytest.mark.parametrize("family", ("bart", "t5"))
 def test_seq2seq_serial_plans_and_pp2_equal_hf_beams(dist_pool, seq2seq, family):
     """Every cache reorders: decoder ATT (TP heads; SP round-robin slots), XATT (the memory's K/V,
-    TP heads or all heads under SP), and the encoder's padding mask."""
+    TP heads or under SP the rank's source tokens), and the encoder's padding mask."""
     check(dist_pool(1), seq2seq(family), [seq2seq_plan(1)])
     check(dist_pool(2), seq2seq(family), [seq2seq_plan(2, "SP", "TP", "SP", "TP"),
                                           seq2seq_plan(2, "TP", "SP", "None", "SP"),

@@ -5,12 +5,14 @@ combinations, each with the XATT method that makes every pair of the four method
 (uneven heads 3 / 1, MLP columns, source tokens 14 / 10), and at world 3; a batch of right-padded
 prompts of different lengths whose rows stop at different steps, and a single prompt with a stop
 string. Each rank caches its share (decoder ATT: its heads, or under SP every other decoded
-token; XATT: the memory's K/V of its heads, all heads under SP). Seeded sampling under a plan
+token; XATT: the memory's K/V of its heads, or under SP of its source tokens, attended there and
+merged across the ranks by log-sum-exp: every XATT SP plan below checks that merge). Seeded sampling under a plan
 and over 2 replicas draws the serial run's tokens; LoRA on self- and cross-attention gives
 peft's tokens, applied or folded into the weights."""
 import pytest
 
-from support.generation_runners import galaxy_generate, galaxy_generate_plans, requests_for, tokenizer_of
+from support.generation_runners import (galaxy_generate, galaxy_generate_cache_shapes, galaxy_generate_plans,
+                                        requests_for, tokenizer_of)
 from support.sharp_seq2seq import hf_seq2seq_generate, write_sharp_seq2seq
 
 from galaxy.inference.requests import Request
@@ -107,19 +109,31 @@ def test_a_single_prompt_with_a_stop_string(dist_pool, seq2seq, family):
 
 def test_each_rank_caches_its_share(dist_pool, seq2seq):
     """Decoder ATT: [3 rows, its K/V heads, NEW slots, 16] (SP: 4 heads, NEW / 2 slots); XATT:
-    [3, its heads, PAD source slots, 16] (SP: all 4 heads); K and V fp32, a keep byte per slot."""
-    model_dir, _ = seq2seq("t5")
+    [3, its heads, PAD source slots, 16], under SP [3, all 4 heads, its source tokens (14 / 10), 16],
+    the source padded to PAD even where XATT alone splits tokens; K and V fp32, a keep byte per
+    slot. The reported MiB per rank are those bytes, and the tokens still Hugging Face's."""
+    model_dir, want = seq2seq("t5")
     requests = requests_for(model_dir, PROMPTS, NEW)
 
     def mib(att_heads, att_slots, xatt_heads, slots=PAD):    # 2 decoder layers
         return 2 * (2 * 3 * 16 * 4 * (att_heads * att_slots + xatt_heads * slots) + 3 * (att_slots + slots)) / 2 ** 20
     longest = max(len(r.ids) for r in requests)         # serial: the prompts padded to the longest
     serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of(1), requests)[0][1]
-    tp, sp = (cache for _, cache in dist_pool(2).run(galaxy_generate_plans, model_dir, [
-        plan_of(2, "TP", "TP", "SP", "TP"), plan_of(2, "SP", "TP", "SP", "SP")], requests)[0])
     assert serial == pytest.approx([mib(4, NEW, 4, longest)])
-    assert tp == pytest.approx([mib(3, NEW, 3), mib(1, NEW, 1)])
-    assert sp == pytest.approx([mib(4, NEW // 2, 4)] * 2)
+    plans = [plan_of(2, "TP", "TP", "SP", "TP"), plan_of(2, "SP", "TP", "SP", "SP"), plan_of(2, "TP", "TP", "None", "SP")]
+    # XATT SP alone pads the prompts to PAD (and refuses longer ones up front), XATT TP does not
+    assert plans[2].splits_prompt() and not plan_of(2, "TP", "TP", "None", "TP").splits_prompt()
+    # per plan: rank -> (K/V heads, slots) of the decoder ATT's cache and of XATT's
+    caches = [((3, NEW), (3, PAD)), ((1, NEW), (1, PAD))], [((4, NEW // 2), (4, 14)), ((4, NEW // 2), (4, 10))], \
+        [((3, NEW), (4, 14)), ((1, NEW), (4, 10))]
+    for rank, per_plan in enumerate(dist_pool(2).run(galaxy_generate_cache_shapes, model_dir, plans, requests)):
+        for plan, ((got, reported), shapes), expected in zip(plans, per_plan, caches):
+            where = f"att {plan.att} con {plan.con} xatt {plan.xatt} rank {rank}"
+            assert [tokens for tokens, _ in got] == want, where
+            (att_heads, att_slots), (xatt_heads, source) = expected[rank]
+            assert shapes == {"att": [(3, att_heads, att_slots, 16)] * 2, "xatt": [(3, xatt_heads, source, 16)] * 2}, \
+                where
+            assert reported == pytest.approx([mib(*e[0], e[1][0], e[1][1]) for e in expected]), where
 
 
 def test_seeded_sampling_under_plans_equals_serial(dist_pool, seq2seq):

@@ -21,19 +21,22 @@ class GalaxyGroup:
     tokens: tuple[int, ...]        # tokens per rank (SP sub-blocks)
     # An encoder-decoder's decoder tokens per rank (its target sequence); None: no decoder.
     decoder_tokens: tuple[int, ...] | None = None
+    # The decoder's view (decoder()) only: the encoder's token shares, i.e. the memory's, by which
+    # an XATT under SP caches the memory's K/V while generating (galaxy.layers.cross_attention).
+    source_tokens: tuple[int, ...] | None = None
 
     @staticmethod
     def serial(num_heads: int, intermediate_size: int, seq_len: int) -> "GalaxyGroup":
         return GalaxyGroup(0, 1, None, (num_heads,), (intermediate_size,), (seq_len,))
 
     def decoder(self) -> "GalaxyGroup":
-        """This group as the decoder's layers see it: its token shares are the decoder's.
-        A one-rank group (no shares to speak of) is itself."""
+        """This group as the decoder's layers see it: its token shares are the decoder's, the
+        encoder's kept as source_tokens. A one-rank group (no shares to speak of) is itself."""
         if self.size == 1:
             return self
         if self.decoder_tokens is None:
             raise ValueError("this Galaxy group has no decoder token shares (the plan's decoder_tokens)")
-        return replace(self, tokens=self.decoder_tokens)
+        return replace(self, tokens=self.decoder_tokens, source_tokens=self.tokens)
 
     @property
     def token_offset(self) -> int:

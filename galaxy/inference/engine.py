@@ -48,7 +48,7 @@ class Engine:
         self.eos = frozenset(eos_ids)
         pad = tokenizer.pad_token_id
         self.pad = pad if pad is not None else min(self.eos, default=0)
-        self.split_tokens = self.group.size > 1 and plan.uses("tokens")
+        self.split_tokens = plan.splits_prompt()
         self.is_sampler = mesh.is_last_stage and self.group.rank == self.group.size - 1
         self.token_sum = token_sum
         self.split_head = SplitHead(model, self.group) if SplitHead.applies(model, self.group, mesh.is_last_stage) \

@@ -76,7 +76,7 @@ SEQ2SEQ_BUDGET = 512
 class Limits:
     """The longest prompt and prompt + completion this run takes."""
     positions: int                       # the model's max_position_embeddings
-    prompt: int | None = None            # pad_size where the plan splits tokens, else None
+    prompt: int | None = None            # pad_size where the plan splits tokens (Plan.splits_prompt), else None
     separate: bool = False               # an encoder-decoder: prompt and completion each have the positions
 
     def budget(self, prompt_tokens: int) -> int:

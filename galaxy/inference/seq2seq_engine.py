@@ -4,19 +4,21 @@ One batch of rows at a time, every rank of the group in lockstep, the same sampl
 broadcast as the causal LMs' Engine (galaxy.inference.engine):
 
   first pass  the prompts, right-padded to one length S (the encoder's token shares' pad_size
-              where the plan splits tokens; BART's learned positions count from the left, as
-              Hugging Face's tokenizers pad them), run once through the encoder under the plan;
-              the memory, gathered whole as in training, feeds every decoder layer's XATT,
-              which projects its K/V once into its cache (its heads under XATT TP, all heads
-              under SP). The decoder runs the start token (decoder_start_token_id) of every row
-              at position 0 in the decode layouts (galaxy.parallel.decode_layout).
+              where the plan splits tokens, XATT SP included; BART's learned positions count
+              from the left, as Hugging Face's tokenizers pad them), run once through the encoder
+              under the plan; the memory, gathered whole as in training, feeds every decoder
+              layer's XATT, which projects its K/V once into its cache (its heads under XATT TP,
+              its own source tokens under SP). The decoder runs the start token
+              (decoder_start_token_id) of every row at position 0 in the decode layouts
+              (galaxy.parallel.decode_layout).
   decode      the chosen token of each row at the next position through the decoder alone: its
               ATT appends to its cache (per rank as the decoder-only ATT, without a prefill),
-              XATT reads its cache, no encoder and no memory.
+              XATT reads its cache (under SP: its source tokens, the ranks' partial attentions
+              merged by log-sum-exp), no encoder and no memory.
 
 The caches (galaxy.models.seq2seq.cached_prefills): per decoder layer, ATT [b, kv_heads_r,
 max_new_tokens, d] (SP: max_new_tokens / N slots, round-robin) and XATT [b, heads_r, S, d] (SP:
-all heads), preallocated when the batch starts.
+all heads of the rank's S_r source tokens, [b, heads, S_r, d]), preallocated when the batch starts.
 
 As a pipeline (Engine._through_stage, as the causal LMs' passes): the first pass carries both
 stacks' carries from stage to stage as training does (galaxy.pipeline.carry: inside the encoder

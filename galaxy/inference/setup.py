@@ -69,8 +69,7 @@ def prepare_inference(cfg, world: int) -> InferenceSetup:
         raise ConfigError(f"{peft.method.replace('_', '-')}-tuning runs its side network over whole sequences "
                           "and has no KV cache; generate with use_lora, use_adapter or full weights")
     plan = resolved_plan(cfg, world, shape)
-    splits = plan.group > 1 and plan.uses("tokens")
-    limits = Limits(shape["max_position_embeddings"], cfg.pad_size if splits else None,
+    limits = Limits(shape["max_position_embeddings"], cfg.pad_size if plan.splits_prompt() else None,
                     separate=task == "seq2seq")
     return InferenceSetup(cfg, load_tokenizer(cfg.model_path), shape, resolve_resume(cfg.resume, cfg.save_dir),
                           peft, limits)

@@ -23,6 +23,11 @@ A decoder without prefill (an encoder-decoder's: galaxy.models.seq2seq) starts w
 (prompt 0) and may add a bias to the scores (KEY_BIAS, T5's relative positions): column t for the
 t-th decoded token, so a rank takes the columns of the tokens it caches (all of them serially
 and under TP; t = r, r + N, ... under SP, the round-robin owner's).
+
+A cross-attention (XATT, attend_memory) caches the encoder's output once, at the first pass: its
+heads of every source token (serial, TP), or under SP all heads of its own source tokens; a
+decode step attends to them, under SP by the same partial attention and merge as ATT SP's.
+T5's cross-attention adds no position bias; the source's padding is the cache's keep mask.
 """
 from __future__ import annotations
 
@@ -102,12 +107,19 @@ def _decode_across_ranks(att, x, context: dict, step):
     if bias is not None:       # no prefill: this rank's slot j holds decoded token rank + N * j
         bias = bias[..., g.rank + g.size * torch.arange(keep.shape[1], device=keep.device)]
     o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale, bias)   # [b, heads, 1, d], [b, heads, 1]
+    return merge_across_ranks(o, lse, g).to(q.dtype)
+
+
+def merge_across_ranks(o, lse, group):
+    """One query per row attended by every rank of `group` to its own keys, o [b, heads, 1, d] and
+    lse [b, heads, 1] (fp32, partial_attention's) -> the attention over all their keys, [b, 1,
+    heads*d] on every rank: one all-gather of [b, 1, heads, d + 1] and the exact merge."""
     parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2)       # [b, 1, heads, d + 1]
-    every = all_gather_sequence(parts.contiguous(), (1,) * g.size, g.pg)    # [b, N, heads, d + 1]
+    every = all_gather_sequence(parts.contiguous(), (1,) * group.size, group.pg)   # [b, N, heads, d + 1]
     o_all, lse_all = every[..., :-1], every[..., -1]
     total = torch.logsumexp(lse_all, dim=1, keepdim=True)                  # [b, 1, heads]
     merged = (torch.exp(lse_all - total).unsqueeze(-1) * o_all).sum(dim=1)  # [b, heads, d]
-    return merged.to(q.dtype).flatten(1).unsqueeze(1)                    # [b, 1, heads*d]
+    return merged.flatten(1).unsqueeze(1)                                # [b, 1, heads*d]
 
 
 def partial_attention(q, k, v, keep, scale=None, bias=None):
@@ -132,15 +144,22 @@ def partial_attention(q, k, v, keep, scale=None, bias=None):
 def attend_memory(att, x, memory, keys):
     """A cross-attention's decode step: x [b, 1, h] (a decoder token per row, replicated) over the
     K/V of the encoder's output in att's cache, which the first pass (the prefill, memory
-    [b, S, h] given) fills for the rank's heads; later passes need no memory (None). keys: the
-    encoder's padding mask [b, 1, 1, S]. -> context [b, 1, heads*d]."""
+    [b, S, h] given) fills for the rank's heads, or under SP for its source tokens (memory_rows);
+    later passes need no memory (None). keys: the encoder's padding mask [b, 1, 1, S].
+    -> context [b, 1, heads*d]: under SP each rank attends to its own source tokens and the
+    partial results are merged across the group (merge_across_ranks)."""
     cache = att.kv_cache
     q_name, k_name, v_name = att.qkv_names
     if cache.length == 0:
+        own = att.memory_rows
+        memory = memory[:, own]                                          # [b, S_r, h] (SP), else [b, S, h]
         k, v = (split_heads(getattr(att, n)(memory), att.head_dim).transpose(1, 2) for n in (k_name, v_name))
-        cache.write(k, v, keys[:, 0, 0])                                 # [b, kv_heads, S, d], [b, S]
+        cache.write(k, v, keys[:, 0, 0, own])                            # [b, kv_heads, S_r, d], [b, S_r]
     q = split_heads(getattr(att, q_name)(x), att.head_dim).transpose(1, 2)   # [b, heads, 1, d]
     k, v, keep = cache.filled()
+    if att.memory_group is not None:
+        o, lse = partial_attention(q, k, v, keep, att.scale)            # [b, heads, 1, d], [b, heads, 1]
+        return merge_across_ranks(o, lse, att.memory_group).to(q.dtype)
     ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :], scale=att.scale,
                                          enable_gqa=att.group > 1)
     return ctx.transpose(1, 2).flatten(2)

@@ -16,8 +16,9 @@ Any module with a `start_cache(rows, prompt, new, dtype, device)` method that re
 `kv_cache` attribute takes part: the shared SelfAttention does (galaxy.layers.cached_attention).
 An encoder-decoder names its caching modules itself (`cached_prefills`, galaxy.models.seq2seq):
 each decoder ATT, with no prefill (the decoder starts from one start token), and each XATT,
-whose cache holds the K/V of the encoder's output, projected once at the prefill
-(galaxy.layers.cross_attention); the encoder's ATTs run once and cache nothing.
+whose cache holds the K/V of the encoder's output, projected once at the prefill, for its heads
+or under SP its source tokens (galaxy.layers.cross_attention); the encoder's ATTs run once and
+cache nothing.
 """
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ takes 2 (n - 1) rounds where an all-to-all and a local sum take one ("all_to_all
 An encoder-decoder (a model with `enter_decoder`) decodes only with its decoder: the encoder runs
 once, at the first pass, under the plan's layouts (its entry, its layers and the memory's
 gather keep them); the decoder's entry and layers take the decode layouts, XATT as ATT (TP: its
-heads, P -> R out; SP: every rank attends the token with all heads to the whole memory's K/V).
+heads, P -> R out; SP: every rank attends the token with all heads to the K/V of its own source
+tokens, merged across the ranks as ATT SP's partial outputs are).
 """
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ class LatencyCostModel(ModelTerms):
 
     def prefill_tokens(self, plan: Plan) -> int:
         """P: pad_size where the plan splits tokens (galaxy.inference.engine.prefill_length), else N."""
-        return self.seq if plan.group > 1 and plan.uses("tokens") else self.prompt
+        return self.seq if plan.splits_prompt() else self.prompt
 
     # --- time -----------------------------------------------------------------------------------
 

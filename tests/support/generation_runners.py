@@ -9,6 +9,7 @@ from galaxy.inference.model import eos_ids, generation_engine, generation_task
 from galaxy.inference.replicas import cache_mib_per_rank, generate_all
 from galaxy.inference.requests import Request
 from galaxy.inference.sampling import Sampling
+from galaxy.layers.kv_cache import open_caches
 from galaxy.models.shape import read_model_shape
 from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
@@ -31,6 +32,13 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None
     `plan` (resolved, its world the pool's). lora: (PeftOptions, seed) applied after the build;
     eos: the tokens that end a row instead of the model's; token_sum: the decode step's TP sum
     (galaxy.parallel.decode_layout) instead of the default."""
+    engine = galaxy_engine(model_dir, plan, lora, fold, eos, token_sum)
+    out = generate_all(engine, requests, rows_per_batch)
+    return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+
+
+def galaxy_engine(model_dir, plan: Plan, lora=None, fold=False, eos=None, token_sum=None):
+    """This rank's generation engine under `plan`, as galaxy_generate takes its arguments."""
     mesh = make_mesh(plan)
     model = build_model(model_dir, plan, mesh.galaxy, stage=stage_of(plan, mesh),
                         task=generation_task(read_model_shape(model_dir)))
@@ -46,8 +54,25 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None
         engine.eos = frozenset(eos)
     if token_sum is not None:
         engine.token_sum = token_sum
-    out = generate_all(engine, requests, rows_per_batch)
-    return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+    return engine
+
+
+def galaxy_generate_cache_shapes(model_dir, plans, requests):
+    """galaxy_generate's result under each of `plans` in one pool call, each with the [b, heads,
+    slots, d] shapes of the caches this rank's engine opens for `requests` in one batch:
+    (result, {"att": [per decoder layer], "xatt": [...]}) per plan (an encoder-decoder's)."""
+    out = []
+    for plan in plans:
+        engine = galaxy_engine(model_dir, plan)
+        result = [(c.tokens, c.finish_reason) for c in generate_all(engine, requests, len(requests))]
+        m = engine.model
+        caches = open_caches(m, len(requests), engine.prefill_length(max(len(r.ids) for r in requests)),
+                             max(r.max_new_tokens for r in requests), torch.float32, "cpu")
+        decoder = [layer for layer in m.layers if layer.sequence == "target"]
+        shapes = {kind: [tuple(getattr(layer, kind).kv_cache.k.shape) for layer in decoder] for kind in ("att", "xatt")}
+        caches.close()
+        out.append(((result, cache_mib_per_rank(engine)), shapes))
+    return out
 
 
 def galaxy_generate_token_sums(model_dir, plan, requests, token_sums):
