@@ -27,10 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# Fitted on two one-core devices of the edge testbed, unshaped link, all-MiniLM-L6-v2 8 x 128
-# (bench/overlap_paired.py, 2026-11-26): the step with n streams / c chunks against 1.
-STREAM_COST = 0.285         # per extra stream: 2 streams took 1.285x
-CHUNK_COST = 0.06           # per extra chunk: 2 chunks took 0.95-1.17x over two runs
+# Fitted on two one-core devices of the edge testbed, unshaped link, all-MiniLM-L6-v2 at 8 and 4
+# x 128 (bench/overlap_paired.py, 2026-11-26, 4 runs): the Galaxy plan's step with n streams or
+# c chunks against 1 stream and 1 chunk, medians 1.04-1.17 (2 streams), 0.98-1.24 (3), 1.06-1.37
+# (4); 1.11-1.30 (2 chunks), 1.23-1.36 (4): about 7% per extra stream and 12% per extra chunk.
+STREAM_COST = 0.07
+CHUNK_COST = 0.12
 
 STREAM_CHOICES = (1, 2, 3, 4)
 CHUNK_CHOICES = (1, 2, 4)
