@@ -100,6 +100,7 @@ class _StageComm:
 
 class CostModel(MemoryModel):
     """estimate(plan): step time, memory, bytes sent and compute of every rank (module docstring)."""
+    times_overlap = True        # its passes take batch_streams and comm_chunks (galaxy.planner.overlap_time)
 
     def estimate(self, plan: Plan) -> Estimate:
         """Each replica's pipeline runs its own rows (micro-batches of rows_d / m); every stage's

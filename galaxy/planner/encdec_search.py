@@ -28,7 +28,6 @@ METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_
 
 class EncDecSearcher(Searcher):
     uneven_rows = False     # EncDecCostModel times even rows per replica
-    chooses_overlap = False  # nor does it time batch_streams or comm_chunks: they stay at 1
 
     def __init__(self, cost: EncDecCostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
                  meshes=None, max_moves: int = 400):

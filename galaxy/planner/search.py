@@ -73,7 +73,6 @@ def proportional(total: int, unit: int, weights: list[float]) -> tuple[int, ...]
 
 class Searcher:
     uneven_rows = True      # choose rows per replica (the encoder-decoder search keeps them even)
-    chooses_overlap = True  # choose batch_streams and comm_chunks (the encoder-decoder model has no overlap)
 
     def __init__(self, cost: CostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
                  meshes: list[tuple[int, int]] | None = None, methods=None, max_moves: int = 400):
@@ -349,8 +348,9 @@ class Searcher:
 
     def with_overlap(self, score: tuple, est: Estimate) -> tuple[tuple, Estimate]:
         """The optimised plan under the batch_streams x comm_chunks the cost model finds fastest
-        (galaxy.planner.overlap_time.overlap_choices), the plan as it is on a tie."""
-        if not self.chooses_overlap:
+        (galaxy.planner.overlap_time.overlap_choices), the plan as it is on a tie. Only under a cost
+        model that times them (the training one; the encoder-decoder and latency models leave 1)."""
+        if not getattr(self.cost, "times_overlap", False):
             return score, est
         rows = min(self.cost.replica_rows(est.plan)) // est.plan.microbatches
         for trial in overlap_choices(est.plan, int(rows)):
