@@ -13,6 +13,8 @@ Variants (name: plan, comm_chunks, batch_streams, gradient sync started during b
   galaxy-c1 (baseline of the galaxy-*), galaxy-c2, galaxy-c4: ATT TP, MLP TP, CON SP, even shares
   galaxy-s2, galaxy-s2-c2: the same, each micro-batch's rows in 2 batch streams (plain, and with
       comm_chunks 2 inside each stream's sub-blocks)
+  galaxy-s3, galaxy-s4: in 3 and 4 streams, every other stream a step out of phase (streams.
+      stream_delays); galaxy-s3-inphase: 3 streams all in phase (the schedule before the delays)
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
   tp-s2, tp-s2-c2:                                               the same in 2 batch streams
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
@@ -48,7 +50,8 @@ import torch.distributed as dist  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from two_ranks import add_rank_args, run_two  # noqa: E402
-from galaxy.distributed import waiting  # noqa: E402
+from galaxy.distributed import streams, waiting  # noqa: E402
+from galaxy.models import family  # noqa: E402
 
 class Variant(NamedTuple):
     preset: str
@@ -58,6 +61,7 @@ class Variant(NamedTuple):
     poll: bool = False            # waits poll (else block)
     kv_blocks: bool = False
     batch_streams: int = 1
+    in_phase: bool = False        # streams all in phase (no stream_delays)
 
 
 VARIANTS = {
@@ -67,6 +71,9 @@ VARIANTS = {
     "galaxy-c1-poll": Variant("galaxy", "galaxy-c1", poll=True),
     "galaxy-s2": Variant("galaxy", "galaxy-c1", batch_streams=2),
     "galaxy-s2-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2, batch_streams=2),
+    "galaxy-s3": Variant("galaxy", "galaxy-c1", batch_streams=3),
+    "galaxy-s4": Variant("galaxy", "galaxy-c1", batch_streams=4),
+    "galaxy-s3-inphase": Variant("galaxy", "galaxy-c1", batch_streams=3, in_phase=True),
     "tp-c1": Variant("tp", "tp-c1"),
     "tp-c2": Variant("tp", "tp-c1", comm_chunks=2),
     "tp-c4": Variant("tp", "tp-c1", comm_chunks=4),
@@ -95,8 +102,13 @@ def build(args, name: str, shape: dict):
     return runner
 
 
-def train_step(runner, batch, poll: bool = False) -> float:
+def in_phase(n: int) -> list[int]:
+    return [0] * n
+
+
+def train_step(runner, batch, poll: bool = False, phased: bool = True) -> float:
     waiting.set_polling(poll)
+    family.stream_delays = streams.stream_delays if phased else in_phase
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)
@@ -121,11 +133,11 @@ def worker(rank: int, args, init_method: str, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch, VARIANTS[name].poll)
+            train_step(runners[name], batch, VARIANTS[name].poll, not VARIANTS[name].in_phase)
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch, VARIANTS[name].poll))
+            times[name].append(train_step(runners[name], batch, VARIANTS[name].poll, not VARIANTS[name].in_phase))
     if rank == 0:
         results.put(times)
     dist.barrier()

@@ -28,8 +28,8 @@ SHARES = {  # world -> {kind: (heads, intermediate, seq)}; tiny model: 6 heads, 
 def test_plan_matches_hf(dist_pool, tiny_bert_dir, world, kind, att, mlp, con):
     # World 3 uneven with an SP ATT: the own keys' block first, then the ranks' before and after.
     build = {"kv_blocks": True} if (world, kind, att) == (3, "uneven", "SP") else None
-    if (world, kind) == (2, "uneven"):      # every transition's Link, streams taking turns
-        build = {"batch_streams": 2}
+    if (world, kind) == (2, "uneven"):      # every transition's Link, 3 streams (2, 1, 1 rows) out of phase
+        build = {"batch_streams": 3}
     reports = dist_pool(world).run(train_plan_and_compare, "bert", tiny_bert_dir, Plan(att, mlp, con),
                                    SHARES[world][kind], tiny_batch, 5, 0.5, build)
     for rank, report in enumerate(reports):

@@ -22,7 +22,10 @@ from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_device, check_link, compose, fit_link,
                                      load_devices, write_json)
+from galaxy.planner.overlap_time import STREAM_COST
 from galaxy.planner.search import Searcher, proportional, search
+from galaxy.planner.table import table
+from galaxy.planner.writer import plan_keys
 from galaxy.train.metrics import read_metrics
 
 FREE_LINK = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free link")
@@ -224,6 +227,44 @@ def test_dp_sharding_is_written_for_replicas_only():
     plan = P(1, 2, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), dp_sharding="full")
     assert plan.to_keys(6)["dp_sharding"] == "full"
     assert "dp_sharding" not in P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,)).to_keys(6)
+
+
+def test_streams_hide_collectives_behind_the_other_streams_compute_by_hand():
+    """galaxy.planner.overlap_time on the Galaxy plan, equal devices, a link whose collectives take
+    a little more than a forward's compute: with n streams each pass's compute costs (1 + STREAM_COST
+    (n - 1)) and its collectives are exposed by max(0, comm - (n - 1) compute'), the pass at least
+    its comm."""
+    R, rows = 1e10, 16
+    slow = check_link({"latency_s": 0.0, "bytes_per_s": 1e7}, "slow link")
+    plan = galaxy_plan((6, 6), (768, 768), (24, 24))
+
+    def step(link, batch, streams=1):
+        cost = CostModel(synthetic_model(), [device(R)] * 2, link, batch_size=batch)
+        return cost.estimate(replace(plan, batch_streams=streams)).step_s
+    free = step(FREE_LINK, rows)
+    # a pass's collectives (each pass moves the same bytes, in proportion to the rows; the
+    # once-per-step Galaxy sum cancels between the two batches)
+    comm = ((step(slow, 2 * rows) - step(FREE_LINK, 2 * rows)) - (step(slow, rows) - free)) / 2
+    once = step(slow, rows) - free - 2 * comm
+    fwd, bwd = free / 3, 2 * free / 3                      # backward: twice the forward's FLOPs
+    for n in (2, 3):
+        work = [t * (1 + STREAM_COST * (n - 1)) for t in (fwd, bwd)]
+        want = sum(max(w + max(0.0, comm - (n - 1) * w), comm) for w in work) + once
+        assert step(slow, rows, n) == pytest.approx(want, rel=1e-7)      # (the free link: 1e-8)
+    assert fwd * (1 + STREAM_COST) < comm < 2 * fwd * (1 + 2 * STREAM_COST)   # a forward link-bound at 2 and 3
+
+
+@pytest.mark.parametrize("bytes_per_s,streams", [(1e15, 1), (1e7, 2)])
+def test_search_chooses_batch_streams_by_the_link(bytes_per_s, streams):
+    """Over an unshaped link overlap only costs compute: 1 stream, 1 chunk. Over a link whose
+    collectives take longer than a forward's compute, 2 streams (3 cost more compute than they
+    hide; chunks hide less), and the written config's keys carry them."""
+    link = check_link({"latency_s": 0.0, "bytes_per_s": bytes_per_s}, "link")
+    searcher = Searcher(CostModel(synthetic_model(), [device(1e10)] * 2, link, batch_size=16), [1e6, 1e6])
+    _, best = searcher.with_overlap(*searcher.evaluate(galaxy_plan((6, 6), (768, 768), (24, 24))))
+    assert (best.plan.batch_streams, best.plan.comm_chunks) == (streams, 1)
+    assert plan_keys(best, 6).get("batch_streams", 1) == streams and "comm_chunks" not in plan_keys(best, 6)
+    assert f"{streams} 1" in table([best]).splitlines()[1]
 
 
 # --- the search -----------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from galaxy.distributed.streams import cut_context, cut_rows, join_rows, round_robin, run_to_end, stream_rows
+from galaxy.distributed.streams import (cut_context, cut_rows, join_rows, round_robin, run_to_end, stream_delays,
+                                        stream_rows)
 from galaxy.models.attached import Attached
 
 
@@ -107,7 +108,7 @@ class GalaxyModel(nn.Module):
             return run_to_end(self.layer_steps(carry, context, layers, interleave=False))
         streams = [self.layer_steps(c, k, layers, interleave=True)
                    for c, k in zip(cut_rows(carry, sizes), cut_context(context, sum(sizes), sizes))]
-        return join_rows(round_robin(streams))
+        return join_rows(round_robin(streams, stream_delays(len(streams))))
 
     def stream_sizes(self, carry: tuple) -> list[int] | None:
         """Rows per batch stream of this forward; None for one stream: always unless training

@@ -6,7 +6,9 @@ backward, the sum over its sub-blocks (ATT, CON, MLP, CON) of the slowest rank's
 share (the device profile's measured table, or FLOPs / its GEMM rate), plus the layer's collectives
 (the family's closed-form bytes per kind, galaxy.models.<family>, timed with the link profile).
 A recomputed (activation-checkpointed) layer runs its forward again in backward, collectives
-included (the forward half of the layer's collectives). Per micro-batch a pipeline stage takes
+included (the forward half of the layer's collectives). Under batch_streams or comm_chunks a pass's
+collectives travel behind compute: galaxy.planner.overlap_time (without them all are exposed).
+Per micro-batch a pipeline stage takes
 F_p = its forward + half its layers' collectives and B_p = its backward + the other half; the
 stages run their m micro-batches in the schedule's order, each op waiting for its input from the
 neighbouring stage (one send later): galaxy.planner.pipeline_time, which for equal stages is
@@ -43,6 +45,7 @@ from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import stage_ends
 from galaxy.planner.link_model import data_parallel_traffic, link_time
+from galaxy.planner.overlap_time import overlapped_pass, pass_overlap
 
 SUB_BLOCKS = ("ATT", "CON", "MLP", "CON")
 
@@ -91,10 +94,13 @@ class _StageComm:
     step: float = 0.0              # once per step (the Galaxy sum)
     mb_bytes: float = 0.0
     step_bytes: float = 0.0
+    calls: float = 0.0             # boundary collectives of one micro-batch, and of its forward
+    fwd_calls: float = 0.0
 
 
 class CostModel(MemoryModel):
     """estimate(plan): step time, memory, bytes sent and compute of every rank (module docstring)."""
+    times_overlap = True        # its passes take batch_streams and comm_chunks (galaxy.planner.overlap_time)
 
     def estimate(self, plan: Plan) -> Estimate:
         """Each replica's pipeline runs its own rows (micro-batches of rows_d / m); every stage's
@@ -135,7 +141,11 @@ class CostModel(MemoryModel):
         path = m * (comm.mb + p2p) + comm.step
         for r in ranks:
             s.comm_s[r] += path
-        return fwd + comm.fwd, bwd + comm.mb - comm.fwd, comm.step + extra, path
+        # batch streams and chunks hide collectives behind compute (galaxy.planner.overlap_time)
+        overlap = pass_overlap(plan, s.rows, [self.devices[r] for r in ranks],
+                               runs_streams=self.backbone not in ("forward", "absent"))
+        return (overlapped_pass(fwd, comm.fwd, comm.fwd_calls, overlap),
+                overlapped_pass(bwd, comm.mb - comm.fwd, comm.calls - comm.fwd_calls, overlap), comm.step + extra, path)
 
     def _stage_comm(self, s: _Step, p: int, c: int, group: tuple[int, ...]) -> _StageComm:
         """Galaxy collectives of stage p's group `group` (global ranks; c layers recomputed) per
@@ -151,6 +161,8 @@ class CostModel(MemoryModel):
             out.mb += link_time(self.link, kind, g, b + rb, calls + rc, s.padded, group)
             out.fwd += fwd_share * link_time(self.link, kind, g, b, calls, s.padded, group)
             out.mb_bytes += b + rb
+            out.calls += calls + rc
+            out.fwd_calls += fwd_share * calls
             sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
             if sb:
                 out.step += link_time(self.link, kind, g, sb, 0, ranks=group)

@@ -23,18 +23,19 @@ def describe(plan) -> dict:
     ck = "none" if not plan.checkpoint else ",".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp))
     extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""
     return {"mesh": f"{plan.pp}x{plan.dp}x{g}{extra}", "methods": methods, "splits": " ".join(splits) or "-",
-            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck}
+            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck,
+            "overlap": f"{plan.batch_streams} {plan.comm_chunks}"}     # batch_streams, comm_chunks
 
 
 def table(ranked) -> str:
     head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
-            f"{'recompute':<9} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank (rows per replica)")
+            f"{'recompute':<9} {'str chk':<7} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank (rows per replica)")
     lines = [head]
     for i, est in enumerate(ranked, 1):
         d = describe(est.plan)
         mem = ",".join(mib(m) for m in est.memory_mib)
         lines.append(f"{i:>2} {est.step_s * 1e3:>9.1f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
-                     f"{d['mb']:<9} {d['ckpt']:<9} {max(est.sent_bytes) / 1e6:>12.2f}  {mem} | {d['splits']}")
+                     f"{d['mb']:<9} {d['ckpt']:<9} {d['overlap']:<7} {max(est.sent_bytes) / 1e6:>12.2f}  {mem} | {d['splits']}")
     return "\n".join(lines)
 
 

@@ -18,8 +18,9 @@ from galaxy.plan import FIELD_OF_KEY
 from galaxy.planner.cost import Estimate
 
 
-# The search chooses every plan key but the overlap options, which stay as the base has them.
-CHOSEN = frozenset(k for k, name in FIELD_OF_KEY.items() if name not in ("comm_chunks", "kv_blocks"))
+# The search chooses every plan key (batch_streams and comm_chunks too: galaxy.planner.overlap_time)
+# but kv_blocks, which stays as the base has it.
+CHOSEN = frozenset(k for k, name in FIELD_OF_KEY.items() if name != "kv_blocks")
 
 
 def plan_keys(est: Estimate, layers: int) -> dict:

@@ -1,0 +1,86 @@
+"""The overlapped time of one pass (forward or backward) of a Galaxy group's layers under the plan's
+batch_streams and comm_chunks, and the settings of the two the search tries.
+
+Without either, every boundary collective is exposed: a pass takes compute + comm (what the cost
+model did before overlap). With n batch streams (galaxy.distributed.streams) a stream's collective
+at a boundary travels while the other n - 1 streams run their next step; from 3 streams on they
+run out of phase, so over a layer those steps are on average a boundary's share of the pass's
+compute (compute / b for the b boundary collectives of the pass). With c chunks
+(galaxy.distributed.overlap) a TP sub-block's collective travels while (c - 1) / c of its own
+sub-block computes. So per boundary
+
+    exposed = max(0, comm / b - h * compute' / b),     h = (n - 1) + (c - 1) / c
+
+(hidden behind the other streams' next compute and its own other chunks), and since the link
+carries one collective at a time, a pass takes at least its whole comm:
+
+    pass = max(compute' + b * exposed, comm)
+
+compute' is the pass's compute with what streams and chunks cost on the device: half-size GEMMs,
+twice the calls, and on a one-core device the in-flight collectives' copies competing with the
+GEMMs. That is a measured term per extra stream and per extra chunk: `stream_cost` and
+`chunk_cost` in the device profile when it has them (the slowest of the group's devices),
+else the figures fitted on the edge testbed's one-core devices (bench/overlap_paired.py on an
+unshaped link, the same plan's step with and without: STREAM_COST, CHUNK_COST below).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# Fitted on two one-core devices of the edge testbed, unshaped link, all-MiniLM-L6-v2 at 8 and 4
+# x 128 (bench/overlap_paired.py, 2026-11-26, 4 runs): the Galaxy plan's step with n streams or
+# c chunks against 1 stream and 1 chunk, medians 1.04-1.17 (2 streams), 0.98-1.24 (3), 1.06-1.37
+# (4); 1.11-1.30 (2 chunks), 1.23-1.36 (4): about 7% per extra stream and 12% per extra chunk.
+STREAM_COST = 0.07
+CHUNK_COST = 0.12
+
+STREAM_CHOICES = (1, 2, 3, 4)
+CHUNK_CHOICES = (1, 2, 4)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How one pass overlaps: n streams, c chunks, and the devices' cost of each extra one."""
+    streams: int = 1
+    chunks: int = 1
+    stream_cost: float = STREAM_COST
+    chunk_cost: float = CHUNK_COST
+
+    @property
+    def hiding(self) -> float:
+        """h: boundary-shares of compute a boundary's collective travels behind."""
+        return (self.streams - 1) + (self.chunks - 1) / self.chunks
+
+    def compute(self, seconds: float) -> float:
+        """The pass's compute with the streams' and chunks' own cost."""
+        return seconds * (1 + self.stream_cost * (self.streams - 1)) * (1 + self.chunk_cost * (self.chunks - 1))
+
+
+def overlapped_pass(compute: float, comm: float, boundaries: float, overlap: Overlap) -> float:
+    """Seconds of a pass: `compute` seconds of sub-blocks, `comm` seconds of its `boundaries`
+    boundary collectives (module docstring)."""
+    if overlap.streams == overlap.chunks == 1 or boundaries <= 0:
+        return compute + comm
+    work = overlap.compute(compute)
+    exposed = max(0.0, comm - overlap.hiding * work)      # b x max(0, comm/b - h work/b)
+    return max(work + exposed, comm)
+
+
+def pass_overlap(plan, rows: float, devices: list[dict], runs_streams: bool = True) -> Overlap:
+    """The Overlap a plan's pass runs with: streams as many as the micro-batch's rows allow (one
+    when the method runs a single stream: side-tuning), chunks where a TP sub-block chunks, the
+    costs from the group's device profiles (the largest) or the fitted defaults."""
+    streams = max(1, min(plan.batch_streams, int(rows))) if runs_streams else 1
+    chunks = plan.comm_chunks if plan.group > 1 and "TP" in (plan.att, plan.mlp) else 1
+    costs = [(d.get("stream_cost", STREAM_COST), d.get("chunk_cost", CHUNK_COST)) for d in devices]
+    return Overlap(streams, chunks, max(c[0] for c in costs), max(c[1] for c in costs))
+
+
+def overlap_choices(plan, rows: int) -> list:
+    """The plan under every batch_streams x comm_chunks the search tries: streams up to the rows
+    of the smallest micro-batch (none under FSDP2, which config refuses), chunks for a TP
+    sub-block's collectives in a group of two or more, at most the shortest token share."""
+    streams = [n for n in STREAM_CHOICES if n <= rows and (n == 1 or plan.dp_sharding == "none")]
+    tp = plan.group > 1 and "TP" in (plan.att, plan.mlp)
+    chunks = [c for c in CHUNK_CHOICES if c == 1 or (tp and c <= min(plan.tokens))]
+    return [replace(plan, batch_streams=n, comm_chunks=c) for n in streams for c in chunks]
