@@ -267,6 +267,11 @@ def parse_args():
     p.add_argument("--profile_statistic", choices=("median", "min", "mean"),
                    help="profile-devices --statistic (default: mean on the testbed, as profile-devices picks under a "
                         "CPU quota; median over loopback)")
+    p.add_argument("--profile_objective", choices=("latency", "step"), default="latency",
+                   help="profile-devices --objective (default latency: forward only and a measured decode step, "
+                        "what fits home3's pi; step: the training profile)")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=["searched", *(f"even_{n}" for n in PRESETS), "alone"],
+                   help="run only these plans (the searched plan always runs): even_megatron, even_tp, ..., alone")
     p.add_argument("--reuse_profiles", action="store_true",
                    help="keep --out's model.json and devices.json from an earlier run (same cluster and shape)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
@@ -294,7 +299,7 @@ def main() -> None:
         # home3's 0.35-cpu device that is minutes (its LM head alone does 100 GFLOP a call)
         try:
             model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic,
-                                               timeout=3600)
+                                               timeout=3600, extra=("--objective", args.profile_objective))
         except RuntimeError as e:           # e.g. a device killed for memory: the testbed's line says so
             sys.exit("profile-devices failed: " + " | ".join(line for line in str(e).splitlines()
                                                              if "out of memory" in line or "rror" in line)[-400:])
@@ -302,6 +307,8 @@ def main() -> None:
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     alone_cluster, alone = one_device_cluster(cluster_doc, out) if cluster_doc else (None, 0)
     plans = plans_to_run(searched, world, args.layers, alone_cluster)
+    if args.only:
+        plans = {n: p for n, p in plans.items() if n == "searched" or n.replace(" ", "_") in args.only}
     predict = predictor(model_json, devices_json, model_path, args)
     predictions = {n: predict(p["plan"]) for n, p in plans.items() if n != "alone"}
     predictions["alone"] = predictor(model_json, devices_json, model_path, args, only=alone)(plans["alone"]["plan"])
