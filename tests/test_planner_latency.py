@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from support.script_runner import run_script
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.kv_cache import open_caches
@@ -15,7 +16,7 @@ from galaxy.plan import Plan
 from galaxy.planner import cli
 from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.latency_search import search_latency
-from galaxy.planner.profiles import check_link
+from galaxy.planner.profiles import check_cluster, check_link
 from galaxy.runtime.assemble import build_model
 
 # tiny-llama's shape (models/tiny-llama): hidden 128, 4 heads of 32 in 2 K/V groups, 344 MLP columns
@@ -229,6 +230,40 @@ def test_bad_latency_requests_are_one_line_exit_2(tmp_path, capsys, extra, words
                   "--devices", str(devices), "--model", str(model), "--out", str(tmp_path / "x.json"), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_latency_profile_on_two_gloo_ranks_plans_generation_only(tmp_path, capsys):
+    """profile-devices --objective latency on tiny Llama, 2 gloo ranks: the forward-only table (no
+    backward timed, no LM head over every token, no optimizer), the decode section's pieces at
+    their share grids, the profile's own peak, the link's one-token calls; search --objective
+    latency plans from it, and a training search refuses it in one line, exit 2."""
+    base = _base(tmp_path, TINY_LLAMA)
+    out = tmp_path / "devices.json"
+    stdout = run_script(["plan.py", "profile-devices"], base, 2, "--out", str(out), "--quick", "--objective", "latency")
+    assert f"wrote {out}" in stdout[0] and "profile's peak" in stdout[0]
+    doc = check_cluster(json.loads(out.read_text()), str(out))
+    for d in doc["devices"]:
+        assert d["objective"] == "latency" and not d["optimizer_s_per_param"]
+        table = d["compute"]
+        assert table["forward_only"] and set(table["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed"}
+        assert all(t == [0.0] for k in table["kinds"].values() for t in k["bwd_s"])
+        assert all(t[0] > 0 for k in table["kinds"].values() for t in k["fwd_s"])
+        dec = d["decode"]
+        assert dec["keys"] == SEQ and dec["att_tp"]["units"] == [2, 4] and dec["mlp_tp"]["units"] == [1, 172, COLS]
+        assert dec["head"]["units"][-1] == 2048 and min(dec["layer_s"], dec["embed_s"], dec["sampler_s"]) > 0
+        assert 0 < d["profile_peak_mib"] < 2000
+    calls = {(m["kind"], m["bytes"]) for m in doc["link"]["measured"]}
+    assert {("token_sum", 4096), ("token_sum", 1024), ("broadcast", 16)} <= calls
+    model = str(tmp_path / "model.json")
+    cli.main(["profile-model", "--config_file", base, "--out", model])
+    search = ["search", "--config_file", base, "--devices", str(out), "--model", model, "--out", str(tmp_path / "p.json")]
+    cli.main([*search, "--objective", "latency", "--new_tokens", "4"])
+    assert json.loads((tmp_path / "p.json").read_text())["_planned"]["objective"] == "latency"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(search)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "profiled with --objective latency" in err[0], err
 
 
 def test_encoder_decoders_are_refused(tmp_path, capsys):

@@ -117,8 +117,9 @@ class DecodeBench:
         return lambda: m.run_layers(carry, self.context, m.layers)
 
 
-def measure_decode(bench, keys: int, statistic: str = "median") -> dict:
-    """The decode section of a DEVICE entry (module docstring): seconds per piece of one step."""
+def measure_decode(bench, keys: int, statistic: str = "median", quick: bool = False) -> dict:
+    """The decode section of a DEVICE entry (module docstring): seconds per piece of one step
+    (quick: two rounds, for tests)."""
     hf = bench.hf
     heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     grids = {"att_tp": share_grid(heads, heads // kv), "mlp_tp": share_grid(hf.intermediate_size, 1),
@@ -133,8 +134,9 @@ def measure_decode(bench, keys: int, statistic: str = "median") -> dict:
             decode._refill()
             run()
         spent = dict.fromkeys(points, 0.0)
+        rounds, window = (2, 0.0) if quick else (MIN_ROUNDS, WINDOW_S)
         for r in range(400):
-            due = [p for p in points if r < MIN_ROUNDS or spent[p] < WINDOW_S]
+            due = [p for p in points if r < rounds or spent[p] < window]
             if not due:
                 break
             for p in due:

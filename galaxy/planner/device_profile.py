@@ -246,7 +246,7 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
     encdec = read_model_shape(cfg.model_path).get("is_encoder_decoder")
     bench = EncDecBench(cfg.model_path, source=cfg.pad_size, target=target_tokens(cfg), dropout=cfg.dropout) \
         if encdec else SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
-                                     device=env.device, seed=cfg.seed)
+                                     device=env.device, seed=cfg.seed, tie_head=objective == "latency")
     dist.barrier()                      # every rank measures at the same time, as it will train
     if objective == "latency":
         return latency_entry(cfg, bench, env, host=host, threads=torch.get_num_threads(), memory=memory,
@@ -280,7 +280,8 @@ def latency_entry(cfg, bench, env, *, host, threads, memory, baseline, statistic
             "gemm_flops_per_s": gemm_rate(bench, 1, env.device, max(3, measuring["repeats"]), statistic),
             "decode_flops_per_s": decode_rate(bench, env.device, max(10, measuring["repeats"]), statistic),
             "freed_memory_kept": cpu_allocator.kept(), "compute": compute,
-            "decode": measure_decode(bench, cfg.pad_size, statistic), "profile_peak_mib": _peak_mib(env)}
+            "decode": measure_decode(bench, cfg.pad_size, statistic, measuring["quick"]),
+            "profile_peak_mib": _peak_mib(env)}
 
 
 def _peak_mib(env) -> float | None:
@@ -333,7 +334,8 @@ def run(job, env) -> None:
     if env.world > 1:
         measured = measure_link(env, link_sizes(opts.quick), repeats=repeats if opts.quick else max(3, repeats))
         if latency:              # a decode step's one-token calls, measured at their size
-            measured += measure_token_calls(env, TOKEN_SIZES, repeats=max(3, repeats))
+            measured += measure_token_calls(env, TOKEN_SIZES[:2] if opts.quick else TOKEN_SIZES,
+                                            repeats=repeats if opts.quick else max(3, repeats))
         fit = fit_link(measured)
         link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
                 "measured": measured}
