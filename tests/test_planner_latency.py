@@ -15,6 +15,7 @@ from galaxy.layers.kv_cache import open_caches
 from galaxy.plan import Plan
 from galaxy.planner import cli
 from galaxy.planner.latency_cost import LatencyCostModel
+from galaxy.planner.latency_devices import search_subsets
 from galaxy.planner.latency_search import search_latency
 from galaxy.planner.profiles import check_cluster, check_link
 from galaxy.runtime.assemble import build_model
@@ -185,6 +186,31 @@ def test_search_gives_the_quicker_device_more_work():
     shares = [getattr(best, name) for name in ("heads", "columns", "tokens") if best.uses(name)]
     assert shares and all(s[0] > s[1] for s in shares), best
     assert any(e.plan.pp == 2 for e in result.ranked)
+
+
+def test_search_leaves_out_only_a_device_that_slows_every_plan():
+    """Three equal devices. On a free link every subset's quickest plan is slower than the three
+    together's: all are used. With rank 2 on a slow link (per-pair sends: 0-1 at 1e9 B/s, rank 2's
+    pairs at 1e5; the world's fit at 1e5, a subgroup's bytes at its own slowest pair's rate),
+    every plan that uses rank 2 moves activations over its link and loses to ranks 0 and 1
+    together: the search leaves rank 2 out. Either way the chosen subset's request is the quickest
+    of the seven searched, and its link is the pair's (renumbered 0-1)."""
+    R = 1e9
+    devices, budgets = [device(R), device(R), device(R)], [1e6] * 3
+    free = search_subsets(causal_lm_profile(), devices, FREE_LINK, budgets, prompt=SEQ, new=8)
+    assert len(free) == 7 and free[0][0] == (0, 1, 2)
+    slow = {"latency_s": 1e-5, "bytes_per_s": 1e5}
+    pairs = [{"ranks": [0, 1], "latency_s": 1e-5, "bytes_per_s": 1e9}, {"ranks": [0, 2], **slow},
+             {"ranks": [1, 2], **slow}]
+    link = check_link({**slow, "pairs": pairs}, "link")
+    found = search_subsets(causal_lm_profile(), devices, link, budgets, prompt=SEQ, new=8)
+    ranks, result, cost = found[0]
+    assert ranks == (0, 1) and cost.link["pairs"] == [{**pairs[0], "ranks": [0, 1]}]
+    assert cost.link["fit"]["all_gather"]["bytes_per_s"] == pytest.approx(1e9)
+    best = {r: res.ranked[0].step_s for r, res, _ in found}
+    assert result.ranked[0].step_s == min(best.values()) < best[(0, 1, 2)]
+    assert [r for r, _, _ in search_subsets(causal_lm_profile(), devices, link, budgets, prompt=SEQ, new=8,
+                                            every_device=True)] == [(0, 1, 2)]
 
 
 def test_cache_memory_is_what_inference_allocates():
