@@ -59,14 +59,17 @@ class DecodeBench:
         self.caches = []
 
     def _cached(self, att):
-        """att with a cache of `keys` filled keys (random: values do not change the work)."""
+        """att with a cache of `keys` filled keys."""
         att.kv_cache = att.start_cache(1, self.keys, 1, self.x.dtype, self.x.device)
-        cache = att.kv_cache
+        self._fill(att.kv_cache)
+        return att
+
+    def _fill(self, cache) -> None:
+        """Random keys and values in every slot, all kept (values do not change the work)."""
         cache.k.normal_()
         cache.v.normal_()
         cache.keep.fill_(True)
         self.caches.append(cache)
-        return att
 
     def _refill(self):
         for cache in self.caches:
@@ -108,18 +111,15 @@ class DecodeBench:
         if getattr(m, "attached", None) is None:
             apply_plan(m, Plan(), GalaxyGroup.serial(hf.num_attention_heads, hf.intermediate_size, self.bench.seq))
         caches = open_caches(m, 1, self.keys, 1, self.x.dtype, self.x.device)
-        for cache in (c.kv_cache for c in caches.modules):
-            cache.k.normal_()
-            cache.v.normal_()
-            cache.keep.fill_(True)
-            self.caches.append(cache)
+        for module in caches.modules:
+            self._fill(module.kv_cache)
         carry = (self.x, self.x)
         return lambda: m.run_layers(carry, self.context, m.layers)
 
 
-def measure_decode(bench, keys: int, statistic: str = "median", quick: bool = False) -> dict:
-    """The decode section of a DEVICE entry (module docstring): seconds per piece of one step
-    (quick: two rounds, for tests)."""
+def measure_decode(bench, keys: int, pick=statistics.median, quick: bool = False) -> dict:
+    """The decode section of a DEVICE entry (module docstring): seconds per piece of one step,
+    pick (a statistic) of its rounds' times (quick: two rounds, for tests)."""
     hf = bench.hf
     heads, kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     grids = {"att_tp": share_grid(heads, heads // kv), "mlp_tp": share_grid(hf.intermediate_size, 1),
@@ -146,8 +146,7 @@ def measure_decode(bench, keys: int, statistic: str = "median", quick: bool = Fa
                 t = time.perf_counter() - t0
                 times[p].append(t)
                 spent[p] += t
-    pick = {"median": statistics.median, "min": min, "mean": statistics.mean}[statistic]
-    out = {"keys": keys, "statistic": statistic}
+    out = {"keys": keys}
     for kind, units in grids.items():
         out[kind] = {"units": units, "s": [pick(times[kind, u]) for u in units]}
     for kind in ("con", "layer", "embed", "sampler"):

@@ -13,18 +13,9 @@ read once per step, as a weight is).
 """
 from __future__ import annotations
 
-import bisect
-
+from galaxy.planner.device_compute import _interp as _line
 from galaxy.planner.link_model import _interpolate
 from galaxy.planner.profiles import ProfileError
-
-
-def _line(xs, ys, x):
-    """Piecewise linear through (xs, ys), extended past both ends; one point: constant."""
-    if len(xs) == 1:
-        return ys[0]
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 class DecodeTimes:

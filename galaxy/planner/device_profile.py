@@ -280,7 +280,8 @@ def latency_entry(cfg, bench, env, *, host, threads, memory, baseline, statistic
             "gemm_flops_per_s": gemm_rate(bench, 1, env.device, max(3, measuring["repeats"]), statistic),
             "decode_flops_per_s": decode_rate(bench, env.device, max(10, measuring["repeats"]), statistic),
             "freed_memory_kept": cpu_allocator.kept(), "compute": compute,
-            "decode": measure_decode(bench, cfg.pad_size, statistic, measuring["quick"]),
+            "decode": {**measure_decode(bench, cfg.pad_size, STATISTICS[statistic], measuring["quick"]),
+                       "statistic": statistic},
             "profile_peak_mib": _peak_mib(env)}
 
 
