@@ -76,22 +76,25 @@ def search(out: Path, base: str, model_json: str, devices_json: str, args) -> st
                            "--top", "20"], cwd=ROOT, env=env(), capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"plan.py search --objective latency failed:\n{done.stdout}{done.stderr}")
-    print("\n".join(done.stdout.splitlines()[:6]), flush=True)
+    lines = done.stdout.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith(" #  total")), 5)
+    print("\n".join(lines[:header + 4]), flush=True)         # the subsets searched, the best 3 plans
     return str(searched)
 
 
-def predictor(model_json: str, devices_json: str, model_path: str, args, only: int | None = None):
+def predictor(model_json: str, devices_json: str, model_path: str, args, only: tuple | None = None):
     """Plan -> the latency cost model's figures for the request measured: the prefill of --prompt
     tokens (with --new after it: the search's request; its memory), the decode step after
     --decode_prompt tokens (inference_plans.py's decode request); {} for a plan that cannot be
-    formed (only: that device alone)."""
+    formed (only: those devices' ranks, the link among them as the search sees it)."""
     from galaxy.models.shape import read_model_shape
     from galaxy.plan import PlanError, Workload
     from galaxy.planner.latency_cost import LatencyCostModel
+    from galaxy.planner.latency_devices import sub_link
     from galaxy.planner.profiles import load_devices, read_json
     model, (devices, link) = read_json(model_json), load_devices(devices_json)
     if only is not None:
-        devices, link = [devices[only]], None
+        devices, link = [devices[r] for r in only], sub_link(link, tuple(only), len(devices))
     prefill = LatencyCostModel(model, devices, link, prompt_tokens=args.prompt, new_tokens=args.new)
     decode = LatencyCostModel(model, devices, link, prompt_tokens=args.decode_prompt, new_tokens=args.new)
     work = Workload.of(read_model_shape(model_path), args.prompt)
@@ -130,12 +133,23 @@ def measure(name: str, flags: list[str], model_path: str, cluster: str | None, w
     return got
 
 
-def plans_to_run(searched: str, world: int, layers: int, alone: str | None) -> dict[str, dict]:
-    """{name: {"flags" for inference_plans.py, "plan", "world", "cluster"}}: the searched plan, the
-    even presets, the device alone."""
+def subset_cluster(cluster: dict | None, ranks: list[int], out: Path) -> str | None:
+    """A cluster file of the devices the searched plan uses (None: all of them, or no testbed)."""
+    if cluster is None or len(ranks) == len(cluster["devices"]):
+        return None
+    path = out / "searched_devices.json"
+    path.write_text(json.dumps({"devices": [cluster["devices"][r] for r in ranks]}, indent=1))
+    return str(path)
+
+
+def plans_to_run(searched: str, world: int, layers: int, alone: str | None, ranks: list[int],
+                 searched_cluster: str | None) -> dict[str, dict]:
+    """{name: {"flags" for inference_plans.py, "plan", "world", "cluster"}}: the searched plan (on
+    the devices it uses), the even presets, the device alone."""
     from inference_plans import named_plans
     plans = {"searched": {"flags": ["--plans", "--plan_file", f"searched={searched}"],
-                          "plan": named_plans([], [f"searched={searched}"], world, layers)["searched"]}}
+                          "plan": named_plans([], [f"searched={searched}"], len(ranks), layers)["searched"],
+                          "world": len(ranks), **({"cluster": searched_cluster} if searched_cluster else {})}}
     for name in PRESETS:
         plans[f"even {name}"] = {"flags": ["--plans", name], "plan": named_plans([name], [], world, layers)[name]}
     plans["alone"] = {"flags": ["--plans", "serial"], "plan": named_plans(["serial"], [], 1, layers)["serial"],
@@ -169,6 +183,8 @@ def same_as_searched(plans: dict, model_path: str, world: int, prompt: int) -> l
             return plan.resolve(world, work)
         except PlanError:
             return None
+    if plans["searched"].get("world", world) != world:
+        return []
     searched = resolved(plans["searched"]["plan"])
     return [n for n, p in plans.items() if n not in ("searched", "alone") and resolved(p["plan"]) == searched]
 
@@ -267,6 +283,11 @@ def parse_args():
     p.add_argument("--profile_statistic", choices=("median", "min", "mean"),
                    help="profile-devices --statistic (default: mean on the testbed, as profile-devices picks under a "
                         "CPU quota; median over loopback)")
+    p.add_argument("--profile_objective", choices=("latency", "step"), default="latency",
+                   help="profile-devices --objective (default latency: forward only and a measured decode step, "
+                        "what fits home3's pi; step: the training profile)")
+    p.add_argument("--only", nargs="+", metavar="NAME", choices=["searched", *(f"even_{n}" for n in PRESETS), "alone"],
+                   help="run only these plans (the searched plan always runs): even_megatron, even_tp, ..., alone")
     p.add_argument("--reuse_profiles", action="store_true",
                    help="keep --out's model.json and devices.json from an earlier run (same cluster and shape)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one launch may take")
@@ -294,17 +315,22 @@ def main() -> None:
         # home3's 0.35-cpu device that is minutes (its LM head alone does 100 GFLOP a call)
         try:
             model_json, devices_json = profile(out, base, world, [None] * world, args.profile_repeats, statistic,
-                                               timeout=3600)
+                                               timeout=3600, extra=("--objective", args.profile_objective))
         except RuntimeError as e:           # e.g. a device killed for memory: the testbed's line says so
             sys.exit("profile-devices failed: " + " | ".join(line for line in str(e).splitlines()
                                                              if "out of memory" in line or "rror" in line)[-400:])
     searched = search(out, base, model_json, devices_json, args)
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     alone_cluster, alone = one_device_cluster(cluster_doc, out) if cluster_doc else (None, 0)
-    plans = plans_to_run(searched, world, args.layers, alone_cluster)
+    ranks = json.loads((out / "plans.json").read_text()).get("device_ranks") or list(range(world))
+    plans = plans_to_run(searched, world, args.layers, alone_cluster, ranks, subset_cluster(cluster_doc, ranks, out))
+    if args.only:
+        plans = {n: p for n, p in plans.items() if n == "searched" or n.replace(" ", "_") in args.only}
     predict = predictor(model_json, devices_json, model_path, args)
-    predictions = {n: predict(p["plan"]) for n, p in plans.items() if n != "alone"}
-    predictions["alone"] = predictor(model_json, devices_json, model_path, args, only=alone)(plans["alone"]["plan"])
+    predictions = {n: predict(p["plan"]) for n, p in plans.items() if n not in ("alone", "searched")}
+    predictions["searched"] = predictor(model_json, devices_json, model_path, args, only=tuple(ranks))(
+        plans["searched"]["plan"])
+    predictions["alone"] = predictor(model_json, devices_json, model_path, args, only=(alone,))(plans["alone"]["plan"])
     table = rows(plans, run_rounds(plans, model_path, args.cluster, world, out, args), predictions)
     for name in same_as_searched(plans, model_path, world, args.prompt):
         table[name]["same_plan_as_searched"] = True

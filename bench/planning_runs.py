@@ -116,14 +116,14 @@ def run_ranks(argv: list[str], world: int, cores: list[int | None], timeout: flo
 
 
 def profile(folder: Path, base: str, world: int, cores: list[int | None], repeats: int = 3,
-            statistic: str = "median", timeout: float = 1200) -> tuple[str, str]:
+            statistic: str = "median", timeout: float = 1200, extra: tuple = ()) -> tuple[str, str]:
     """plan.py profile-model and profile-devices (world ranks, pinned like training; timeout: the
-    seconds profile-devices may take); their paths."""
+    seconds profile-devices may take; extra: more profile-devices flags); their paths."""
     model, devices = str(folder / "model.json"), str(folder / "devices.json")
     subprocess.run([*pin(cores[0]), sys.executable, "plan.py", "profile-model", "--config_file", base, "--out", model],
                    cwd=ROOT, env=env(), check=True, capture_output=True)
     run_ranks(["plan.py", "profile-devices", "--config_file", base, "--out", devices, "--repeats", str(repeats),
-               "--statistic", statistic], world, cores, timeout)
+               "--statistic", statistic, *extra], world, cores, timeout)
     return model, devices
 
 

@@ -8,14 +8,16 @@ import os
 
 import pytest
 import torch
+from support.script_runner import run_script
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.kv_cache import open_caches
 from galaxy.plan import Plan
 from galaxy.planner import cli
 from galaxy.planner.latency_cost import LatencyCostModel
+from galaxy.planner.latency_devices import search_subsets
 from galaxy.planner.latency_search import search_latency
-from galaxy.planner.profiles import check_link
+from galaxy.planner.profiles import check_cluster, check_link
 from galaxy.runtime.assemble import build_model
 
 # tiny-llama's shape (models/tiny-llama): hidden 128, 4 heads of 32 in 2 K/V groups, 344 MLP columns
@@ -60,9 +62,11 @@ def test_prefill_and_decode_by_hand():
     """Two devices at 2R and R. TP ATT and MLP, CON None: the prompt's N tokens are not padded to
     pad_size, so the prefill is N / SEQ of each profiled sub-block at the slower rank's share; each
     of the M - 1 decode steps runs one token, its projections at the rank's heads and 4 d FLOPs per
-    head and key over the N + k + 1 keys of step k; the LM head runs on one token on the sampler (the
-    last rank). A link of latency lat (no bandwidth cost) adds per pass two all-reduces a layer
-    (2 (n - 1) steps each) and the token's broadcast (n - 1 steps). A pipeline of the two devices
+    head and key over the N + k + 1 keys of step k; the prefill's LM head runs on one token on the
+    sampler (the last rank), a decode step's is split by vocabulary rows in proportion to the MLP
+    columns (669 and 331 of 1000). A link of latency lat (no bandwidth cost, nothing measured) adds
+    per pass two one-token sums a layer priced as all-reduces (2 (n - 1) steps each) and the
+    token's broadcast (n - 1 steps), per decode step the logits' all-gather. A pipeline of the two devices
     (3 layers, then 1) adds its stages' times: at batch 1 nothing overlaps."""
     R, N, M, lat = 1e9, 12, 5, 1e-4
     rate = (2 * R, R)
@@ -72,8 +76,9 @@ def test_prefill_and_decode_by_hand():
     layer = max(ATT_F * h / HEADS / r for h, r in zip(heads, rate)) + max(MLP_F * c / COLS / r for c, r in zip(cols, rate))
     prefill = LAYERS * layer * N / SEQ + HEAD_F / SEQ / R
     assert est.prefill_s == pytest.approx(prefill, rel=1e-9)
+    split_head = max(669 / 1000 / (2 * R), 331 / 1000 / R) * HEAD_F / SEQ
     steps = [LAYERS * (max((PROJ * h / HEADS + 4 * h * D * (N + k + 1)) / r for h, r in zip(heads, rate))
-                       + max(MLP_F / SEQ * c / COLS / r for c, r in zip(cols, rate))) + HEAD_F / SEQ / R
+                       + max(MLP_F / SEQ * c / COLS / r for c, r in zip(cols, rate))) + split_head
              for k in range(M - 1)]
     assert est.decode_s_per_token == pytest.approx(sum(steps) / (M - 1), rel=1e-9)
     assert est.step_s == pytest.approx(prefill + sum(steps), rel=1e-9)
@@ -82,7 +87,7 @@ def test_prefill_and_decode_by_hand():
         {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M)
     passes = 1 + (M - 1)
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
-    assert again.step_s - est.step_s == pytest.approx(passes * (LAYERS * 2 * 2 * lat + lat), rel=1e-6)
+    assert again.step_s - est.step_s == pytest.approx(passes * (LAYERS * 2 * 2 * lat + lat) + (M - 1) * lat, rel=1e-6)
 
     pipe = cost.estimate(plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1)))
     whole = (ATT_F + MLP_F) * N / SEQ
@@ -100,17 +105,72 @@ def test_prefill_and_decode_by_hand():
     assert slower.prefill_s == pytest.approx(est.prefill_s, rel=1e-9)
 
 
+def decode_section(scale):
+    """A measured decode section (galaxy.planner.decode_profile) by hand, every figure linear in its
+    units (so the planner's interpolation is exact) and times `scale`: ATT 2e-3 s at 2 heads and
+    3e-3 at 4 with K = 24 keys cached, the MLP 1e-4 + 1e-6 per column, the head 1e-5 + 1e-7 per
+    vocabulary row, a CON 2e-4, the whole layer its sub-blocks + 5e-4 of glue, the embedding 3e-4,
+    the sampler 4e-4."""
+    mlp = lambda u: (1e-4 + 1e-6 * u) * scale    # noqa: E731
+    head = lambda u: (1e-5 + 1e-7 * u) * scale   # noqa: E731
+    return {"keys": SEQ, "statistic": "median",
+            "att_tp": {"units": [2, 4], "s": [2e-3 * scale, 3e-3 * scale]},
+            "mlp_tp": {"units": [1, 172, COLS], "s": [mlp(1), mlp(172), mlp(COLS)]},
+            "head": {"units": [1, 500, 1000], "s": [head(1), head(500), head(1000)]},
+            "con_s": 2e-4 * scale, "layer_s": 3e-3 * scale + mlp(COLS) + 2 * 2e-4 * scale + 5e-4 * scale,
+            "embed_s": 3e-4 * scale, "sampler_s": 4e-4 * scale}
+
+
+def test_measured_decode_steps_and_one_token_calls():
+    """Devices with measured decode sections (profile-devices --objective latency), the fast one's
+    times half the slow one's: a decode step takes per layer each piece at its slowest rank's
+    share (ATT at its heads, a line in its keys: the measured time at K keys plus 4 x heads_r x d
+    FLOPs per key more at the one-token rate; the MLP at its columns; two CONs and the layer's
+    glue), the embedding, the LM head split by vocabulary rows (669 and 331), the sampler's
+    choice; the prefill's head is the measured head on one token and the sampler. The link's
+    measured one-token sum (token_sum) and broadcast replace the all-reduce and all-gather its
+    fit would price (latency lat), the logits' all-gather keeps its fit."""
+    R, N, M, lat = 1e9, 12, 5, 1e-2
+    devices = [{**device(2 * R), "decode_flops_per_s": 2 * R, "decode": decode_section(0.5)},
+               {**device(R), "decode_flops_per_s": R, "decode": decode_section(1.0)}]
+    cost = LatencyCostModel(causal_lm_profile(), devices, FREE_LINK, prompt_tokens=N, new_tokens=M)
+    heads, cols, vocab = (2, 2), (230, 114), (669, 331)
+    est = cost.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
+    scale, rate = (0.5, 1.0), (2 * R, R)
+    att = lambda j, keys: 2e-3 * scale[j] + 4 * heads[j] * D * (keys - SEQ) / rate[j]   # noqa: E731
+    mlp = max((1e-4 + 1e-6 * c) * f for c, f in zip(cols, scale))
+    rest = 2 * 2e-4 + 5e-4                       # two CONs and the glue, on the slower device
+    steps = [LAYERS * (max(att(j, N + k + 1) for j in range(2)) + mlp + rest) + 3e-4
+             + max((1e-5 + 1e-7 * v) * f for v, f in zip(vocab, scale)) + 4e-4 for k in range(M - 1)]
+    assert est.decode_s_per_token == pytest.approx(sum(steps) / (M - 1), rel=1e-9)
+    layer = max(ATT_F * h / HEADS / r for h, r in zip(heads, rate)) + max(MLP_F * c / COLS / r for c, r in zip(cols, rate))
+    assert est.prefill_s == pytest.approx(LAYERS * layer * N / SEQ + (1e-5 + 1e-7 * 1000) + 4e-4, rel=1e-9)
+
+    token_sum, broadcast = 2e-4, 1e-4
+    link = check_link({"latency_s": lat, "bytes_per_s": 1e18, "measured": [
+        {"kind": "token_sum", "group": 2, "bytes": 4096, "uneven": False, "seconds": token_sum},
+        {"kind": "token_sum", "group": 2, "bytes": 16384, "uneven": False, "seconds": 2 * token_sum},
+        {"kind": "broadcast", "group": 2, "bytes": 16, "uneven": False, "seconds": broadcast}]}, "link")
+    slow = LatencyCostModel(causal_lm_profile(), devices, link, prompt_tokens=N, new_tokens=M)
+    again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
+    # [1, h] is 512 bytes, under the smallest measured: its time; the logits' all-gather: lat x 1 step
+    assert again.decode_s_per_token - est.decode_s_per_token == pytest.approx(
+        LAYERS * 2 * token_sum + broadcast + lat, rel=1e-9)
+    assert again.prefill_s - est.prefill_s == pytest.approx(LAYERS * 2 * 2 * lat + broadcast, rel=1e-9)
+
+
 def test_sequence_parallel_attention_decodes_against_its_own_keys():
     """ATT SP, MLP SP, CON SP on equal devices: the prompt is padded to pad_size (16 and 8 tokens),
     every rank projects each decoded token with all heads and the whole MLP, and attends to its
-    prompt tokens and the decoded tokens it owns (step k's goes to rank k mod 2)."""
+    prompt tokens and the decoded tokens it owns (step k's goes to rank k mod 2); the decode
+    step's LM head is split in halves (equal columns)."""
     R, N, M = 1e9, 10, 4
     cost = LatencyCostModel(causal_lm_profile(), [device(R), device(R)], FREE_LINK, prompt_tokens=N, new_tokens=M)
     est = cost.estimate(plan("SP", "SP", "SP", (2, 2), (172, 172), (16, 8)))
     assert est.prefill_s == pytest.approx(LAYERS * (ATT_F + MLP_F) * 16 / SEQ / R + HEAD_F / SEQ / R, rel=1e-9)
     owned = [[1, 0], [1, 1], [2, 1]]                # decoded keys per rank after steps 0, 1, 2
     steps = [LAYERS * (PROJ + 4 * HEADS * D * max(16 + owned[k][0], 8 + owned[k][1]) + MLP_F / SEQ) / R
-             + HEAD_F / SEQ / R for k in range(M - 1)]
+             + HEAD_F / SEQ / R / 2 for k in range(M - 1)]
     assert est.decode_s_per_token * (M - 1) == pytest.approx(sum(steps), rel=1e-9)
 
 
@@ -126,6 +186,31 @@ def test_search_gives_the_quicker_device_more_work():
     shares = [getattr(best, name) for name in ("heads", "columns", "tokens") if best.uses(name)]
     assert shares and all(s[0] > s[1] for s in shares), best
     assert any(e.plan.pp == 2 for e in result.ranked)
+
+
+def test_search_leaves_out_only_a_device_that_slows_every_plan():
+    """Three equal devices. On a free link every subset's quickest plan is slower than the three
+    together's: all are used. With rank 2 on a slow link (per-pair sends: 0-1 at 1e9 B/s, rank 2's
+    pairs at 1e5; the world's fit at 1e5, a subgroup's bytes at its own slowest pair's rate),
+    every plan that uses rank 2 moves activations over its link and loses to ranks 0 and 1
+    together: the search leaves rank 2 out. Either way the chosen subset's request is the quickest
+    of the seven searched, and its link is the pair's (renumbered 0-1)."""
+    R = 1e9
+    devices, budgets = [device(R), device(R), device(R)], [1e6] * 3
+    free = search_subsets(causal_lm_profile(), devices, FREE_LINK, budgets, prompt=SEQ, new=8)
+    assert len(free) == 7 and free[0][0] == (0, 1, 2)
+    slow = {"latency_s": 1e-5, "bytes_per_s": 1e5}
+    pairs = [{"ranks": [0, 1], "latency_s": 1e-5, "bytes_per_s": 1e9}, {"ranks": [0, 2], **slow},
+             {"ranks": [1, 2], **slow}]
+    link = check_link({**slow, "pairs": pairs}, "link")
+    found = search_subsets(causal_lm_profile(), devices, link, budgets, prompt=SEQ, new=8)
+    ranks, result, cost = found[0]
+    assert ranks == (0, 1) and cost.link["pairs"] == [{**pairs[0], "ranks": [0, 1]}]
+    assert cost.link["fit"]["all_gather"]["bytes_per_s"] == pytest.approx(1e9)
+    best = {r: res.ranked[0].step_s for r, res, _ in found}
+    assert result.ranked[0].step_s == min(best.values()) < best[(0, 1, 2)]
+    assert [r for r, _, _ in search_subsets(causal_lm_profile(), devices, link, budgets, prompt=SEQ, new=8,
+                                            every_device=True)] == [(0, 1, 2)]
 
 
 def test_cache_memory_is_what_inference_allocates():
@@ -171,6 +256,40 @@ def test_bad_latency_requests_are_one_line_exit_2(tmp_path, capsys, extra, words
                   "--devices", str(devices), "--model", str(model), "--out", str(tmp_path / "x.json"), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_latency_profile_on_two_gloo_ranks_plans_generation_only(tmp_path, capsys):
+    """profile-devices --objective latency on tiny Llama, 2 gloo ranks: the forward-only table (no
+    backward timed, no LM head over every token, no optimizer), the decode section's pieces at
+    their share grids, the profile's own peak, the link's one-token calls; search --objective
+    latency plans from it, and a training search refuses it in one line, exit 2."""
+    base = _base(tmp_path, TINY_LLAMA)
+    out = tmp_path / "devices.json"
+    stdout = run_script(["plan.py", "profile-devices"], base, 2, "--out", str(out), "--quick", "--objective", "latency")
+    assert f"wrote {out}" in stdout[0] and "profile's peak" in stdout[0]
+    doc = check_cluster(json.loads(out.read_text()), str(out))
+    for d in doc["devices"]:
+        assert d["objective"] == "latency" and not d["optimizer_s_per_param"]
+        table = d["compute"]
+        assert table["forward_only"] and set(table["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed"}
+        assert all(t == [0.0] for k in table["kinds"].values() for t in k["bwd_s"])
+        assert all(t[0] > 0 for k in table["kinds"].values() for t in k["fwd_s"])
+        dec = d["decode"]
+        assert dec["keys"] == SEQ and dec["att_tp"]["units"] == [2, 4] and dec["mlp_tp"]["units"] == [1, 172, COLS]
+        assert dec["head"]["units"][-1] == 2048 and min(dec["layer_s"], dec["embed_s"], dec["sampler_s"]) > 0
+        assert 0 < d["profile_peak_mib"] < 2000
+    calls = {(m["kind"], m["bytes"]) for m in doc["link"]["measured"]}
+    assert {("token_sum", 4096), ("token_sum", 1024), ("broadcast", 16)} <= calls
+    model = str(tmp_path / "model.json")
+    cli.main(["profile-model", "--config_file", base, "--out", model])
+    search = ["search", "--config_file", base, "--devices", str(out), "--model", model, "--out", str(tmp_path / "p.json")]
+    cli.main([*search, "--objective", "latency", "--new_tokens", "4"])
+    assert json.loads((tmp_path / "p.json").read_text())["_planned"]["objective"] == "latency"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(search)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and "profiled with --objective latency" in err[0], err
 
 
 def test_encoder_decoders_are_refused(tmp_path, capsys):

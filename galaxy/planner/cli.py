@@ -106,6 +106,9 @@ def _devices_arguments(p: argparse.ArgumentParser) -> None:
                         "mean (time-weighted over at least 0.1 s of each point: for a device that shares its "
                         "core with other work while training too)")
     p.add_argument("--quick", action="store_true", help="fewer shares, rows, sizes and repeats (tests)")
+    p.add_argument("--objective", choices=("step", "latency"), default="step",
+                   help="step: what training plans read (default); latency: only what search --objective latency "
+                        "reads (forward at pad_size, one decode step, the one-token calls), small enough for a small device")
 
 
 def _devices_prepare(cfg, opts) -> DevicesJob:
@@ -113,6 +116,9 @@ def _devices_prepare(cfg, opts) -> DevicesJob:
         raise ConfigError("--repeats must be at least 1")
     shape = read_model_shape(cfg.model_path)
     family = family_of(shape["model_type"])
+    if opts.objective == "latency" and next(iter(family.tasks)) != "causal_lm":
+        raise ConfigError("profile-devices --objective latency profiles causal LMs (what search --objective latency "
+                          "plans); drop --objective latency for this config")
     if shape.get("is_encoder_decoder"):      # no compute table yet: the GEMM rate, memory, optimizer, link
         config_signature(cfg, family)        # two method flags: refused here as for the other families
         return DevicesJob(cfg, opts, None)
@@ -294,6 +300,9 @@ def _cost_parts(args, cfg, shape: dict, model: dict, cost_model) -> SimpleNamesp
     method = check_method(model, signature, args.model)
     clus = compose(args.devices, args.link)
     devices, link = clus["devices"], clus["link"]
+    if any(d.get("objective") == "latency" for d in devices):
+        raise ProfileError("the devices were profiled with --objective latency (forward only, no backward or optimizer "
+                           "timed); run plan.py profile-devices without it for training plans")
     budgets = _budgets(args, devices, link)
     meshes = meshes_of(args.pp, args.dp, len(devices), shape["num_hidden_layers"])
     cost = cost_model(model, devices, link, batch_size=cfg.batch_size, optimizer=cfg.optimizer, method=signature)

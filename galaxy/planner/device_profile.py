@@ -35,13 +35,15 @@ from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.peft import PeftOptions
 from galaxy.planner.encdec_bench import EncDecBench
-from galaxy.planner.harness import KINDS, SubBlockBench
+from galaxy.planner.decode_profile import measure_decode
+from galaxy.planner.harness import KINDS, LAYER_KINDS, SubBlockBench
 from galaxy.planner.method import costed_options, method_signature
-from galaxy.planner.link_profile import PAIR_SIZES, link_sizes, measure_link, measure_pairs
+from galaxy.planner.link_profile import (PAIR_SIZES, TOKEN_SIZES, link_sizes, measure_link, measure_pairs,
+                                        measure_token_calls)
 from galaxy.planner.profiles import LINK_KINDS, cluster, fit_link, write_json
 from galaxy.preflight.tokenizer import load_tokenizer
 from galaxy.runtime import cgroup, cpu_allocator
-from galaxy.runtime.host_memory import available_mib, rss_mib
+from galaxy.runtime.host_memory import available_mib, peak_rss_mib, rss_mib
 from galaxy.train.optim import build_optimizer, step_kind
 
 
@@ -68,11 +70,12 @@ MEAN_WINDOW_S, MAX_MEAN_ROUNDS = 0.1, 400
 
 
 def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: int, warmup: int,
-                    statistic: str = "median", kinds=KINDS) -> dict:
+                    statistic: str = "median", kinds=KINDS, forward_only: bool = False) -> dict:
     """Forward and backward seconds of every kind on a grid of shares x rows. The points are timed
     in rounds (every point once per round), so that a change in the machine's load while profiling
     shifts every point alike instead of bending the table; `statistic` of the rounds is kept
-    (under "mean", each point's rounds go on until it has run MEAN_WINDOW_S in all)."""
+    (under "mean", each point's rounds go on until it has run MEAN_WINDOW_S in all).
+    forward_only: under no_grad (nothing kept for a backward; its seconds 0), as generation runs."""
     rows = rows_grid(batch, quick)
     points = 3 if quick else 5
     grid = {}
@@ -81,6 +84,8 @@ def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: i
         fixed = kind == "embed" or (kind == "head" and bench.task == "classification")
         grid[kind] = [total] if fixed else unit_grid(total, step, points)
     runs = {(k, u, r): bench.runner(k, u, r) for k, units in grid.items() for u in units for r in rows}
+    if forward_only:
+        runs = {key: _without_grad(run) for key, run in runs.items()}
     for run in runs.values():                   # first calls allocate
         for _ in range(warmup):
             run()
@@ -107,7 +112,14 @@ def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: i
         kinds[kind] = {"units": units,
                        "fwd_s": envelope([[pick([t[0] for t in times[kind, u, r]]) for r in rows] for u in units]),
                        "bwd_s": envelope([[pick([t[1] for t in times[kind, u, r]]) for r in rows] for u in units])}
-    return {"rows": rows, "statistic": statistic, "kinds": kinds}
+    return {"rows": rows, "statistic": statistic, "kinds": kinds, **({"forward_only": True} if forward_only else {})}
+
+
+def _without_grad(run):
+    def forward():
+        with torch.no_grad():
+            return run()
+    return forward
 
 
 def envelope(grid: list[list[float]]) -> list[list[float]]:
@@ -205,8 +217,9 @@ def accumulate_rate(device, repeats: int, statistic: str = "median", numel: int 
 
 
 def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup: int,
-                      statistic: str = "median") -> dict:
-    """This rank's DEVICE entry (galaxy.planner.profiles)."""
+                      statistic: str = "median", objective: str = "step") -> dict:
+    """This rank's DEVICE entry (galaxy.planner.profiles); objective "latency": only what the
+    latency cost model reads (latency_entry)."""
     # The baseline: a process holding what training imports (pipelines' and FSDP's modules too)
     # and the tokenizer it keeps (MiniLM's: 45 MiB; bench/results/plan_accuracy.md).
     import galaxy.parallel.sharded_dp, galaxy.pipeline.runner, galaxy.train.trainer  # noqa: F401,E401
@@ -233,8 +246,11 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
     encdec = read_model_shape(cfg.model_path).get("is_encoder_decoder")
     bench = EncDecBench(cfg.model_path, source=cfg.pad_size, target=target_tokens(cfg), dropout=cfg.dropout) \
         if encdec else SubBlockBench(cfg.model_path, seq=cfg.pad_size, num_labels=num_labels, dropout=cfg.dropout,
-                                     device=env.device, seed=cfg.seed)
+                                     device=env.device, seed=cfg.seed, tie_head=objective == "latency")
     dist.barrier()                      # every rank measures at the same time, as it will train
+    if objective == "latency":
+        return latency_entry(cfg, bench, env, host=host, threads=torch.get_num_threads(), memory=memory,
+                             baseline=baseline, quick=quick, repeats=repeats, warmup=warmup, statistic=statistic)
     compute = None if encdec else _compute(cfg, num_labels, bench, env, quick=quick, repeats=repeats,
                                            warmup=warmup, statistic=statistic)
     return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type,
@@ -248,15 +264,47 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
             **({"compute": compute} if compute else {})}
 
 
+def latency_entry(cfg, bench, env, *, host, threads, memory, baseline, statistic, **measuring) -> dict:
+    """A DEVICE entry for plan.py search --objective latency, forward only at batch 1: the layer's
+    sub-blocks and the embedding under no_grad at pad_size tokens (the prefill), one decode step's
+    pieces with a cache of pad_size keys (galaxy.planner.decode_profile; the LM head on one token,
+    the prefill's too), the GEMM and one-token rates. No backward, optimizer or gradient timings,
+    no LM head over every token, no PEFT table: what a small device can hold (bench/README.md: the
+    training profile of the bench Llama peaked at 1246 MiB, over home3's 900 MiB pi)."""
+    bench.model.eval()
+    compute = measure_compute(bench, 1, kinds=LAYER_KINDS + ("embed",), forward_only=True, statistic=statistic,
+                              **measuring)
+    compute["model"] = _model_signature(cfg, bench.hf)
+    return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type, "threads": threads,
+            "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1), "objective": "latency",
+            "gemm_flops_per_s": gemm_rate(bench, 1, env.device, max(3, measuring["repeats"]), statistic),
+            "decode_flops_per_s": decode_rate(bench, env.device, max(10, measuring["repeats"]), statistic),
+            "freed_memory_kept": cpu_allocator.kept(), "compute": compute,
+            "decode": {**measure_decode(bench, cfg.pad_size, STATISTICS[statistic], measuring["quick"]),
+                       "statistic": statistic},
+            "profile_peak_mib": _peak_mib(env)}
+
+
+def _peak_mib(env) -> float | None:
+    """This process's peak so far: its cgroup's figure where it has one to itself (a testbed
+    device), else its peak RSS; None on CUDA."""
+    if env.device.type != "cpu":
+        return None
+    limited = cgroup.own_memory()
+    peak = limited.peak / 2 ** 20 if limited and limited.peak else peak_rss_mib()
+    return None if peak is None else round(peak, 1)
+
+
+def _model_signature(cfg, hf) -> dict:
+    return {"model_type": hf.model_type, "hidden_size": hf.hidden_size, "num_attention_heads": hf.num_attention_heads,
+            "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size, "pad_size": cfg.pad_size}
+
+
 def _compute(cfg, num_labels, bench, env, **measuring) -> dict:
     """The compute table of the model's sub-blocks (and of the config's PEFT method)."""
     compute = measure_compute(bench, cfg.batch_size, **measuring)
-    hf = bench.hf
-    compute["model"] = {"model_type": hf.model_type, "hidden_size": hf.hidden_size,
-                        "num_attention_heads": hf.num_attention_heads,
-                        "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-                        "intermediate_size": hf.intermediate_size, "vocab_size": hf.vocab_size,
-                        "pad_size": cfg.pad_size}
+    compute["model"] = _model_signature(cfg, bench.hf)
     method = measure_method(cfg, num_labels, env.device, **measuring)
     if method is not None:
         compute["peft"] = method
@@ -277,13 +325,18 @@ def run(job, env) -> None:
     opts = job.opts
     repeats = 1 if opts.quick else opts.repeats
     warmup = 1
+    latency = opts.objective == "latency"
     mine = profile_this_rank(job.cfg, job.num_labels, env, quick=opts.quick, repeats=repeats, warmup=warmup,
-                             statistic=opts.statistic or default_statistic(env.device, opts.quick))
+                             statistic=opts.statistic or default_statistic(env.device, opts.quick),
+                             objective=opts.objective)
     devices = [None] * env.world
     dist.all_gather_object(devices, mine)
     link = None
     if env.world > 1:
         measured = measure_link(env, link_sizes(opts.quick), repeats=repeats if opts.quick else max(3, repeats))
+        if latency:              # a decode step's one-token calls, measured at their size
+            measured += measure_token_calls(env, TOKEN_SIZES[:2] if opts.quick else TOKEN_SIZES,
+                                            repeats=repeats if opts.quick else max(3, repeats))
         fit = fit_link(measured)
         link = {"backend": env.backend, "world": env.world, "fit": {k: fit[k] for k in LINK_KINDS if k in fit},
                 "measured": measured}
@@ -300,7 +353,8 @@ def summary_lines(devices, link, out) -> str:
     for i, d in enumerate(devices):
         lines.append(f"rank {i}: {d['name']} ({d['device']}, {d['threads']} threads): GEMM "
                      f"{d['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, memory {d['memory_mib']:.0f} MiB "
-                     f"(baseline {d['baseline_mib']:.0f} MiB)")
+                     f"(baseline {d['baseline_mib']:.0f} MiB)" +
+                     (f", profile's peak {d['profile_peak_mib']:.0f} MiB" if d.get("profile_peak_mib") else ""))
     if link:
         for kind, f in link["fit"].items():
             lines.append(f"link {kind}: {f['latency_s'] * 1e6:.0f} us per ring step, "

@@ -56,10 +56,15 @@ def unit_totals(hf, pad_size: int) -> dict:
 
 class SubBlockBench:
     def __init__(self, model_path: str, *, seq: int, num_labels: int | None, dropout: float | None = None,
-                 device="cpu", seed: int = 0, peft=None):
-        """peft: galaxy.peft.PeftOptions of the method to run the sub-blocks under (None: full)."""
+                 device="cpu", seed: int = 0, peft=None, tie_head: bool = False):
+        """peft: galaxy.peft.PeftOptions of the method to run the sub-blocks under (None: full).
+        tie_head: the LM head shares the embeddings' table (profile-devices --objective latency:
+        the same products and lookups, one [vocab, h] table less to hold, 125 MiB for the bench
+        Llama, on a device of 900 MiB)."""
         hf = load_hf_config(model_path, dropout)
         hf.num_hidden_layers = 1
+        if tie_head:
+            hf.tie_word_embeddings = True
         self.hf, self.seq, self.num_labels = hf, seq, num_labels
         self.family = family_of(hf.model_type)
         self.device = torch.device(device)

@@ -8,8 +8,8 @@ from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.planner.cli import _budgets, _check_model_matches, _notes, fail, meshes_of
 from galaxy.planner.latency_cost import LatencyCostModel
-from galaxy.planner.latency_search import (DEFAULT_NEW_TOKENS, latency_document, latency_prediction, latency_table,
-                                           search_latency)
+from galaxy.planner.latency_devices import search_subsets, subset_lines, subset_summary
+from galaxy.planner.latency_search import DEFAULT_NEW_TOKENS, latency_document, latency_prediction, latency_table
 from galaxy.planner.method import config_signature
 from galaxy.planner.method import describe as describe_method
 from galaxy.planner.model_profile import ModelProfileError, check_model_profile
@@ -81,29 +81,42 @@ def no_fit_line(result, devices, prompt: int, new: int) -> str:
 def latency_search_command(args) -> None:
     try:
         shape, model, devices, budgets, cost, notes = _inputs(args)
-        result = search_latency(cost, budgets, top=args.top, pps=args.pp)
+        found = search_subsets(model, devices, cost.link, budgets, prompt=cost.prompt, new=cost.new, top=args.top,
+                               pps=args.pp, every_device=args.all_devices)
     except (ConfigError, ProfileError, ModelProfileError, FileNotFoundError) as e:
         fail("search", e)
+    ranks, result, _ = found[0]
+    if not result.ranked:       # none fits anywhere: what the whole world lacks
+        ranks, result, _ = next(f for f in found if len(f[0]) == len(devices))
     layers, total = shape["num_hidden_layers"], model["params"]["total"]
+    used = {"device_ranks": list(ranks), "subsets": subset_summary(found)}
     if args.json:
-        write_json(args.json, latency_document(result, layers, total, cost.prompt, cost.new))
+        write_json(args.json, {**latency_document(result, layers, total, cost.prompt, cost.new), **used})
     if not result.ranked:
         fail("search", no_fit_line(result, devices, cost.prompt, cost.new))
     for line in notes:
         print(line)
-    print(f"searched {result.tried:,} plans in {result.seconds:.1f} s: world {len(devices)}, {layers} layers, "
-          f"memory budgets (MiB) {', '.join(mib(b) for b in budgets)}" +
-          (f" ({args.headroom:g}% headroom kept)" if args.headroom else ""))
+    print(f"searched {sum(f[1].tried for f in found):,} plans on {len(found)} subsets of the devices in "
+          f"{sum(f[1].seconds for f in found):.1f} s: world {len(devices)}, {layers} layers, memory budgets (MiB) "
+          f"{', '.join(mib(b) for b in budgets)}" + (f" ({args.headroom:g}% headroom kept)" if args.headroom else ""))
+    if len(found) > 1:
+        print("\n".join(subset_lines(found, devices)))
     print(latency_table(result.ranked, cost.prompt, cost.new))
-    best = result.ranked[0]
+    _write(args, shape, result.ranked[0], [budgets[r] for r in ranks], total, cost, used, devices)
+
+
+def _write(args, shape, best, budgets, total, cost, used, devices) -> None:
+    """The chosen plan's config, run on the devices `used` names (generate.py --world k)."""
     try:
         doc = write_planned_config(args.config_file, best, args.out, shape=shape, budgets=budgets, trainable=total)
     except ConfigError as e:     # a plan the engine refuses is a planner bug: say so, loudly
         fail("search", f"the written config fails galaxy.config's checks (a planner bug): {e}", 1)
     doc["_planned"].update(objective="latency", prompt_tokens=cost.prompt, new_tokens=cost.new,
-                           **latency_prediction(best))
+                           device_ranks=used["device_ranks"], **latency_prediction(best))
     write_json_atomic(args.out, doc)
-    world = len(devices)
+    world, ranks = len(used["device_ranks"]), used["device_ranks"]
     command = f"python generate.py --config_file {args.out} --max_new_tokens {cost.new}" + \
         (f" --world {world} --rank R" if world > 1 else "") + " --prompt TEXT"
-    print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; generate with: {command}")
+    where = "" if world == len(devices) else \
+        f" on devices {', '.join(str(r) for r in ranks)} of {len(devices)} (rank R: the R-th of them; the others are left out)"
+    print(f"wrote {args.out}" + (f" and {args.json}" if args.json else "") + f"; generate with: {command}{where}")

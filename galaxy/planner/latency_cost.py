@@ -18,14 +18,17 @@ carry. The sampler (the last Galaxy rank of the last stage) runs the LM head on 
 
 Decode. One token, so no token split: CON and an SP MLP run the whole token on every rank, an SP
 ATT projects it with every head and attends to its own cached keys (its prompt tokens and the
-decoded tokens it owns, round-robin), a TP sub-block its heads or columns. Timed as matrix FLOPs
-(the model profile's per token, and 4 x heads x head_dim per cached key for the scores) over the
-device's rate on one token (profile-devices' decode_flops_per_s: the largest product at one row,
-weight-bound; a profile without it falls back to the GEMM rate, and under-counts). Per layer: one all-reduce of [1, h]
-per TP sub-block, one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT,
-each a few bytes: their per-call latency is what counts (the link's smallest measured call, or
-its fit's latency). Each pass ends with the sampler's [1, 2] broadcast over the group and the
-pipeline (timed as a one-call all-gather of 16 bytes).
+decoded tokens it owns, round-robin), a TP sub-block its heads or columns. Each piece's seconds
+come from galaxy.planner.decode_time: the device profile's measured one-token steps where
+profile-devices --objective latency took them (ATT at its heads, a line in the keys it attends
+to; the MLP at its columns; each CON; the layer's glue beyond its sub-blocks; the embedding; the
+LM head at its vocabulary rows; the sampler), else matrix FLOPs over the one-token rate. Per
+layer: one one-token sum of [1, h] per TP sub-block (an all-to-all: "token_sum", at its measured
+time where the link profile has it, else priced as an all-reduce), one all-gather of [1, heads,
+head_dim + 1] (output and log-sum-exp) per SP ATT. The last stage's group splits the LM head by
+vocabulary rows (in proportion to MLP columns) and all-gathers the logits [1, vocab_r] to the
+sampler (galaxy.inference.split_head). Each pass ends with the sampler's [1, 2] broadcast over
+the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes).
 
 Memory per rank: the baseline + the weights of its shards (fp32) + its KV caches as
 galaxy.layers.cached_attention allocates them (TP and serial: its K/V heads of P + M slots; SP:
@@ -43,6 +46,7 @@ from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.models.shape import with_shape_keys
 from galaxy.plan import Plan
 from galaxy.planner.cost import SUB_BLOCKS, Estimate
+from galaxy.planner.decode_time import DecodeTimes, token_call_time, vocab_split
 from galaxy.planner.link_model import link_time
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 from galaxy.planner.profiles import ProfileError
@@ -90,6 +94,9 @@ class LatencyCostModel(ModelTerms):
         # one CON, the LM head (the profile's "head" row: embeddings and head)
         self.token_flops = {"att": 2 * self.hidden * (q + 2 * kv) + 2 * q * self.hidden, "mlp": per_token["mlp"],
                             "con": per_token["con"], "head": per_token["head"]}
+        self.vocab = hf.get("vocab_size") or 1
+        self.decode = [DecodeTimes(d, self.token_flops, self.heads, self.head_dim, hf["intermediate_size"],
+                                   self.vocab, f"rank {r}'s device profile") for r, d in enumerate(devices)]
 
     @property
     def backward_through_backbone(self) -> bool:
@@ -139,67 +146,96 @@ class LatencyCostModel(ModelTerms):
         if p == 0:
             self._charge(out, ranks, "EMB", [self.compute[r]("embed", self.seq, 1)[0] * scale for r in ranks])
         if p == plan.pp - 1:
-            self._charge(out, ranks[-1:], "HEAD", [self.compute[ranks[-1]]("head", self.seq, 1)[0] / self.seq])
+            self._charge(out, ranks[-1:], "HEAD", [self.sampler_head_s(ranks[-1])])
         calls = self.prefill_calls(plan, P)
         self._communicate(plan, out, ranks, calls, L)
         if p < plan.pp - 1:
             tokens = max(plan.tokens) if plan.con == "SP" and plan.group > 1 else P
             self._hop(out, ranks, self.carry * tokens * self.hidden * FP32)
 
+    def sampler_head_s(self, r: int) -> float:
+        """The sampler's LM head on the last position and its choice: measured on one token where
+        the profile has a decode section, else the head's table (or FLOPs) per token."""
+        d = self.decode[r]
+        if d.measured:
+            return d.head(self.vocab) + d.sampler()
+        return self.compute[r]("head", self.seq, 1)[0] / self.seq
+
     def _decode_stage(self, plan: Plan, p: int, out: _Pass) -> None:
         """Stage p's part of the M - 1 decode steps (module docstring): ATT's time grows with the
-        keys cached, the other sub-blocks' does not."""
+        keys cached, the other sub-blocks' does not; every layer's glue; the embedding (first
+        stage); the LM head split by vocabulary rows over the last stage's group, its logits
+        gathered, and the sampler's choice."""
         L, ranks, steps = plan.stages[p], self._ranks(plan, p), self.new - 1
         if steps < 1:
             return
-        rate = [self.decode_rate(r) for r in ranks]
-        own, path = self._decode_attention(plan, tuple(rate))
+        times = [self.decode[r] for r in ranks]
+        own, path = self._decode_attention(plan, tuple(ranks))
         self._charge(out, ranks, "ATT", [L * t for t in own], L * path)
-        mlp = self._decode_fraction(plan, "mlp")
-        con, f = self.token_flops["con"], self.token_flops["mlp"]
-        self._charge(out, ranks, "MLP", [L * steps * f * mlp[j] / rate[j] for j in range(plan.group)])
-        self._charge(out, ranks, "CON", [L * steps * 2 * con / rate[j] for j in range(plan.group)])
+        mlp = self._decode_shares(plan, "mlp")
+        self._charge(out, ranks, "MLP", [L * steps * d.mlp(u) for d, u in zip(times, mlp)])
+        self._charge(out, ranks, "CON", [L * steps * (2 * d.con() + d.glue()) for d in times])
+        if p == 0:
+            self._charge(out, ranks, "EMB", [steps * d.embed() for d in times])
         if p == plan.pp - 1:
-            self._charge(out, ranks[-1:], "HEAD", [steps * self.token_flops["head"] / rate[-1]])
+            self._decode_head(plan, out, ranks, steps)
         self._communicate(plan, out, ranks, self.decode_calls(plan), L * steps)
         if p < plan.pp - 1:
             self._hop(out, ranks, self.carry * self.hidden * FP32, steps)
+
+    def _decode_head(self, plan: Plan, out: _Pass, ranks, steps: int) -> None:
+        """The last stage's LM head on each decoded token: a group splits it by vocabulary rows
+        (galaxy.inference.split_head) and all-gathers the logits [1, vocab_r] to the sampler; a
+        rank alone runs it whole. Then the sampler chooses."""
+        times = [self.decode[r] for r in ranks]
+        if plan.group == 1:
+            self._charge(out, ranks, "HEAD", [steps * (times[0].head(self.vocab) + times[0].sampler())])
+            return
+        rows = vocab_split(self.vocab, plan.columns)
+        self._charge(out, ranks, "HEAD", [steps * d.head(v) for d, v in zip(times, rows)])
+        wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
+        t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
+        for r in ranks:
+            out.comm[r] += t
+            out.sent[r] += steps * wire
+        out.seconds += t
+        self._charge(out, ranks[-1:], "HEAD", [steps * times[-1].sampler()])
 
     def decode_rate(self, r: int) -> float:
         """Rank r's FLOPs per second on one token: its profile's decode_flops_per_s (one token's
         product reads the whole weight: memory-bound), else its GEMM rate (older profiles)."""
         return self.devices[r].get("decode_flops_per_s") or self.devices[r]["gemm_flops_per_s"]
 
-    def _decode_fraction(self, plan: Plan, sub: str) -> list[float]:
-        """Per Galaxy rank, its share of a sub-block's matrix work for one token: TP its heads or
-        columns, SP (and a group of one) all of it."""
+    def _decode_shares(self, plan: Plan, sub: str) -> list[int]:
+        """Per Galaxy rank, the heads (ATT) or columns (MLP) it runs for one token: TP its share,
+        SP (and a group of one) all of them."""
+        whole = self.heads if sub == "att" else sum(plan.columns)
         if plan.group == 1 or getattr(plan, sub) != "TP":
-            return [1.0] * plan.group
-        shares, total = (plan.heads, self.heads) if sub == "att" else (plan.columns, sum(plan.columns))
-        return [s / total for s in shares]
+            return [whole] * plan.group
+        return list(plan.heads if sub == "att" else plan.columns)
 
-    def _decode_attention(self, plan: Plan, rate: tuple) -> tuple[list[float], float]:
+    def _decode_attention(self, plan: Plan, ranks: tuple) -> tuple[list[float], float]:
         """(each Galaxy rank's seconds of ATT over the S = M - 1 steps, the steps' sum of the
-        slowest rank's: the step's collective waits for it). A rank's step k (0-based): c FLOPs of
-        projections and e FLOPs per key (4 x heads x d), at its heads' share f_r under TP, over
-        P + k + 1 keys (TP, serial); under SP all of them over its s_r prompt tokens and the
-        decoded tokens it owns (owner k mod group)."""
-        c, e, steps = self.token_flops["att"], 4 * self.heads * self.head_dim, self.new - 1
+        slowest rank's: the step's collective waits for it). A rank's step k (0-based) is a line
+        in its keys, a + b x keys (DecodeTimes.att_line at its heads); the keys are P + k + 1
+        (TP, serial), under SP its s_r prompt tokens and the decoded tokens it owns (owner k mod group)."""
+        steps = self.new - 1
+        lines = tuple(self.decode[r].att_line(h) for r, h in zip(ranks, self._decode_shares(plan, "att")))
         if plan.group > 1 and plan.att == "SP":
-            return self._sp_decode_attention(plan.tokens, rate)
-        # every rank's step is f_r / rate_r x the same FLOPs: the slowest rank is the same at every step
-        total = steps * c + e * (steps * (self.prefill_tokens(plan) + 1) + steps * (steps - 1) / 2)
-        own = [f / r * total for f, r in zip(self._decode_fraction(plan, "att"), rate)]
+            return self._sp_decode_attention(plan.tokens, lines)
+        # every rank's step grows alike in k: the slowest rank is the same at every step
+        keys = steps * (self.prefill_tokens(plan) + 1) + steps * (steps - 1) / 2
+        own = [a * steps + b * keys for a, b in lines]
         return own, max(own)
 
     @functools.lru_cache(maxsize=4096)
-    def _sp_decode_attention(self, tokens: tuple, rate: tuple) -> tuple[list[float], float]:
+    def _sp_decode_attention(self, tokens: tuple, lines: tuple) -> tuple[list[float], float]:
         """_decode_attention under SP, step by step (the slowest rank changes as keys arrive)."""
-        g, c, e = len(tokens), self.token_flops["att"], 4 * self.heads * self.head_dim
+        g = len(tokens)
         own, path = [0.0] * g, 0.0
         for k in range(self.new - 1):
-            t = [(c + e * (tokens[j] + max(0, (k - j) // g + 1))) / rate[j] for j in range(g)]
-            own = [a + b for a, b in zip(own, t)]
+            t = [a + b * (tokens[j] + max(0, (k - j) // g + 1)) for j, (a, b) in enumerate(lines)]
+            own = [x + y for x, y in zip(own, t)]
             path += max(t)
         return own, path
 
@@ -229,18 +265,32 @@ class LatencyCostModel(ModelTerms):
         return calls
 
     def decode_calls(self, plan: Plan) -> list[tuple[str, int]]:
-        """(kind, elements per rank) of one layer's collectives in a decode step."""
+        """(kind, elements per rank) of one layer's collectives in a decode step: a TP sub-block's
+        one-token sum ("token_sum": galaxy.parallel.decode_layout's default, an all-to-all), an SP
+        ATT's all-gather of [1, heads, head_dim + 1]."""
         if plan.group == 1:
             return []
-        calls = [("all_reduce", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))]
-        return calls + ([("all_reduce", self.hidden)] if plan.mlp == "TP" else [])
+        calls = [("token_sum", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))]
+        return calls + ([("token_sum", self.hidden)] if plan.mlp == "TP" else [])
+
+    def _call_time(self, kind: str, g: int, numel: int, uneven: bool, ranks) -> tuple[float, float]:
+        """(seconds, bytes sent) of one call: a one-token sum at its measured time where the link
+        profile has it (profile-devices --objective latency), else priced as the all-reduce it
+        replaced (older profiles)."""
+        if kind == "token_sum":
+            measured = token_call_time(self.link, kind, g, numel * FP32)
+            if measured is not None:
+                return measured, ring_bytes("all_gather", numel, FP32, g)
+            kind = "all_reduce"
+        b = ring_bytes(kind, numel, FP32, g)
+        return link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce", tuple(ranks)), b
 
     def _communicate(self, plan: Plan, out: _Pass, ranks, calls, times: int) -> None:
         """`times` rounds of `calls` over the stage's group: on the path, and each rank's."""
         g, uneven = plan.group, len(set(plan.tokens)) > 1
         for kind, numel in calls:
-            b = ring_bytes(kind, numel, FP32, g)
-            t = times * link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce", tuple(ranks))
+            one, b = self._call_time(kind, g, numel, uneven, ranks)
+            t = times * one
             for r in ranks:
                 out.comm[r] += t
                 out.sent[r] += times * b
@@ -261,7 +311,9 @@ class LatencyCostModel(ModelTerms):
         """The sampler's token broadcast after every pass: over the group, then the pipeline."""
         for n in (plan.group, plan.pp):
             if n > 1 and times > 0:
-                t = times * link_time(self.link, "all_gather", n, TOKEN_MESSAGE_BYTES * (n - 1), 1)
+                one = token_call_time(self.link, "broadcast", n, TOKEN_MESSAGE_BYTES)
+                t = times * (one if one is not None else
+                             link_time(self.link, "all_gather", n, TOKEN_MESSAGE_BYTES * (n - 1), 1))
                 out.seconds += t
                 for r in range(plan.world):
                     out.comm[r] += t

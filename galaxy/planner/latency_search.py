@@ -28,6 +28,9 @@ def add_objective_arguments(p) -> None:
     p.add_argument("--new_tokens", type=int, metavar="M",
                    help=f"--objective latency: the tokens generated (default {DEFAULT_NEW_TOKENS}; generate.py's "
                         "--max_new_tokens is a flag, not a config key)")
+    p.add_argument("--all_devices", action="store_true",
+                   help="--objective latency: plan over every device (default: also over each subset of them, "
+                        "leaving out a device that every plan using it would slow)")
 
 
 def search_latency(cost: LatencyCostModel, budgets: list[float], *, top: int = 5,

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence
+from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence, sum_by_all_to_all
 from galaxy.planner.profiles import fit_pair
 
 # The link profile (measure_link): batches of calls about LINK_BATCH_S long, at most MAX_CALLS,
@@ -112,6 +112,29 @@ class _LinkTimer:
                 dist.recv(z, src=a)
         # the other ranks call a no-op, as many times
         self.record("send_recv", z.numel() * 4, False, self.timed(exchange), group=2)
+
+
+def measure_token_calls(env, sizes: list[int], repeats: int) -> list[dict]:
+    """The calls a decode step makes, timed as measure_link times the others (after a burst of
+    compute; the slowest rank's mean), at the few-KB sizes of one token: a TP sub-block's sum of
+    one token's partial output (galaxy.distributed.collectives.sum_by_all_to_all, the default
+    token_sum: one all-to-all, then a local sum; kind "token_sum", bytes: the summed tensor's) and
+    the sampler's [1, 2] token broadcast from the last rank (kind "broadcast", 16 bytes). A
+    one-token call's cost is its rounds of messages, which a fit to large messages does not give
+    (bench/results/latency_cluster.md: 2.5 ms per all-reduce fitted, 0.1-0.2 ms per all-to-all)."""
+    timer = _LinkTimer(env, repeats)
+    for size in sizes:
+        x = torch.randn(1, 1, max(1, size // 4), device=timer.device)          # [b, 1, h]: one token
+        dist.barrier()
+        timer.record("token_sum", x.numel() * 4, False, timer.timed(lambda: sum_by_all_to_all(x, timer.pg)))
+    packed = torch.zeros(1, 2, dtype=torch.long, device=timer.device)           # the sampler's (token, status)
+    dist.barrier()
+    timer.record("broadcast", packed.numel() * 8, False, timer.timed(lambda: dist.broadcast(packed, src=env.world - 1)))
+    return timer.out
+
+
+# a decode step's one-token sums: 4 KB (hidden 1024, fp32) and around it
+TOKEN_SIZES = [1 << 10, 1 << 12, 1 << 14]
 
 
 def measure_pairs(env, sizes: list[int], repeats: int) -> list[dict]:
