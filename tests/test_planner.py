@@ -16,7 +16,7 @@ from galaxy.planner import cli
 from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel
 from galaxy.planner.draw import step_parts
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, KEPT_GRADIENTS_MAX, MIB
+from galaxy.planner.memory_model import FULL_ACTIVATION_SLACK, KEPT_GRADIENTS_MAX, MIB
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
@@ -96,7 +96,7 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
     assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
     # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
-    act = lambda inflight: (1 + CPU_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
+    act = lambda inflight: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
     weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
     mem = cost.estimate(plan).memory_mib
     assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
