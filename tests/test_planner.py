@@ -16,7 +16,7 @@ from galaxy.planner import cli
 from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel
 from galaxy.planner.draw import step_parts
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
+from galaxy.planner.memory_model import FULL_ACTIVATION_SLACK, KEPT_GRADIENTS_MAX, MIB
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
@@ -99,7 +99,7 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
     assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
     # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
-    act = lambda inflight: (1 + CPU_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
+    act = lambda inflight: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
     weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
     mem = cost.estimate(plan).memory_mib
     assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
@@ -207,20 +207,30 @@ def test_summed_gradients_and_a_fused_step_by_hand():
     assert fused.estimate(tp).memory_mib[1] * MIB == pytest.approx(4 * 6 * n_layer / 2 * 4)   # nothing summed
 
 
-def test_kept_heap_holds_an_embedding_gradient_per_accumulated_micro_batch():
+def test_kept_heap_holds_the_embedding_gradients_a_steady_state_splits():
     """A CPU heap that keeps freed memory (cpu_allocator keep) holds one more dense embedding
-    gradient per accumulated micro-batch after the first, on the rank that holds the embeddings."""
+    gradient, on the rank that holds the embeddings, for each backward after the first whose
+    predecessor was followed by a forward (1f1b's steady state, plain accumulation), at most
+    KEPT_GRADIENTS_MAX; none where every backward comes after the last forward (gpipe, 1f1b with
+    m <= its warm-up)."""
     model = synthetic_model()
     model["params"]["embed"] = E = 1_000_000
-    plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=8)
-    kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=8)
-    pp = P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), microbatches=4)
-    extra = [(k - p) * MIB for k, p in zip(kept.estimate(pp).memory_mib, plain.estimate(pp).memory_mib)]
-    assert extra == pytest.approx([3 * 4 * E, 0])             # stage 0 holds the embeddings
-    accum = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), microbatches=2)
-    one = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,))
-    assert (kept.estimate(accum).memory_mib[0] - plain.estimate(accum).memory_mib[0]) * MIB == pytest.approx(4 * E)
-    assert kept.estimate(one).memory_mib[0] == plain.estimate(one).memory_mib[0]
+    plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=24)
+    kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=24)
+
+    def extra(**keys):
+        plan = P(2 if "schedule" in keys else 1, 1, "TP", "TP", "SP", (12,), (1536,), (48,),
+                 (3, 3) if "schedule" in keys else (6,), **keys)
+        return [round((k - p) * MIB / (4 * E), 6) for k, p in zip(kept.estimate(plan).memory_mib,
+                                                                   plain.estimate(plan).memory_mib)]
+    # 1f1b over 2 stages: 2 warm-up forwards, then B0 F2 B1 F3 B2 B3: B2 comes after B1's split
+    assert extra(microbatches=4, schedule="1f1b") == [1, 0]
+    assert extra(microbatches=2, schedule="1f1b") == [0, 0]          # B0 B1 after the last forward
+    assert extra(microbatches=4, schedule="gpipe") == [0, 0]
+    assert extra(microbatches=12, schedule="1f1b") == [KEPT_GRADIENTS_MAX, 0]    # 9 would grow; capped
+    assert extra(microbatches=4) == [2]                                # F B F B F B F B: B2 and B3
+    assert extra(microbatches=2) == [0]
+    assert extra() == [0]
 
 
 def test_dp_sharding_is_written_for_replicas_only():

@@ -9,9 +9,10 @@ pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only
 plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
 as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
 parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
-resident memory, and glibc keeps freed activation memory, so the activations count 1.7 times
-(CPU_ACTIVATION_SLACK, fitted; the extra as if no layer were recomputed: backward still rebuilds
-them all) and the temporaries come on top; on CUDA the larger of the two. With sharded
+resident memory, and glibc keeps freed activation memory, so the activations count 1.55 times
+under full fine-tuning, 1.7 under a method (FULL_ACTIVATION_SLACK, CPU_ACTIVATION_SLACK, fitted;
+the extra as if no layer were recomputed: backward still rebuilds them all) and the temporaries
+come on top; on CUDA the larger of the two. With sharded
 data parallelism (dp_sharding), parameters ("full") or not ("no_reshard", which keeps the gathered
 parameters beside their shards), gradients and optimizer state are divided over the dp replicas;
 the unsharded gradients before their reduce-scatter still count once, as DDP's buckets do.
@@ -42,6 +43,16 @@ OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of an unfu
 # full fine-tuning (max 11%), 31 of 31 under LoRA (max 6%), 29 of 29 under side-tuning (max 4%).
 # A device profile may set its own "activation_slack". CUDA (caching allocator): max(acts, temps).
 CPU_ACTIVATION_SLACK = 0.7
+# Full fine-tuning alone: 0.55, its own least-squares fit above (0.53) and the edge testbed's
+# (bench/plan_cluster.py --repredict, home3 and edge4, pad 128, each device's cgroup peak: 0.55
+# puts 225 of 229 device-runs within 10%, 0.7 206); 0.7 stands for the methods, whose backward
+# makes every activation's gradient from fewer saved activations.
+FULL_ACTIVATION_SLACK = 0.55
+# At most this many dense embedding gradients kept beyond .grad (kept_gradient_blocks): past it the
+# freed holes of a 1f1b's steady state hold the next one (the testbed's cgroup: 12 micro-batches
+# over 3 and 4 stages measured 1.2-5 blocks above the term-free prediction; 4 keeps the worst of
+# them within 10%, none under).
+KEPT_GRADIENTS_MAX = 4
 
 
 class MemoryModel(ModelTerms):
@@ -53,6 +64,28 @@ class MemoryModel(ModelTerms):
     def replica_rows(self, plan: Plan) -> list[float]:
         """Rows of a global batch per replica: the plan's dp_batch_list, else an even split."""
         return list(plan.replica_rows) if plan.replica_rows is not None else [self.batch / plan.dp] * plan.dp
+
+    @staticmethod
+    def kept_gradient_blocks(plan: Plan, p: int) -> int:
+        """Dense embedding gradients a heap that keeps freed memory (galaxy.runtime.cpu_allocator)
+        holds beyond .grad on stage p, which holds the embeddings. Each backward after the first
+        makes a fresh gradient, adds it into .grad and frees it; where a forward comes next, its
+        activations split the freed block, and the next backward's gradient extends the heap. So
+        a backward grows the heap only if the one before it was followed by a forward: none under
+        gpipe or a 1f1b with m <= its warm-up (every backward after the last forward), m - w - 1
+        in 1f1b's steady state (w = min(m, pp - p) warm-up forwards), m - 2 under plain
+        accumulation (forward, backward in turn); at most KEPT_GRADIENTS_MAX (the testbed's cgroup,
+        bench/plan_cluster.py, pad 128: stage 0 above the term-free prediction by 0.3 blocks of
+        47 MB at 0 (pp 3, m 4), 1.2 at 1 (pp 4, m 6), 2.3 at 2 (pp 3, m 6), 1.2-5 at 7-8 (m 12),
+        with the activation slack at 0.7)."""
+        m = plan.microbatches
+        if plan.pp == 1:
+            steady = m - 1                   # every backward but the last is followed by a forward
+        elif plan.schedule == "gpipe":
+            steady = 0
+        else:
+            steady = m - min(m, plan.pp - p)
+        return min(max(steady - 1, 0), KEPT_GRADIENTS_MAX)
 
     def estimate_memory(self, plan: Plan) -> list[float]:
         """MiB per rank (the memory half of estimate(), cheaper)."""
@@ -78,7 +111,7 @@ class MemoryModel(ModelTerms):
             temp = 0.0
         if dev.get("device", "cpu") == "cuda":       # the caching allocator reuses freed activations
             return dev.get("baseline_mib", 0.0) * MIB + state + max(acts, temp)
-        slack = dev.get("activation_slack", CPU_ACTIVATION_SLACK)
+        slack = dev.get("activation_slack", FULL_ACTIVATION_SLACK if self.trains_backbone else CPU_ACTIVATION_SLACK)
         # The slack stands for what backward touches beside the saved activations (their gradients,
         # freed blocks the heap keeps), and backward still walks every layer's activations when it
         # rebuilds them: recomputation saves the saved activations once, not 1 + slack times
@@ -92,12 +125,7 @@ class MemoryModel(ModelTerms):
             self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last, frozen)[1]
         kept = 0.0
         if dev.get("freed_memory_kept") and first:
-            # Each accumulated micro-batch after the first makes a fresh dense embedding gradient and
-            # adds it into .grad; a heap that keeps freed memory (galaxy.runtime.cpu_allocator) keeps
-            # that block too, split by later small allocations, so the next one extends the heap
-            # (bench/plan_accuracy.py: pp 2, 4 micro-batches, stage 0 measured 851-885 MiB against
-            # 747 predicted without this term).
-            kept = (plan.microbatches - 1) * self.trainable.embed * FP32
+            kept = self.kept_gradient_blocks(plan, p) * self.trainable.embed * FP32
         return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
 
     @functools.lru_cache(maxsize=65536)

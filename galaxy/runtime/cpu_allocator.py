@@ -15,8 +15,9 @@ goes back to the OS only past 2 GiB), so freed blocks stay mapped and the next s
 The process then keeps its peak between steps instead of returning part of it, and the peak can
 grow where a big block is freed and smaller allocations split it before the next big one: with
 gradient accumulation, each micro-batch after the first makes a fresh embedding gradient to add
-into .grad, and a 4-micro-batch pipeline's first stage peaked 40-75 MiB higher (the planner's
-memory model counts it, galaxy.planner.cost). The setting is process-wide and lasts as long as the
+into .grad, and where a forward runs between two such backwards its activations split the freed
+block: a 1f1b pipeline's first stage peaked up to 3 gradients higher at 12 micro-batches (the
+planner's memory model counts them, MemoryModel.kept_gradient_blocks). The setting is process-wide and lasts as long as the
 process.
 
 Config key cpu_allocator: "keep" (default) applies it to CPU runs, "system" leaves glibc's
