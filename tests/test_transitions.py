@@ -136,3 +136,34 @@ def test_a_decoded_tokens_sum_is_the_same_on_every_rank_by_every_primitive(dist_
             err, got = per_name[name]
             assert err < 1e-6, f"{name} rank {rank}: off by {err:.2e} relative"
             assert torch.equal(got, results[0][name][1]), f"{name}: rank {rank} holds other bits than rank 0"
+
+
+def polled_waits_on_rank():
+    """Under a polling wait mode, which works waiting.wait polls, and that it returns on a paired
+    send and receive (gloo's never report completion to is_completed())."""
+    waiting.set_polling(True)
+    try:
+        rank = dist.get_rank()
+        x, got = torch.full((4,), float(rank)), torch.empty(4)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)])
+        flags = {"send/recv": [waiting.can_poll(w) for w in works]}
+        for w in works:
+            waiting.wait(w)
+        a2a = dist.all_to_all_single(torch.empty(2), torch.ones(2), async_op=True)
+        flags["all_to_all"] = waiting.can_poll(a2a)
+        waiting.wait(a2a)
+        scatter = dist.reduce_scatter_tensor(torch.empty(2), torch.ones(4), async_op=True)
+        flags["gloo reduce_scatter"] = waiting.can_poll(scatter)
+        waiting.wait(scatter)
+        return flags, got.tolist()
+    finally:
+        waiting.set_polling(False)
+
+
+def test_a_polling_wait_blocks_on_works_that_cannot_be_polled(dist_pool):
+    """waiting.wait polls only works that report completion; gloo's send / receive (the exchange
+    token sum) and its own reduce-scatter block instead of spinning for ever."""
+    results = dist_pool(2).run(polled_waits_on_rank)
+    for rank, (flags, got) in enumerate(results):
+        assert flags == {"send/recv": [False, False], "all_to_all": True, "gloo reduce_scatter": False}
+        assert got == [float(1 - rank)] * 4

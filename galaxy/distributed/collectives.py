@@ -85,7 +85,7 @@ def sum_by_all_to_all(x: torch.Tensor, pg) -> torch.Tensor:
 def sum_by_exchange(x: torch.Tensor, pg) -> torch.Tensor:
     """x summed over a group of two by one paired send and receive: x + the peer's x (addition
     commutes, so both ranks hold the same bits). Not differentiable, as sum_by_all_to_all. gloo's
-    send and receive works report completion only inside wait(), so this wait blocks."""
+    send and receive works report completion only inside wait(): waiting.wait blocks on them."""
     if pg is None:
         return x
     if dist.get_world_size(pg) != 2:
@@ -97,7 +97,7 @@ def sum_by_exchange(x: torch.Tensor, pg) -> torch.Tensor:
         comm_recorder("all_gather", x, 2)          # one copy of x sent: an all-gather's bytes
     ops = [dist.P2POp(dist.isend, x, peer, pg), dist.P2POp(dist.irecv, got, peer, pg)]
     for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        waiting.wait(work)
     return x + got
 
 

@@ -17,19 +17,27 @@ So the mode is chosen per run (config key comm_wait):
   auto    poll when the backend is gloo and this host runs no more ranks than the cores they
           may use together (the union of their os.sched_getaffinity); else block
 
-Some gloo works only complete inside wait() (gloo's own reduce-scatter never reports completion
-to is_completed()), so polling is for works known to report it: callers pass pollable=False for
-those.
+Some gloo works only complete inside wait(): is_completed() stays False for ever on a send, a
+receive (isend / irecv, batch_isend_irecv) and gloo's own reduce-scatter (whose work reports no
+operation type). So wait() polls only the operation types that report completion (POLLABLE_OPS,
+checked on gloo by tests/test_transitions.py) and blocks on every other work; callers may also
+pass pollable=False.
 """
 from __future__ import annotations
 
 import os
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import OpType
 
 from galaxy.config import choices
 
 WAIT_MODES = choices("comm_wait")
+
+# Collectives whose gloo works report completion to is_completed() (not SEND, RECV, UNKNOWN); as
+# ints, which Work._get_op_type() returns.
+POLLABLE_OPS = frozenset(int(t) for t in (OpType.BROADCAST, OpType.ALLREDUCE, OpType.ALLGATHER, OpType._ALLGATHER_BASE,
+                                          OpType.ALLTOALL, OpType.ALLTOALL_BASE, OpType.BARRIER))
 
 _poll = False
 
@@ -62,9 +70,18 @@ def polling() -> bool:
     return _poll
 
 
+def can_poll(work) -> bool:
+    """Whether this work reports its completion to is_completed() (by its operation type)."""
+    try:
+        return int(work._get_op_type()) in POLLABLE_OPS
+    except (AttributeError, RuntimeError):      # a Work without the (private) accessor: block
+        return False
+
+
 def wait(work, pollable: bool = True) -> None:
-    """Wait for a started collective (a torch.distributed Work) in the run's mode."""
-    if _poll and pollable:
+    """Wait for a started collective (a torch.distributed Work) in the run's mode; blocks on a
+    work that cannot be polled, whatever the mode."""
+    if _poll and pollable and can_poll(work):
         while not work.is_completed():
             os.sched_yield()
     work.wait()

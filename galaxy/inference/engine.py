@@ -16,7 +16,9 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
             continuing each row's own, until every row has stopped. The LM head of a decode step
             is split by vocabulary rows over the last stage's group and its logits gathered to
             the sampler (galaxy.inference.split_head); each TP sub-block's one-token partial
-            output is summed by `token_sum`'s primitive.
+            output is summed by `token_sum`'s primitive. The gather gives every rank of the group
+            the same logits, so when every row is greedy each rank takes the argmax itself and
+            the [b, 2] broadcast of the sampler's choice is skipped (one collective a token less).
 
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from galaxy.distributed import waiting
 from galaxy.inference.beam_search import BeamProgress
 from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
 from galaxy.inference.split_head import SplitHead
@@ -72,6 +75,7 @@ class Engine:
         new = max(r.max_new_tokens for r in requests)
         caches = open_caches(self.model, rows, length, new, carry_dtype(self.model), self.device)
         self.cache_bytes = caches.nbytes
+        everywhere = self._chooses_everywhere(progress)
         try:
             logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
             self._advance(progress, logits, on_token, caches)
@@ -82,12 +86,18 @@ class Engine:
                     tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]
                     positions = self._reordered(progress, positions)[:, -1:] + 1        # [b, 1]
                     owner = step % self.group.size
-                    logits = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner))
-                    self._advance(progress, logits, on_token, caches)
+                    logits = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner), everywhere)
+                    self._advance(progress, logits, on_token, caches, everywhere)
                     step += 1
         finally:
             caches.close()
         return self._completions(progress, on_token)
+
+    def _chooses_everywhere(self, progress) -> bool:
+        """Whether every rank of the last stage's group chooses a decode step's tokens itself: the
+        split head gives each the same logits, and greedy rows need no shared draw."""
+        return (self.split_head is not None and not isinstance(progress, BeamProgress)
+                and all(r.sampling.greedy for r in progress.rows))
 
     def _progress(self, requests: list[Request]):
         """How the batch's rows stand: one row per request, or num_beams rows (beam search)."""
@@ -123,8 +133,9 @@ class Engine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)        # Hugging Face's, pad slots aside
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
-    def _forward(self, ids, mask, positions, step: CacheStep):
-        """One pass of this stage; on the sampler, the last position's logits [b, vocab] (fp32)."""
+    def _forward(self, ids, mask, positions, step: CacheStep, everywhere: bool = False):
+        """One pass of this stage; on the sampler (on every rank of its group where `everywhere`,
+        decoding), the last position's logits [b, vocab] (fp32)."""
         m = self.model
         context = {**m.layer_context(mask, positions), STEP_KEY: step}
         layout = Layout.R if step.decoding else self.plan.con_layout
@@ -133,29 +144,33 @@ class Engine:
                                     carry_shapes(m, layout, *ids.shape), context, m.layers)
         if step.decoding and self.split_head is not None:
             logits = self.split_head.logits(carry)                              # [b, vocab], every rank
-            return logits if self.is_sampler else None
+            return logits if self.is_sampler or everywhere else None
         if not self.is_sampler:
             return None
         logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]
         return logits[:, -1].float()
 
-    def _advance(self, progress, logits, on_token, caches) -> None:
-        """The sampler chooses; every rank takes its choice (under beam search, every cache's
-        rows follow the beams chosen)."""
-        packed = progress.choose(logits) if self.is_sampler else torch.empty(progress.packed_shape, dtype=torch.long)
-        packed = self._from_sampler(packed.to(self.device))
+    def _advance(self, progress, logits, on_token, caches, everywhere: bool = False) -> None:
+        """The sampler chooses (or, `everywhere`, each rank of its group alike); every rank takes
+        the choice (under beam search, every cache's rows follow the beams chosen)."""
+        chooses = self.is_sampler or (everywhere and logits is not None)
+        packed = progress.choose(logits) if chooses else torch.empty(progress.packed_shape, dtype=torch.long)
+        packed = self._from_sampler(packed.to(self.device), group=not everywhere)
         for row, token, status in progress.record(packed.cpu()):
             if on_token is not None:
                 on_token(row, token, status)
         if progress.parents is not None:
             caches.reorder(progress.parents.to(self.device))
 
-    def _from_sampler(self, packed):
+    def _from_sampler(self, packed, group: bool = True):
+        """The sampler's [b, 2] over its group (unless the group chose alike: group=False), then
+        from the last stage over the pipeline; waited for in the run's mode (waiting.py)."""
         mesh, g = self.mesh, self.group
-        if mesh.is_last_stage and g.pg is not None:
-            dist.broadcast(packed, src=dist.get_global_rank(g.pg, g.size - 1), group=g.pg)
+        if group and mesh.is_last_stage and g.pg is not None:
+            waiting.wait(dist.broadcast(packed, src=dist.get_global_rank(g.pg, g.size - 1), group=g.pg, async_op=True))
         if mesh.pp_pg is not None:
-            dist.broadcast(packed, src=dist.get_global_rank(mesh.pp_pg, mesh.pp_size - 1), group=mesh.pp_pg)
+            src = dist.get_global_rank(mesh.pp_pg, mesh.pp_size - 1)
+            waiting.wait(dist.broadcast(packed, src=src, group=mesh.pp_pg, async_op=True))
         return packed
 
     # -- the pipeline: the carry from stage to stage --------------------------------------------
