@@ -30,13 +30,13 @@ import torch
 NUM_LABELS = 4
 
 
-def load_bert(model_path: str):
+def load_bert(model_path: str, dtype: torch.dtype = torch.float32):
     """BertForSequenceClassification with a new NUM_LABELS head (seed 0) and dropout off."""
     from transformers import BertForSequenceClassification
     torch.manual_seed(0)
     return BertForSequenceClassification.from_pretrained(
         model_path, num_labels=NUM_LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa")
+        attn_implementation="sdpa").to(dtype)
 
 
 def layer_plan(prefix: str, sequence_parallel: bool) -> dict:
@@ -84,12 +84,12 @@ def parallelize_bert(model, mesh, sequence_parallel: bool):
     return model
 
 
-def build_dtensor_bert(model_path: str, sequence_parallel: bool):
+def build_dtensor_bert(model_path: str, sequence_parallel: bool, dtype: torch.dtype = torch.float32):
     """The HF model under the tp or tpsp plan on a 1-D CPU mesh over the default group."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    return parallelize_bert(load_bert(model_path), mesh, sequence_parallel)
+    return parallelize_bert(load_bert(model_path, dtype), mesh, sequence_parallel)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
