@@ -9,8 +9,9 @@ would spend the waiting time on the CPU and hide it in the thread's CPU time):
             computed, in kernels or in Python; gloo's own threads are not in it
   blocked   wall - cpu: the main thread off the CPU, i.e. waiting for a collective to finish
             (its transfer on the link, and the peer's lateness: a rank that is ahead waits)
-  kernels   the summed time of the leaf aten ops of a second step run under torch.profiler
-            (matrix products, softmax, norms, copies; collectives excluded): the arithmetic
+  kernels   the summed self time of the aten ops of a second step run under torch.profiler
+            (matrix products, softmax, norms, copies; collectives and DTensor's dispatch
+            levels excluded, see kernel_seconds): the arithmetic
   python    cpu - kernels: Python, autograd and dispatch (DTensor's sharding propagation and
             redistribution bookkeeping are here)
 """
@@ -26,16 +27,19 @@ COMM_MARKERS = ("c10d", "gloo", "wait_tensor", "all_gather", "all_reduce", "redu
 
 
 def kernel_seconds(step) -> float:
-    """Summed duration of the leaf CPU ops of one profiled `step()` (collectives excluded)."""
+    """Summed self time of the aten ops of one profiled `step()`, collectives excluded. An op
+    whose child is the same op (DTensor's dispatch of aten::mm runs the local aten::mm inside
+    it) counts through the child only: the outer level's own time is dispatch, not arithmetic."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     total = 0.0
     for evt in prof.events():
-        if evt.cpu_children or any(m in evt.name for m in COMM_MARKERS):
+        if not evt.name.startswith("aten::") or any(m in evt.name for m in COMM_MARKERS):
             continue
-        if evt.name.startswith("aten::") or evt.name.startswith("_c10d"):
-            total += evt.cpu_time_total / 1e6
+        if any(child.name == evt.name for child in evt.cpu_children):
+            continue
+        total += evt.self_cpu_time_total / 1e6
     return total
 
 
