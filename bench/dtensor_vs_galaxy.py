@@ -20,13 +20,13 @@ parameters, and this compares the parallelism, not the optimizer). Variants (--v
                 the other half's compute; bench/results/overlap_paired.md)
 
 Before timing, each DTensor variant is checked against the serial Hugging Face model (a fresh
-copy of both in float64, one SGD step of lr 0.1 on the bench's batch): the worst relative error of the loss,
-the logits, every gradient, the LayerNorm weights' gradients alone (under SP: the sum over the
+copy of both in float64, one SGD step of lr 0.1 on the bench's batch): the worst relative error
+of the loss, the logits, every gradient, the LayerNorm weights' gradients alone (under SP: the sum over the
 sequence shards) and every weight after the step, each against 1e-5 (max |a - b| over
 max(max |b|, 1e-3 x the model's largest value), as the test suite's parity takes it). Float64,
 because in float32 at batch 8 x 128 even plain TP's LayerNorm bias gradients differ from the serial
 ones by 1.6e-5 (the all-reduce sums the row-parallel halves in another order than one GEMM does);
-in float64 that rounding is ~1e-13 and a missing or doubled sum over shards shows as ~1. Galaxy's
+in float64 that rounding is ~1e-14 and a missing or doubled sum over shards shows as ~1. Galaxy's
 presets are held to the same serial model by the test suite; here their loss before training
 is printed beside the DTensor ones (the same new head on every variant).
 
