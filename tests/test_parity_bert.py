@@ -40,3 +40,29 @@ def test_serial_matches_hf(dist_pool, tiny_bert_dir):
     report = dist_pool(1).run(train_plan_and_compare, "bert", tiny_bert_dir, Plan(),
                               ((6,), (96,), (TINY_SEQ,)), tiny_batch)[0]
     check_report(report, 0)
+
+
+def dtensor_bench_errors(model_dir: str) -> dict:
+    """bench/dtensor_bert's check of torch's own TP and TP+SP plans on one rank of the pool."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from dtensor_bert import NUM_LABELS, build_dtensor_bert, check_against_serial, load_bert
+    batch = tiny_batch(0, num_labels=NUM_LABELS)
+    f64 = torch.float64
+    return {sp: check_against_serial(build_dtensor_bert(model_dir, sp, f64), load_bert(model_dir, f64), batch)
+            for sp in (False, True)}
+
+
+def test_bench_dtensor_tp_and_tpsp_train_like_hf(dist_pool, tmp_path):
+    # The reference side of bench/dtensor_vs_galaxy.py: torch's TP+SP plan on HF BERT, whose
+    # LayerNorm gradients DTensor must sum over the sequence shards (float64: the plan, not rounding)
+    from support.tiny_models import make_tiny_bert
+    model_dir = make_tiny_bert(str(tmp_path / "tiny4"), num_labels=4)
+    for rank, errors in enumerate(dist_pool(2).run(dtensor_bench_errors, model_dir)):
+        for sp, report in errors.items():
+            worst = {k: v for k, v in report.items() if k != "tensors"}
+            assert all(err < 1e-10 for err, _ in worst.values()), (rank, sp, worst)
+            assert report["tensors"] == 41, report
