@@ -239,15 +239,15 @@ def test_exactly_one_method():
 
 
 class ProjectionProducts(TorchDispatchMode):
-    """Counts the matrix products of projections (mm, addmm: the attention core's products are
-    each kernel's own affair) and their FLOPs, 2 per multiply-add."""
+    """Counts the matrix products of projections (mm, addmm, addmm_: the attention core's products
+    are each kernel's own affair) and their FLOPs, 2 per multiply-add."""
 
     def __init__(self):
         super().__init__()
         self.calls = self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default):
             a, b = args[-2:]                                  # [m, k] @ [k, n]
             self.calls, self.flops = self.calls + 1, self.flops + 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return func(*args, **(kwargs or {}))

@@ -21,27 +21,13 @@ from galaxy.layers.activation import activation
 from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
+from galaxy.layers.rms_norm import RMSNorm
 from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
                                           decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.pooling import pooled_tokens
 from galaxy.models.weights import NameMap, pre_norm_names
-
-
-class RMSNorm(nn.Module):
-    """Normalises in fp32 and casts back before the weight, as Hugging Face's LlamaRMSNorm."""
-
-    def __init__(self, hidden: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-
-    def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
 
 
 def rotate_half(x):

@@ -37,7 +37,7 @@ from galaxy.layers.rng import Dropout
 from galaxy.layers.self_attention import SelfAttention
 from galaxy.models.encdec_forms import EncDecShape, comm_entry, flops_entry
 from galaxy.models.family import checked_config
-from galaxy.models.llama import RMSNorm
+from galaxy.layers.rms_norm import RMSNorm
 from galaxy.models.seq2seq import EncoderDecoder, Seq2SeqLMHead, stack_names
 from galaxy.models.seq2seq_classifier import ClassificationHead, Seq2SeqClassifierHead, classifier_dropout
 from galaxy.models.weights import NameMap, pre_norm_names

@@ -29,6 +29,7 @@ from torch import nn
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.sharding import keep_slice, shard_offset
 from galaxy.parallel.plan import SUM, ParamRule
+from galaxy.peft.lora_product import lora_product
 from galaxy.peft.seeding import named_generator
 
 
@@ -67,12 +68,18 @@ class LoraLinear(nn.Linear):
         return rule, SUM
 
     def forward(self, x):
-        y = F.linear(x, self.weight, None if self.defers_bias else self.bias)
+        bias = None if self.defers_bias else self.bias
         if self.folded:
-            return y
-        with self.rng_scope() if self.training and isinstance(self.lora_dropout, nn.Dropout) else nullcontext():
-            x = self.lora_dropout(x)
-        return y + self.lora_B(self.lora_A(x)) * self.scaling
+            return F.linear(x, self.weight, bias)
+        dropping = self.training and isinstance(self.lora_dropout, nn.Dropout)
+        with self.rng_scope() if dropping else nullcontext():
+            x_lora = self.lora_dropout(x) if dropping else None
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast casts inside modules, not inside an autograd function: the modules' way
+            y = F.linear(x, self.weight, bias)
+            return y + self.lora_B(self.lora_A(x if x_lora is None else x_lora)) * self.scaling
+        # one function: the update summed into y inside its GEMM (galaxy.peft.lora_product)
+        return lora_product(x, x_lora, self.weight, bias, self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}"
