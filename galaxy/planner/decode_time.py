@@ -51,11 +51,16 @@ class DecodeTimes:
         at_keys = _line(t["units"], t["s"], heads_r)
         return max(0.0, at_keys - per_key * self.table["keys"]), per_key
 
-    def mlp(self, columns_r: int) -> float:
+    def _share(self, flops_key: str, table_key: str, units: int, whole: int) -> float:
+        """Seconds of a sub-block holding `units` of its `whole` (columns, vocabulary rows): the
+        measured line where the profile has one, else its FLOPs at the GEMM rate."""
         if self.table is None:
-            return self.flops["mlp"] * columns_r / self.columns / self.rate
-        t = self.table["mlp_tp"]
-        return max(0.0, _line(t["units"], t["s"], columns_r))
+            return self.flops[flops_key] * units / whole / self.rate
+        t = self.table[table_key]
+        return max(0.0, _line(t["units"], t["s"], units))
+
+    def mlp(self, columns_r: int) -> float:
+        return self._share("mlp", "mlp_tp", columns_r, self.columns)
 
     def con(self) -> float:
         return self.flops["con"] / self.rate if self.table is None else self.table["con_s"]
@@ -71,10 +76,7 @@ class DecodeTimes:
 
     def head(self, rows: int) -> float:
         """The LM head (final norm and product) on one token for `rows` vocabulary rows."""
-        if self.table is None:
-            return self.flops["head"] * rows / self.vocab / self.rate
-        t = self.table["head"]
-        return max(0.0, _line(t["units"], t["s"], rows))
+        return self._share("head", "head", rows, self.vocab)
 
     def embed(self) -> float:
         return 0.0 if self.table is None else self.table["embed_s"]
