@@ -19,7 +19,8 @@
 A Plan reads and writes the config's flat keys (`from_keys` / `to_keys`: today's JSON and
 Galaxy-LM's keep their names), fills in what a config leaves out (`resolve`: even splits, larger
 shares first) and lists its own problems for a world, a model and a batch, one line each naming
-the key and the fix. Everything that splits a model (the config, the mesh, apply_plan, the
+the key and the fix (the share lists' checks and defaults: galaxy.plan_shares; the pipeline
+keys': galaxy.plan_pipeline). Everything that splits a model (the config, the mesh, apply_plan, the
 runners, the planner, checkpoints' layout record, the profiler) takes this one type.
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ from enum import Enum
 from itertools import accumulate
 from typing import NamedTuple
 
-from galaxy.plan_shares import given_share_problems, microbatch_problems, share_problems
+from galaxy.plan_pipeline import pipeline_problems
+from galaxy.plan_shares import SHARE_KEYS, even_split, galaxy_shares, microbatch_problems, share_problems
+
+__all__ = ["Layout", "Plan", "PlanError", "Workload", "even_split", "recompute_layers"]
 
 
 class Layout(str, Enum):
@@ -63,9 +67,6 @@ FIELD_OF_KEY = {
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks", "batch_streams": "batch_streams",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
 }
-SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
-              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
-
 
 class Workload(NamedTuple):
     """What a plan is checked and resolved against: the model's sizes and the batch."""
@@ -266,7 +267,7 @@ class Plan:
         if work.rows is not None and work.rows % self.dp and self.replica_rows is None:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
-        problems += self._pipeline_problems(work)
+        problems += pipeline_problems(self, work)
         try:
             recompute_layers(self.checkpoint, work.layers)
         except PlanError as e:
@@ -275,7 +276,7 @@ class Plan:
             problems.append(f"dp_sharding is '{self.dp_sharding}' but dp_deg is 1: it shards the data-parallel "
                             f"replicas' parameters over dp_deg > 1 replicas; set dp_deg or remove dp_sharding")
         if not world % cells:
-            problems += self._shares(world // cells, world, work)[1]
+            problems += galaxy_shares(self, world // cells, world, work)[1]
         return problems
 
     def resolve(self, world: int, work: Workload) -> "Plan":
@@ -284,76 +285,11 @@ class Plan:
         problems = self.key_problems() + self.problems(world, work)
         if problems:
             raise PlanError(*problems)
-        shares = self._shares(world // (self.pp * self.dp), world, work)[0]
+        shares = galaxy_shares(self, world // (self.pp * self.dp), world, work)[0]
         stages = self.stages or tuple(even_split(work.layers, self.pp))
         xatt = self.method("xatt") if work.target_tokens is not None else self.xatt
         return replace(self, **shares, stages=stages, xatt=xatt,
                        checkpoint=tuple(sorted(recompute_layers(self.checkpoint, work.layers))))
-
-    def _shares(self, size: int, world: int, work: Workload) -> tuple[dict, list[str]]:
-        kv_group = work.heads // work.kv_heads
-        att_tp = self.att == "TP"
-        cells = f"world {world} / (pp_deg {self.pp} x dp_deg {self.dp})"
-        wanted = {  # field -> (total, what the total is, unit of the default split, fix)
-            "heads": (work.heads, "num_attention_heads in the model config", kv_group if att_tp else 1,
-                      "or set att_parallel_method to 'SP'"),
-            "columns": (work.columns, "intermediate_size in the model config", 1,
-                        "or set mlp_parallel_method to 'SP'"),
-            "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
-            "decoder_tokens": (work.target_tokens, "target_pad_size (default pad_size)", 1,
-                               "or raise target_pad_size"),
-        }
-        out, problems = {}, []
-        for name, (total, what, unit, fix) in wanted.items():
-            key, given = SHARE_KEYS[name], getattr(self, name)
-            if total is None:       # no decoder: its shares mean nothing
-                out[name] = None
-                if given is not None:
-                    problems.append(f"{key} splits an encoder-decoder's decoder tokens, but the model "
-                                    "has no decoder; remove the key")
-                continue
-            if given is not None:
-                problems += given_share_problems(key, given, size, total, what, cells,
-                                                  kv_group if name == "heads" and att_tp else 1, work)
-                out[name] = tuple(given)
-                continue
-            try:
-                out[name] = tuple(even_split(total, size, unit))
-            except ValueError:
-                if self.uses(name):
-                    units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
-                    problems.append(
-                        f"{key} is omitted and {what} ({units}) cannot be split over the "
-                        f"{size} ranks of the Galaxy group ({cells}) without a rank getting "
-                        f"none; use at most {total // unit} ranks per group {fix}")
-                out[name] = None
-        return out, problems
-
-    def _pipeline_problems(self, work: Workload) -> list[str]:
-        stages, given, problems = self.pp, self.stages, []
-        if given is not None:
-            if len(given) != stages:
-                problems.append(f"stage_num_hidden_layers_list has {len(given)} entries but pp_deg is "
-                                f"{stages}; give one layer count per stage")
-            elif sum(given) != work.layers:
-                both = "" if work.target_tokens is None else " (the encoder's, then the decoder's)"
-                problems.append(f"stage_num_hidden_layers_list sums to {sum(given)} but the model has "
-                                f"{work.layers} layers{both}; make the entries add up to {work.layers}")
-            if given and min(given) < 1:
-                problems.append("stage_num_hidden_layers_list entries must be at least 1")
-        elif stages > work.layers:
-            problems.append(f"pp_deg {stages} exceeds the model's {work.layers} layers; use at most "
-                            f"{work.layers} stages")
-        if stages > 1 and self.schedule == "1f1b" and self.microbatches < stages:
-            problems.append(f"num_microbatches is {self.microbatches} but the 1f1b schedule needs at least "
-                            f"pp_deg = {stages}; raise num_microbatches (it must divide batch_size / dp_deg) "
-                            f"or set pipeline_schedule to gpipe")
-        even = work.rows is not None and self.replica_rows is None
-        if stages > 1 and even and (work.rows // self.dp) % self.microbatches:
-            problems.append(f"num_microbatches {self.microbatches} does not divide the "
-                            f"{work.rows // self.dp} rows per replica (batch_size / dp_deg); "
-                            "choose a divisor")
-        return problems
 
 
 class PlanError(ValueError):
@@ -362,23 +298,6 @@ class PlanError(ValueError):
     def __init__(self, *problems: str):
         self.problems = list(problems)
         super().__init__("\n".join(problems))
-
-
-def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
-    """Split total into parts multiples of unit that differ by at most one unit, larger first.
-
-    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
-    Raises ValueError when some part would be 0 or total is not a multiple of unit.
-    """
-    if parts < 1 or unit < 1:
-        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
-    if total % unit:
-        raise ValueError(f"{total} is not a multiple of {unit}")
-    units = total // unit
-    if units < parts:
-        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
-    base, extra = divmod(units, parts)
-    return [(base + (i < extra)) * unit for i in range(parts)]
 
 
 def recompute_layers(spec, num_layers: int) -> frozenset[int]:

@@ -10,6 +10,9 @@ take fewer rows, so that every replica finishes its step at about the same time.
 from __future__ import annotations
 
 KEY = "dp_batch_list"
+# A Galaxy share list's plan field -> its config key.
+SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
+              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
 
 
 def rows_per_replica(shares, batch_rows: int, dp: int) -> list[int]:
@@ -65,3 +68,63 @@ def given_share_problems(key, given, size, total, what, cells, kv_group, work) -
                     f"heads share {work.kv_heads} KV heads, so each TP rank needs whole groups of "
                     f"{kv_group} heads"]
     return []
+
+
+def galaxy_shares(plan, size: int, world: int, work) -> tuple[dict, list[str]]:
+    """Every Galaxy share list of `plan` (a galaxy.plan.Plan) for a group of `size` ranks: as given
+    (checked) or an even split, larger shares first; and the problems, one line each. A list the
+    methods do not use stays None when it cannot be made."""
+    kv_group = work.heads // work.kv_heads
+    att_tp = plan.att == "TP"
+    cells = f"world {world} / (pp_deg {plan.pp} x dp_deg {plan.dp})"
+    wanted = {  # field -> (total, what the total is, unit of the default split, fix)
+        "heads": (work.heads, "num_attention_heads in the model config", kv_group if att_tp else 1,
+                  "or set att_parallel_method to 'SP'"),
+        "columns": (work.columns, "intermediate_size in the model config", 1,
+                    "or set mlp_parallel_method to 'SP'"),
+        "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
+        "decoder_tokens": (work.target_tokens, "target_pad_size (default pad_size)", 1,
+                           "or raise target_pad_size"),
+    }
+    out, problems = {}, []
+    for name, (total, what, unit, fix) in wanted.items():
+        key, given = SHARE_KEYS[name], getattr(plan, name)
+        if total is None:       # no decoder: its shares mean nothing
+            out[name] = None
+            if given is not None:
+                problems.append(f"{key} splits an encoder-decoder's decoder tokens, but the model "
+                                "has no decoder; remove the key")
+            continue
+        if given is not None:
+            problems += given_share_problems(key, given, size, total, what, cells,
+                                              kv_group if name == "heads" and att_tp else 1, work)
+            out[name] = tuple(given)
+            continue
+        try:
+            out[name] = tuple(even_split(total, size, unit))
+        except ValueError:
+            if plan.uses(name):
+                units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
+                problems.append(
+                    f"{key} is omitted and {what} ({units}) cannot be split over the "
+                    f"{size} ranks of the Galaxy group ({cells}) without a rank getting "
+                    f"none; use at most {total // unit} ranks per group {fix}")
+            out[name] = None
+    return out, problems
+
+
+def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Split total into parts multiples of unit that differ by at most one unit, larger first.
+
+    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
+    Raises ValueError when some part would be 0 or total is not a multiple of unit.
+    """
+    if parts < 1 or unit < 1:
+        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
+    if total % unit:
+        raise ValueError(f"{total} is not a multiple of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * unit for i in range(parts)]
