@@ -8,10 +8,13 @@ process's burst on the shared host is not taken for the device's speed).
 """
 import json
 import signal
+import subprocess
 import time
 
 import pytest
 
+from galaxy.edge.cgroups import find_layout
+from galaxy.edge.shield import SCAN_S, leftover_shields, shield_name
 from support.dist_pool import close_pools
 from support.edge_launcher import (PROBE, device, edge, leftovers, requires_testbed, run_name, start_edge,
                            write_cluster)
@@ -97,20 +100,43 @@ def read_until_ready(proc, devices: int) -> str:
     return seen
 
 
+def cpu_cgroup(pid: int) -> str:
+    """The cpu cgroup process pid sits in ("/" at the root)."""
+    with open(f"/proc/{pid}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "cpu" in controllers.split(",") or controllers == "":
+                return path
+    raise AssertionError(f"no cpu cgroup for {pid}")
+
+
+def shield_of(name: str) -> str:
+    return "/" + shield_name(name)
+
+
 def test_killed_launcher_is_cleaned_up_and_ctrl_c_stops_a_run(tmp_path):
-    # Two testbeds at once, each running ranks that wait; the first launcher is SIGKILLed.
+    # Two shielded testbeds at once, each running ranks that wait; the first launcher is SIGKILLed.
+    # A process of the host's (a sleeper in the root cpu cgroup) sits in a shield while either
+    # runs, and is back at the root, alive, once clean and the second run's end release them.
     cluster = write_cluster(tmp_path / "two.json", device("a", 0.2, 128), device("b", 0.2, 128))
     waiting = ["--", "sh", "-c", "echo ready; exec sleep 60"]
-    first, second = start_edge("run", "--cluster", cluster, *waiting), start_edge("run", "--cluster", cluster, *waiting)
+    host_process = subprocess.Popen(["sleep", "120"])
+    first = start_edge("run", "--shield", "--cluster", cluster, *waiting)
+    second = start_edge("run", "--shield", "--cluster", cluster, *waiting)
     try:
-        name_1, name_2 = run_name(read_until_ready(first, 2)), run_name(read_until_ready(second, 2))
-        assert name_1 != name_2
+        out_1, out_2 = read_until_ready(first, 2), read_until_ready(second, 2)
+        name_1, name_2 = run_name(out_1), run_name(out_2)
+        assert name_1 != name_2 and "; shielded from " in out_1
+        time.sleep(2 * SCAN_S)                     # both shields have swept the root
+        assert cpu_cgroup(host_process.pid) in (shield_of(name_1), shield_of(name_2))
         first.kill()
         first.wait()
         assert leftovers(name_1)                   # its ranks still sleep in their namespaces
         done = edge("clean", timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"removed {name_1}" in done.stdout and f"left alone {name_2}" in done.stdout
+        assert f"released {find_layout().roots['cpu']}{shield_of(name_1)}" in done.stdout
+        assert f"left alone {find_layout().roots['cpu']}{shield_of(name_2)}" in done.stdout
         assert leftovers(name_1) == []
         assert leftovers(name_2) and second.poll() is None   # the live run was not touched
         second.send_signal(signal.SIGINT)          # a Ctrl-C
@@ -118,7 +144,10 @@ def test_killed_launcher_is_cleaned_up_and_ctrl_c_stops_a_run(tmp_path):
         assert second.returncode == 130, rest
         assert "SIGINT: stopping the ranks" in rest
         assert leftovers(name_2) == []
+        assert not leftover_shields(find_layout())
+        assert cpu_cgroup(host_process.pid) == "/" and host_process.poll() is None
     finally:
+        host_process.kill()
         for proc in (first, second):
             if proc.poll() is None:
                 proc.kill()

@@ -10,6 +10,7 @@ something could not be removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -24,6 +25,7 @@ from galaxy.edge.network import Network, host_networks, pick_subnet
 from galaxy.edge.output import Console
 from galaxy.edge.ranks import RENDEZVOUS_PORT, rank_argv
 from galaxy.edge.shell import EdgeError
+from galaxy.edge.shield import Shield
 from galaxy.edge.supervisor import StopRequest
 from galaxy.edge.testbed import Testbed
 
@@ -52,6 +54,9 @@ def parse_args(argv):
     run_p.add_argument("--grace_s", type=float, default=DEFAULT_GRACE_S, metavar="S",
                        help=f"after a rank fails, seconds the others get to stop by themselves before they "
                             f"are killed as hung (default {DEFAULT_GRACE_S:g})")
+    run_p.add_argument("--shield", action="store_true",
+                       help="while the run lasts, move the host's other processes (those in the root cpu cgroup) "
+                            "into a cgroup of the least CPU weight, so that they do not disturb its timings")
     args = p.parse_args(argv)
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]
@@ -97,13 +102,16 @@ def run_command(args) -> int:
     try:
         run = runs.new_run()
         bed = Testbed(cluster, find_layout(), run)
-        with bed:
+        shield = Shield(bed.layout, run.name) if args.shield else contextlib.nullcontext()
+        with bed, shield:
             note(f"testbed {run.name} up in {bed.up_s:.2f} s: {len(cluster.devices)} devices on {run.subnet}, "
-                 f"rendezvous {bed.init_method}")
+                 f"rendezvous {bed.init_method}" + (f"; shielded from {shield.moved} other processes" if args.shield else ""))
             if stop.signum is None:
                 statuses = bed.run_ranks(args.command, console, args.grace_s, stop)
                 for line in bed.report():
                     note(line)
+        for line in getattr(shield, "problems", ()):
+            note(f"error: {line}")
         note(f"testbed {run.name} down in {bed.down_s:.2f} s")
     except EdgeError as e:
         error(str(e))

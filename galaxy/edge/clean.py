@@ -4,6 +4,8 @@ Everything a run makes is named gxe-<hex>... (galaxy.edge.runs): namespaces in `
 bridge and the host ends of the veth pairs in `ip link`, a folder at the root of each cgroup
 hierarchy. Runs whose launcher still lives are left alone, so `clean` is safe beside a running
 testbed. Their processes are killed first (a namespace with a process in it outlives its name).
+A dead run's shield (run --shield, galaxy.edge.shield) holds the host's own processes: they are
+moved back to the root cgroup, not killed.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from galaxy.edge import cgroups, runs
 from galaxy.edge.cgroups import Layout
 from galaxy.edge.network import bridge_name
 from galaxy.edge.shell import EdgeError, run, undo
+from galaxy.edge.shield import leftover_shields, release
 
 
 @dataclass
@@ -123,6 +126,15 @@ def clean(layout: Layout | str, note) -> int:
             note(f"{name}: {line}")
         status = 1 if problems else status
         note(f"{'removed' if not problems else 'partly removed'} {name}: {left}")
-    if not found:
+    for name, path in sorted(leftover_shields(layout).items()):
+        if name in live:
+            note(f"left alone {path}: the shield of {name}, whose launcher (pid {live[name].pid}) is running")
+            continue
+        problems = release(path, layout.roots["cpu"])
+        for line in problems:
+            note(f"{name}: {line}")
+        status = 1 if problems else status
+        note(f"{'released' if not problems else 'partly released'} {path}: its processes are back in the root cgroup")
+    if not found and not leftover_shields(layout):
         note("nothing to clean")
     return status
