@@ -19,7 +19,7 @@ from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.planner import cli
 from galaxy.planner.cost import CostModel
 from galaxy.planner.device_compute import DeviceCompute
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, MIB
+from galaxy.planner.memory_model import FROZEN_ACTIVATION_SLACK, MIB
 from galaxy.planner.profiles import check_link
 from galaxy.planner.search import search
 from galaxy.planner.table import table
@@ -193,7 +193,7 @@ def test_side_tuning_runs_the_backbone_forward_only_by_hand():
     assert cost.estimate(whole().with_stage_checkpoints((6,))).step_s == est.step_s
     n, t = 6 * (N_LAYER + 3000), 6 * 3000
     side_acts = rows * (6 * 48 * 10.0 + max(48 * 10.0, 48 * act))     # + the largest sub-block's intermediates
-    assert est.memory_mib[0] * MIB == pytest.approx(4 * (n + 4 * t) + (1 + CPU_ACTIVATION_SLACK) * side_acts)
+    assert est.memory_mib[0] * MIB == pytest.approx(4 * (n + 4 * t) + (1 + FROZEN_ACTIVATION_SLACK) * side_acts)
     assert search(cost, [est.memory_mib[0] / 2]).leanest.plan.checkpoint == ()
 
 
