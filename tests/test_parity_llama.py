@@ -113,3 +113,24 @@ def test_qwen2_sliding_window_layers_are_refused(tiny_lm_dir):
     with torch.no_grad():
         ours = _serial_qwen2(full)(**batch)[0]
         assert rel_err(ours, hf_qwen2(full)(**batch).logits) < 1e-5
+
+
+def test_rotary_function_is_hf_rotary_bit_for_bit():
+    """galaxy's one-function rotary (forward and backward) gives the bits of HF's
+    apply_rotary_pos_emb, heads broadcast from [b, S, 1, d] tables, on HF's own tables."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from galaxy.layers.rotary import apply_rotary
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 7, 4, 16, generator=g), torch.randn(2, 7, 2, 16, generator=g)     # [b, S, heads, d]
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, torch.arange(7).expand(2, 7))                # [b, S, d]
+    ours = [t.clone().requires_grad_() for t in (q, k)]
+    theirs = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k)]                 # HF: [b, heads, S, d]
+    out = [apply_rotary(t, cos[:, :, None], sin[:, :, None]) for t in ours]
+    ref = [t.transpose(1, 2) for t in apply_rotary_pos_emb(*theirs, cos, sin)]
+    grads = [torch.randn(t.shape, generator=g) for t in out]
+    torch.autograd.backward(out + ref, grads + grads)
+    for o, r, a, b in zip(out, ref, ours, theirs):
+        assert torch.equal(o, r) and torch.equal(a.grad, b.grad.transpose(1, 2))
