@@ -4,7 +4,8 @@ Llama (HF LlamaForCausalLM) and Qwen2 (HF Qwen2ForCausalLM: Llama with non-zero 
 sharded with their query heads / K/V groups under TP and summed under SP), tiny, with
 grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group); tiny GPT-2 (4 heads,
 fused Q/K/V c_attn stored as Conv1D [in, out], biases and LayerNorms away from their initial
-values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels that ignore it.
+values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels that ignore it
+(world 3: no padding, the plain causal mask the attention kernel applies itself).
 Llama and GPT-2: all 8 ATT x MLP x CON combinations at world 2 with uneven shares (Llama: whole
 K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three column ranges of
 HF's tensor; SP attention causal across shards with global positions), three plans at world 3,
@@ -26,7 +27,7 @@ import torch
 
 from support.parity import check_report, hf_qwen2, rel_err
 from support.parity_runners import train_plan_and_compare
-from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch, tiny_lm_batch_unpadded
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.plan import Plan
@@ -73,8 +74,10 @@ def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp,
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
     chunks = 2 if "TP" in (att, mlp) else 1
     streams = 2 if (family, att, mlp, con) == ("llama", "TP", "TP", "SP") else 1     # streams of chunks
+    # No padding at world 3: a whole-sequence ATT (serial, TP in chunks) lets the kernel apply the
+    # causal mask (CAUSAL); an SP ATT cuts the mask to its rows (the world-2 cases pad)
     check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), Plan(att, mlp, con),
-                           SHARES[family][1], tiny_lm_batch, 5, None,
+                           SHARES[family][1], tiny_lm_batch_unpadded, 5, None,
                            {"comm_chunks": chunks, "kv_blocks": att == "SP", "batch_streams": streams}))
 
 

@@ -24,7 +24,7 @@ from galaxy.layers.mlp import FeedForward
 from galaxy.layers.rms_norm import RMSNorm
 from galaxy.layers.rotary import rotary
 from galaxy.layers.self_attention import SelfAttention
-from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_context, causal_lm_comm_bytes,
                                           decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.pooling import pooled_tokens
@@ -99,7 +99,7 @@ class LlamaBackbone(GalaxyModel):
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         # [b, S, 1, d]: broadcast over the heads once here, not in every layer's q and k (a
         # decode step made 4 views a layer of them)
-        return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos[:, :, None], "sin": sin[:, :, None]}
+        return {**causal_context(attention_mask.bool()), "cos": cos[:, :, None], "sin": sin[:, :, None]}
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         # input_ids, attention_mask, labels: [b, S] on every rank (labels [b] for a classifier);
