@@ -4,7 +4,8 @@ Llama (HF LlamaForCausalLM) and Qwen2 (HF Qwen2ForCausalLM: Llama with non-zero 
 sharded with their query heads / K/V groups under TP and summed under SP), tiny, with
 grouped-query attention (8 query heads sharing 4 K/V heads: 2 per group); tiny GPT-2 (4 heads,
 fused Q/K/V c_attn stored as Conv1D [in, out], biases and LayerNorms away from their initial
-values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels that ignore it.
+values, LM head tied to wte) against GPT2LMHeadModel. Right padding and labels that ignore it
+(world 3: no padding, the plain causal mask the attention kernel applies itself).
 Llama and GPT-2: all 8 ATT x MLP x CON combinations at world 2 with uneven shares (Llama: whole
 K/V groups per TP rank; GPT-2: heads 3 / 1, so a rank's c_attn share is three column ranges of
 HF's tensor; SP attention causal across shards with global positions), three plans at world 3,
@@ -26,7 +27,7 @@ import torch
 
 from support.parity import check_report, hf_qwen2, rel_err
 from support.parity_runners import train_plan_and_compare
-from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch
+from support.tiny_models import GPT2_INTERMEDIATE, TINY_SEQ, tiny_lm_batch, tiny_lm_batch_unpadded
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.plan import Plan
@@ -73,8 +74,10 @@ def test_plan_matches_hf_world2_uneven(dist_pool, tiny_lm_dir, family, att, mlp,
 def test_plan_matches_hf_world3(dist_pool, tiny_lm_dir, family, att, mlp, con):
     chunks = 2 if "TP" in (att, mlp) else 1
     streams = 2 if (family, att, mlp, con) == ("llama", "TP", "TP", "SP") else 1     # streams of chunks
+    # No padding at world 3: a whole-sequence ATT (serial, TP in chunks) lets the kernel apply the
+    # causal mask (CAUSAL); an SP ATT cuts the mask to its rows (the world-2 cases pad)
     check(dist_pool(3).run(train_plan_and_compare, family, tiny_lm_dir(family), Plan(att, mlp, con),
-                           SHARES[family][1], tiny_lm_batch, 5, None,
+                           SHARES[family][1], tiny_lm_batch_unpadded, 5, None,
                            {"comm_chunks": chunks, "kv_blocks": att == "SP", "batch_streams": streams}))
 
 
@@ -113,3 +116,24 @@ def test_qwen2_sliding_window_layers_are_refused(tiny_lm_dir):
     with torch.no_grad():
         ours = _serial_qwen2(full)(**batch)[0]
         assert rel_err(ours, hf_qwen2(full)(**batch).logits) < 1e-5
+
+
+def test_rotary_function_is_hf_rotary_bit_for_bit():
+    """galaxy's one-function rotary (forward and backward) gives the bits of HF's
+    apply_rotary_pos_emb, heads broadcast from [b, S, 1, d] tables, on HF's own tables."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from galaxy.layers.rotary import apply_rotary
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 7, 4, 16, generator=g), torch.randn(2, 7, 2, 16, generator=g)     # [b, S, heads, d]
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, torch.arange(7).expand(2, 7))                # [b, S, d]
+    ours = [t.clone().requires_grad_() for t in (q, k)]
+    theirs = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k)]                 # HF: [b, heads, S, d]
+    out = [apply_rotary(t, cos[:, :, None], sin[:, :, None]) for t in ours]
+    ref = [t.transpose(1, 2) for t in apply_rotary_pos_emb(*theirs, cos, sin)]
+    grads = [torch.randn(t.shape, generator=g) for t in out]
+    torch.autograd.backward(out + ref, grads + grads)
+    for o, r, a, b in zip(out, ref, ours, theirs):
+        assert torch.equal(o, r) and torch.equal(a.grad, b.grad.transpose(1, 2))

@@ -15,17 +15,30 @@ def split_heads(t, head_dim: int):
     return t.unflatten(-1, (-1, head_dim))
 
 
-def attention(q, k, v, mask, *, dropout_p: float, rng_scope=nullcontext, scale=None, enable_gqa: bool = False):
+# The layer context's flag that its mask is the plain causal one, key j visible to query i if
+# j <= i over the whole sequence (no padding): attention may then let the kernel apply it.
+CAUSAL = "causal"
+
+
+def attention(q, k, v, mask, *, dropout_p: float, rng_scope=nullcontext, scale=None, enable_gqa: bool = False,
+              causal: bool = False):
     """Scaled dot-product attention of q [b, s, heads, d] over k, v [b, S, kv_heads, d] ->
     context [b, s, heads*d]. mask: bool, True = attend, or additive (float: a position bias with
     the masked scores at a very negative value), broadcastable to [b, heads, s, S], or None.
-    dropout_p > 0 draws inside rng_scope (TP/SP: the rank's own dropout stream)."""
+    causal: the mask is the plain causal one over s == S positions (CAUSAL); the kernel applies it
+    (is_causal) and the mask is not read. dropout_p > 0 draws inside rng_scope (TP/SP: the rank's
+    own dropout stream)."""
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention takes queries at the keys' positions, got {q.shape[1]} queries "
+                         f"over {k.shape[1]} keys")
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))                   # [b, heads, s|S, d]
-    if mask is not None and mask.is_floating_point():
+    if causal:
+        mask = None
+    elif mask is not None and mask.is_floating_point():
         mask = mask.to(q.dtype)                                          # autocast: as the scores
     with rng_scope() if dropout_p > 0 else nullcontext():
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                             enable_gqa=enable_gqa)
+                                             enable_gqa=enable_gqa, is_causal=causal)
     return ctx.transpose(1, 2).flatten(2)
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers import cached_attention
 from galaxy.distributed.transitions import KVGather
-from galaxy.layers.attention import attention, attention_while_gathering, split_heads
+from galaxy.layers.attention import CAUSAL, attention, attention_while_gathering, split_heads
 from galaxy.layers.linear import OutputProjection
 from galaxy.layers.rng import ShardedDropout
 from galaxy.layers.sharding import shard_column_parallel, shard_row_parallel
@@ -124,7 +124,9 @@ class SelfAttention(ShardedDropout, nn.Module):
         """Whole sequences in order: q [b, s, heads*d] against k, v [b, S, kv_heads*d] ->
         context [b, s, heads*d]. context: the model's layer_context (mask, position tables)."""
         q, k = (self.at_positions(split_heads(t, self.head_dim), context) for t in (q, k))
-        return self._attention(attention, q, k, split_heads(v, self.head_dim), context=context)
+        # CAUSAL (no padding): the kernel applies the causal mask itself
+        return self._attention(attention, q, k, split_heads(v, self.head_dim), context=context,
+                               causal=bool(context.get(CAUSAL)))
 
     def finish(self, ctx):
         """Token-wise: context -> (output projection without its bias, the deferred bias)."""
@@ -169,11 +171,12 @@ class SelfAttention(ShardedDropout, nn.Module):
         return (lambda: q(x)), k(x), v(x)
 
     def own_rows(self, context: dict) -> dict:
-        """The context at this rank's queries: each query-indexed tensor cut to local_rows."""
+        """The context at this rank's queries: each query-indexed tensor cut to local_rows (the
+        CAUSAL flag dropped: the rows are a slice, the cut mask holds their causality)."""
         def own(name, t):
             dim = self.query_dims.get(name)
             return t if dim is None else t[(slice(None),) * dim + (self.local_rows,)]
-        return {name: own(name, t) for name, t in context.items()}
+        return {name: own(name, t) for name, t in context.items() if name != CAUSAL}
 
     def at_positions(self, t, context: dict):
         return t if self.positions is None else self.positions(t, context)

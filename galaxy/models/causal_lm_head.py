@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from galaxy.distributed.comm_bytes import plan_comm_bytes
 from galaxy.distributed.transitions import Layout, copy_for_sharded_consumer, reduce_to_replicated
+from galaxy.layers.attention import CAUSAL
 from galaxy.layers.token_loss import summed_token_cross_entropy
 
 IGNORE_INDEX = -100
@@ -81,6 +82,15 @@ class CausalLMHead:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         return super().forward(input_ids, attention_mask, labels=labels)
+
+
+def causal_context(keep) -> dict:
+    """A causal decoder's layer-context masks from keep [b, S] bool (True = real token): the
+    causal + padding mask, and where no token is padding the CAUSAL flag, under which a whole-
+    sequence attention lets its kernel apply the causal mask (galaxy.layers.attention). The mask
+    stays for what cuts or extends it: SP's rows, the KV cache's prefill, side networks."""
+    plain = keep.shape[1] > 1 and bool(keep.all())
+    return {"mask": causal_padding_mask(keep), **({CAUSAL: True} if plain else {})}
 
 
 def causal_padding_mask(keep):

@@ -30,7 +30,7 @@ from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
 from galaxy.layers.self_attention import SelfAttention
-from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_context, causal_lm_comm_bytes,
                                           decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel, checked_config
 from galaxy.models.weights import NameMap, pre_norm_names
@@ -119,7 +119,7 @@ class GPT2ForCausalLM(CausalLMHead, GalaxyModel):
         in embed)."""
         if attention_mask is None:
             raise ValueError("a causal LM needs the attention mask (ones where there is no padding)")
-        return {"mask": causal_padding_mask(attention_mask.bool())}
+        return causal_context(attention_mask.bool())
 
 
 def hf_names(cfg):

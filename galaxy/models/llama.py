@@ -22,23 +22,13 @@ from galaxy.layers.block import TransformerBlock
 from galaxy.layers.connector import Connector
 from galaxy.layers.mlp import FeedForward
 from galaxy.layers.rms_norm import RMSNorm
+from galaxy.layers.rotary import rotary
 from galaxy.layers.self_attention import SelfAttention
-from galaxy.models.causal_lm_head import (CausalLMHead, causal_lm_comm_bytes, causal_padding_mask,
+from galaxy.models.causal_lm_head import (CausalLMHead, causal_context, causal_lm_comm_bytes,
                                           decoder_matmul_flops)
 from galaxy.models.family import GalaxyModel
 from galaxy.models.pooling import pooled_tokens
 from galaxy.models.weights import NameMap, pre_norm_names
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def rotary(t, context: dict):
-    """Queries or keys t [b, s, heads, d] rotated by the context's cos, sin [b, s, 1, d] (the
-    layer_context's tables, at t's positions)."""
-    return t * context["cos"] + rotate_half(t) * context["sin"]
 
 
 def llama_layer(cfg, qkv_bias: bool, out_bias: bool, mlp_bias: bool) -> TransformerBlock:
@@ -109,7 +99,7 @@ class LlamaBackbone(GalaxyModel):
         cos, sin = self.rotary(next(self.parameters()), positions)       # [b, S, d]
         # [b, S, 1, d]: broadcast over the heads once here, not in every layer's q and k (a
         # decode step made 4 views a layer of them)
-        return {"mask": causal_padding_mask(attention_mask.bool()), "cos": cos[:, :, None], "sin": sin[:, :, None]}
+        return {**causal_context(attention_mask.bool()), "cos": cos[:, :, None], "sin": sin[:, :, None]}
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
         # input_ids, attention_mask, labels: [b, S] on every rank (labels [b] for a classifier);

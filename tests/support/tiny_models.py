@@ -102,16 +102,22 @@ def tiny_cls_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 
     return out
 
 
-def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128):
-    """Right-padded causal-LM batch: row i keeps seq - 4*i tokens; labels ignore padding."""
+def tiny_lm_batch(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128, padded: bool = True):
+    """Right-padded causal-LM batch: row i keeps seq - 4*i tokens; labels ignore padding.
+    padded False: every row whole (the attention mask all ones: the plain causal mask)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
-    for i in range(batch):
+    for i in range(batch if padded else 0):
         mask[i, max(2, seq - 4 * i):] = 0
     ids[mask == 0] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return dict(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def tiny_lm_batch_unpadded(seed: int, batch: int = 3, seq: int = TINY_SEQ, vocab: int = 128):
+    """tiny_lm_batch without padding (a module-level function: the process pools pickle it)."""
+    return tiny_lm_batch(seed, batch, seq, vocab, padded=False)
 
 
 TINY_GPT2 = dict(vocab_size=128, n_embd=48, n_layer=2, n_head=4, n_inner=None, n_positions=64,
