@@ -6,11 +6,12 @@ before the matching receive (all-gather: send then receive, per half; all-to-all
 rank that reaches a collective after its peer finds the peer's receive already posted, writes its
 whole message, and only then its own "recv ready": the note waits behind the data in the socket
 and the link's queue, and the peer's data leaves only once ours has arrived. The two directions
-run one after the other, at half the link's rate each. Measured on the edge testbed
-(bench/link_collectives.py, two one-core devices at 300 Mbit/s): alone (both ranks calling
-together) gloo's all-gather and all-to-all carry 0.8-2 MB at 91-93% of the link each way; called
-back to back after compute, as the layers call them, one direction falls to 47-49%. A real link
-of that rate behaves the same: the order is gloo's, the wait is the link's.
+run one after the other. Measured on the edge testbed (bench/link_collectives.py, two one-core
+devices at 300 Mbit/s, 0.8-8 MB): called together, gloo's all-gather and all-to-all carried up to
+91-93% of the link each way; called back to back after compute, as the layers call them, the
+all-to-all's slower direction fell to 46-49% and the all-gather's (two halves) to 60-64%. A real
+link of that rate behaves the same: the order is gloo's, the wait is the link's. Received first,
+the same step pattern keeps 93-94% both ways.
 
 Here each rank posts its receive before its send (dist.irecv, then dist.isend): the note leaves
 ahead of the data whichever rank comes second, and both directions travel at once. The bytes are
