@@ -15,6 +15,8 @@ Variants (name: plan, comm_chunks, batch_streams, gradient sync started during b
       comm_chunks 2 inside each stream's sub-blocks)
   galaxy-s3, galaxy-s4: in 3 and 4 streams, every other stream a step out of phase (streams.
       stream_delays); galaxy-s3-inphase: 3 streams all in phase (the schedule before the delays)
+  galaxy-c1-gloo, galaxy-c4-gloo, galaxy-s4-gloo: galaxy-c1, -c4 and -s4 with gloo's own all-gather
+      and all-to-all, as before galaxy.distributed.pair_exchange (every other variant exchanges)
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
   tp-s2, tp-s2-c2:                                               the same in 2 batch streams
   sp-sync-after (baseline of sp-early), sp-early:               ATT SP, MLP SP, CON SP
@@ -50,7 +52,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from two_ranks import add_rank_args, run_two  # noqa: E402
-from galaxy.distributed import streams, waiting  # noqa: E402
+from galaxy.distributed import pair_exchange, streams, waiting  # noqa: E402
 from galaxy.models import family  # noqa: E402
 
 class Variant(NamedTuple):
@@ -62,6 +64,7 @@ class Variant(NamedTuple):
     kv_blocks: bool = False
     batch_streams: int = 1
     in_phase: bool = False        # streams all in phase (no stream_delays)
+    paired: bool = True           # two-rank gather / scatter by pair_exchange (False: gloo's own)
 
 
 VARIANTS = {
@@ -74,6 +77,9 @@ VARIANTS = {
     "galaxy-s3": Variant("galaxy", "galaxy-c1", batch_streams=3),
     "galaxy-s4": Variant("galaxy", "galaxy-c1", batch_streams=4),
     "galaxy-s3-inphase": Variant("galaxy", "galaxy-c1", batch_streams=3, in_phase=True),
+    "galaxy-c1-gloo": Variant("galaxy", "galaxy-c1", paired=False),
+    "galaxy-c4-gloo": Variant("galaxy", "galaxy-c1", comm_chunks=4, paired=False),
+    "galaxy-s4-gloo": Variant("galaxy", "galaxy-c1", batch_streams=4, paired=False),
     "tp-c1": Variant("tp", "tp-c1"),
     "tp-c2": Variant("tp", "tp-c1", comm_chunks=2),
     "tp-c4": Variant("tp", "tp-c1", comm_chunks=4),
@@ -106,9 +112,10 @@ def in_phase(n: int) -> list[int]:
     return [0] * n
 
 
-def train_step(runner, batch, poll: bool = False, phased: bool = True) -> float:
-    waiting.set_polling(poll)
-    family.stream_delays = streams.stream_delays if phased else in_phase
+def train_step(runner, batch, v: Variant) -> float:
+    waiting.set_polling(v.poll)
+    family.stream_delays = in_phase if v.in_phase else streams.stream_delays
+    pair_exchange.enabled = v.paired
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)
@@ -133,11 +140,11 @@ def worker(rank: int, args, init_method: str, results) -> None:
     times = {name: [] for name in args.variants}
     for _ in range(args.warmup):
         for name in args.variants:
-            train_step(runners[name], batch, VARIANTS[name].poll, not VARIANTS[name].in_phase)
+            train_step(runners[name], batch, VARIANTS[name])
     order = list(args.variants)
     for i in range(args.rounds):
         for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(train_step(runners[name], batch, VARIANTS[name].poll, not VARIANTS[name].in_phase))
+            times[name].append(train_step(runners[name], batch, VARIANTS[name]))
     if rank == 0:
         results.put(times)
     dist.barrier()

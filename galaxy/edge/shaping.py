@@ -11,6 +11,15 @@ namespaces; payload rate, so headers cost 3-4%): a 64 KB bucket with a 256 KB qu
 at 1000. So the bucket holds 1 ms at the link's rate (at least 32 KiB: tbf must pass a whole
 segment, and smaller buckets lose rate to timer slack), and the queue holds 20 ms more (a deeper
 queue only adds delay; a shallower one drops and TCP backs off).
+
+What the model does not lose, measured with bench/link_collectives.py at 300 Mbit/s (docs/edge.md):
+no tbf drop and no RTO in any case, 286-291 Mbit/s one way and 280-284 each way for an all-reduce
+or a receive-first exchange; BBR (this VM's kernel default, which the namespaces inherit) and cubic
+measured alike. The collectives that got about half the rate did so by gloo's send-before-receive
+order (galaxy/distributed/pair_exchange.py), which a real link shares, so the model stays as is.
+Its one known cost is CPU: the packets' path (veth, tbf, bridge, tbf, veth; no GRO) runs in
+softirq on the devices' cores, about 15 ms per MB each way, which a real device's NIC and switch
+would mostly spare it.
 """
 from __future__ import annotations
 
