@@ -137,7 +137,8 @@ def table_lines(table: dict, cluster_name: str) -> list[str]:
             lines.append(f"  {name} rank {i}: wall {t['wall_ms']:.0f} ms = cpu {t['cpu_ms']:.0f} (kernels "
                          f"{t['kernels_ms']:.0f}, python {t['python_ms']:.0f}) + blocked {t['blocked_ms']:.0f}")
     s = table["searched"]
-    for other, target in TARGETS.get(cluster_name, {"alone": None}).items():
+    for other in ("alone", "even megatron"):
+        target = TARGETS.get(cluster_name, {}).get(other)
         r = table.get(other, {})
         if "forward_ms" in s and "forward_ms" in r:
             ratio = s["forward_ms"] / r["forward_ms"]
