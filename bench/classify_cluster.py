@@ -10,7 +10,8 @@ classifier (all-MiniLM-L6-v2 and a 2-class head; written once to --out/model), b
      then plan.py search --objective latency --json
   2. bench/classify_plans.py, each plan in its own launch, --rounds times, alternating their order:
      the searched plan (on the devices it uses), even Megatron TP+SP over every device (and any
-     --even presets), the fastest device (the most cpus) alone; each plan's quickest launch counts
+     --even presets), the fastest device (the most cpus) alone, and where the search left a device
+     out its best plan on every device (what holds that plan back); each plan's quickest launch counts
   3. per plan: predicted and measured forward, their ratio, each device's peak memory (the
      testbed's cgroup figure) against the prediction; where the time went on every rank (wall,
      CPU, blocked, kernels, Python: bench/step_terms.py); the searched plan's ratios to the
@@ -52,11 +53,14 @@ def write_inputs(out: Path, tokens: int) -> tuple[str, str]:
     return str(model), str(path)
 
 
-def search(out: Path, base: str, model_json: str, devices_json: str) -> str:
-    searched = out / "searched.json"
+def search(out: Path, base: str, model_json: str, devices_json: str, name: str = "searched", *extra: str) -> str:
+    """plan.py search --objective latency (extra: more flags); the written config's path (its
+    plans: NAME-plans.json)."""
+    searched = out / f"{name}.json"
     done = subprocess.run([sys.executable, "plan.py", "search", "--config_file", base, "--devices", devices_json,
                            "--model", model_json, "--objective", "latency", "--out", str(searched), "--json",
-                           str(out / "plans.json"), "--top", "10"], cwd=ROOT, env=env(), capture_output=True, text=True)
+                           str(out / f"{name}-plans.json"), "--top", "10", *extra], cwd=ROOT, env=env(),
+                          capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"plan.py search --objective latency failed:\n{done.stdout}{done.stderr}")
     print(done.stdout, flush=True)
@@ -177,9 +181,14 @@ def main() -> None:
     searched = search(out, base, model_json, devices_json)
     print(f"profiles and search: {time.time() - t0:.0f} s", flush=True)
     alone_cluster, alone = one_device_cluster(cluster, out)
-    ranks = json.loads((out / "plans.json").read_text()).get("device_ranks") or list(range(world))
+    ranks = json.loads((out / "searched-plans.json").read_text()).get("device_ranks") or list(range(world))
     layers = json.loads((Path(model_path) / "config.json").read_text())["num_hidden_layers"]
     plans = plans_to_run(searched, world, layers, alone_cluster, ranks, subset_cluster(cluster, ranks, out), args.even)
+    if len(ranks) < world:       # the best plan on every device: what holds it back
+        from inference_plans import named_plans
+        every = search(out, base, model_json, devices_json, "every_device", "--all_devices")
+        plans["searched, every device"] = {"flags": ["--plan_file", f"every={every}"], "world": world, "cluster": None,
+                                           "plan": named_plans([], [f"every={every}"], world, layers)["every"]}
     predictions = {n: predictor(model_json, devices_json, model_path, args.tokens)(p["plan"])
                    for n, p in plans.items() if n not in ("alone", "searched")}
     predictions["searched"] = predictor(model_json, devices_json, model_path, args.tokens, tuple(ranks))(
