@@ -5,8 +5,9 @@ plan.py search --objective latency wrote) writes one JSON line per prompt, in in
 tokens are Hugging Face generate's greedy ones, alone or in the chat template, or with --num_beams
 its best beams;
 a stop string cuts the text; bad input is one line and exit status 2 before any process group.
-pretrain_galaxy.py --predict at world 2 writes Hugging Face's class probabilities and the
-accuracy; "train": false predicts the test set with pretrain_bert.py.
+pretrain_galaxy.py --predict at world 2 (under the plan plan.py search --objective latency wrote for
+the classifier) writes Hugging Face's class probabilities and the accuracy; "train": false predicts
+the test set with pretrain_bert.py.
 """
 import json
 
@@ -155,13 +156,34 @@ def hf_probabilities(bert):
         return torch.softmax(model(**enc).logits, -1)
 
 
-def test_predict_writes_hf_probabilities_and_accuracy(bert):
-    cfg = bert["tmp"] / "galaxy.json"
-    cfg.write_text(json.dumps(dict(model_path=bert["model_dir"], class_list=CLASSES, pad_size=16, batch_size=2,
-                                   dropout=0.0, timeout_s=60, seq_scatter_list=[9, 7])))
+def classifier_planned(bert, capsys) -> str:
+    """plan.py search --objective latency's config for the classifier on two devices at speeds 2:1
+    (synthetic profile) and the model's own profile: one forward a request, uneven shares."""
+    tmp, base = bert["tmp"], bert["tmp"] / "base.json"
+    base.write_text(json.dumps(dict(model_path=bert["model_dir"], class_list=CLASSES, pad_size=16, batch_size=2,
+                                    dropout=0.0, timeout_s=60)))
+    devices = tmp / "devices.json"
+    devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "link": {"latency_s": 1e-5,
+                                   "bytes_per_s": 1e9}, "devices": [{"name": f"dev{i}", "gemm_flops_per_s": rate,
+                                                                    "memory_mib": 4000} for i, rate in enumerate((2e9, 1e9))]}))
+    out = str(tmp / "latency.json")
+    plan_cli.main(["profile-model", "--config_file", str(base), "--out", str(tmp / "model.json")])
+    plan_cli.main(["search", "--objective", "latency", "--config_file", str(base), "--devices", str(devices), "--model",
+                   str(tmp / "model.json"), "--out", out])
+    assert f"classify with: python pretrain_galaxy.py --config_file {out} --world 2" in capsys.readouterr().out
+    planned = json.loads(open(out).read())
+    splits = [planned[k] for k in ("tp_num_attention_heads_list", "tp_intermediate_size_list", "seq_scatter_list")
+              if k in planned]
+    assert planned["_planned"]["task"] == "classification" and planned["_planned"]["new_tokens"] == 0, planned
+    assert splits and all(s[0] >= s[1] for s in splits) and any(s[0] > s[1] for s in splits), planned
+    return out
+
+
+def test_predict_writes_hf_probabilities_and_accuracy(bert, capsys):
+    """Under the plan plan.py search --objective latency wrote for the classifier (uneven shares at world 2)."""
     out = bert["tmp"] / "predictions.jsonl"
-    (code, _, err), _ = run_scripts([("pretrain_galaxy.py", str(cfg), 2, "--predict", bert["inputs"], "--out",
-                                      str(out))])[0]
+    (code, _, err), _ = run_scripts([("pretrain_galaxy.py", classifier_planned(bert, capsys), 2, "--predict",
+                                      bert["inputs"], "--out", str(out))])[0]
     assert code == 0, err
     records, want = read_jsonl(out), hf_probabilities(bert)
     assert [r["text"] for r in records] == [t for t, _ in bert["rows"]]

@@ -1,8 +1,9 @@
 """plan.py search --objective latency: one request's prefill and decode time by hand on synthetic
 profiles, the search giving the quicker device more of the work, every rank's KV cache equal to
-what galaxy.inference allocates for the same plan, and the refusals. The end-to-end run (a
-searched config that generate.py runs at world 2 with Hugging Face's tokens) is in
-tests/test_inference_scripts.py."""
+what galaxy.inference allocates for the same plan, and the refusals; an encoder classifier's one
+forward by hand, and its forward-only device entry. The end-to-end runs (a searched config that
+generate.py runs at world 2 with Hugging Face's tokens, one that pretrain_galaxy.py --predict runs
+with Hugging Face's probabilities) are in tests/test_inference_scripts.py."""
 import json
 import os
 
@@ -14,6 +15,7 @@ from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.kv_cache import open_caches
 from galaxy.plan import Plan
 from galaxy.planner import cli
+from galaxy.planner.encoder_latency import EncoderLatencyCostModel
 from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.latency_devices import search_subsets
 from galaxy.planner.latency_search import search_latency
@@ -26,6 +28,7 @@ ATT_F, MLP_F, HEAD_F = 4e6, 6e6, 3e6        # forward matrix FLOPs per row at SE
 PROJ = 2 * H * (HEADS * D + 2 * KV * D) + 2 * HEADS * D * H      # one token's q, k, v and o products
 MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 TINY_T5, TINY_LLAMA = os.path.join(MODELS, "tiny-t5"), os.path.join(MODELS, "tiny-llama")
+MINILM = os.path.join(MODELS, "all-MiniLM-L6-v2")
 FREE_LINK = check_link({"latency_s": 0.0, "bytes_per_s": 1e18}, "free link")
 
 
@@ -299,4 +302,105 @@ def test_encoder_decoders_are_refused(tmp_path, capsys):
                   "--devices", "absent.json", "--model", "absent.json", "--out", str(tmp_path / "x.json")])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1
-    assert "--objective latency plans causal LMs only so far" in err[0]
+    assert "--objective latency plans causal LMs and encoder classifiers only so far" in err[0]
+
+
+# all-MiniLM-L6-v2's shape (models/all-MiniLM-L6-v2): hidden 384, 12 heads, 1536 MLP columns, 6 layers
+EH, EHEADS, ECOLS, ELAYERS = 384, 12, 1536, 6
+
+
+def encoder_profile():
+    """A hand-written model profile of a BERT classifier of MiniLM's shape: FLOPs in ATT, MLP and the
+    head (the pooler and classifier: one token, whatever the share), weights of 100 per unit."""
+    doc = causal_lm_profile()
+    hf = {"model_type": "bert", "hidden_size": EH, "num_hidden_layers": ELAYERS, "num_attention_heads": EHEADS,
+          "intermediate_size": ECOLS, "vocab_size": 1000, "max_position_embeddings": 512}
+    units = {**doc["units"], "att_tp": [EHEADS, 1], "mlp_tp": [ECOLS, 1]}
+    layer = {**doc["params"]["layer"], "att_sp": 100 * EHEADS, "mlp_sp": 100 * ECOLS}
+    return {**doc, "model_type": "bert", "family": "bert", "task": "classification", "num_labels": 2, "hf_config": hf,
+            "units": units, "params": {**doc["params"], "total": 3000 + ELAYERS * 100 * (EHEADS + ECOLS),
+                                       "layer": layer}}
+
+
+def test_encoder_request_is_one_forward_by_hand():
+    """A classifier's request (MiniLM's shape) on devices at 2R and R: each layer's sub-blocks at
+    the slower rank's share over all pad_size tokens (predict.py pads every input), then the pooler
+    and classifier once, on rank 0 (its rate); no decode, no cache. A link of latency lat adds
+    under TP two all-reduces a layer (2 ring steps each); under SP-everywhere (16 / 8 tokens: equal
+    times) one K/V all-gather a layer and the [CLS] candidates' all-gather (1 step each); a
+    pipeline (4 layers, then 2) its send and the logits' two broadcasts back to the first stage,
+    the head on the last stage's rank. Memory is the weights and the carry [1, pad_size, h] (no
+    activations in this profile), and the search gives the quicker device the larger shares."""
+    R, lat = 1e9, 1e-4
+    rate, link = (2 * R, R), check_link({"latency_s": lat, "bytes_per_s": 1e18}, "link")
+    cost = EncoderLatencyCostModel(encoder_profile(), [device(r) for r in rate], FREE_LINK)
+    slow = EncoderLatencyCostModel(encoder_profile(), [device(r) for r in rate], link)
+    heads, cols = (8, 4), (1000, 536)
+    tp = plan("TP", "TP", "None", heads, cols, (12, 12), stages=(ELAYERS,))
+    layer = max(ATT_F * h / EHEADS / r for h, r in zip(heads, rate)) + max(MLP_F * c / ECOLS / r
+                                                                           for c, r in zip(cols, rate))
+    est = cost.estimate(tp)
+    assert est.step_s == est.prefill_s == pytest.approx(ELAYERS * layer + HEAD_F / (2 * R), rel=1e-9)
+    assert est.decode_s_per_token == 0 and est.cache_mib == [0.0, 0.0]
+    assert slow.estimate(tp).step_s - est.step_s == pytest.approx(ELAYERS * 2 * 2 * lat, rel=1e-6)
+    for j in range(2):
+        assert est.memory_mib[j] == pytest.approx((cost.params_of(tp, 0, j) + SEQ * EH) * 4 / 2 ** 20, rel=1e-9)
+
+    sp = slow.estimate(plan("SP", "SP", "SP", heads, cols, (16, 8), stages=(ELAYERS,)))
+    assert sp.step_s == pytest.approx(ELAYERS * ((ATT_F + MLP_F) * 8 / SEQ / R + lat) + lat + HEAD_F / (2 * R),
+                                      rel=1e-6)
+    pipe = slow.estimate(plan("TP", "TP", "SP", (EHEADS,), (ECOLS,), (SEQ,), stages=(4, 2)))
+    whole = ATT_F + MLP_F
+    assert pipe.step_s == pytest.approx(4 * whole / (2 * R) + 2 * whole / R + HEAD_F / R + lat + 2 * lat, rel=1e-6)
+
+    best = search_latency(cost, [1e6, 1e6], top=10).ranked[0].plan
+    shares = [getattr(best, name) for name in ("heads", "columns", "tokens") if best.uses(name)]
+    assert best.pp == 1 and shares and all(s[0] > s[1] for s in shares), best
+
+
+def test_encoder_latency_device_entry_is_forward_only(tmp_path):
+    """profile-devices --objective latency's entry for a classifier (in-process, tiny BERT at pad
+    16): the forward-only table with the pooler and classifier ("head") and no decode section; the
+    encoder cost model reads its head from that table."""
+    from types import SimpleNamespace
+    from support.tiny_models import make_tiny_bert
+    from galaxy.config import load_config
+    from galaxy.planner.device_profile import latency_entry
+    from galaxy.planner.harness import SubBlockBench
+    path = make_tiny_bert(str(tmp_path / "bert"))
+    (tmp_path / "c.json").write_text(json.dumps({"model_path": path, "pad_size": 16, "class_list": ["a", "b"]}))
+    cfg = load_config(str(tmp_path / "c.json"))
+    bench = SubBlockBench(path, seq=16, num_labels=2, tie_head=True)
+    env = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    entry = latency_entry(cfg, bench, env, host="h", threads=1, memory=1000.0, baseline=0.0, statistic="median",
+                          quick=True, repeats=1, warmup=0)
+    table = entry["compute"]
+    assert "decode" not in entry and table["forward_only"] and table["kinds"]["head"]["units"] == [16]
+    assert set(table["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed", "head"}
+    assert all(t[0] > 0 for k in table["kinds"].values() for t in k["fwd_s"])
+    model = encoder_profile()
+    model["hf_config"] = {**model["hf_config"], **{k: table["model"][k] for k in ("hidden_size", "num_attention_heads",
+                                                                                     "intermediate_size", "vocab_size")}}
+    model["pad_size"] = 16
+    cost = EncoderLatencyCostModel(model, [entry], None)
+    assert cost.compute[0]("head", 16, 1)[0] == table["kinds"]["head"]["fwd_s"][0][0]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--new_tokens", "8"], "--new_tokens sizes a generation request, but this model is a classifier"),
+    (["--prompt_tokens", "12"], "--prompt_tokens 12: a classifier pads every input to the config's pad_size 24"),
+    (["--memory_mib", "0.001"], "no plan fits the memory budgets for one 24-token classification; under"),
+])
+def test_bad_encoder_requests_are_one_line_exit_2(tmp_path, capsys, extra, words):
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(encoder_profile()))
+    devices = tmp_path / "devices.json"
+    devices.write_text(json.dumps({"format": "galaxy-devices", "version": 1, "devices": [device(1e9), device(1e9)],
+                                   "link": {"latency_s": 1e-5, "bytes_per_s": 1e9}}))
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"model_path": MINILM, "pad_size": SEQ, "batch_size": 1, "class_list": ["a", "b"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["search", "--objective", "latency", "--config_file", str(base), "--devices", str(devices),
+                  "--model", str(model), "--out", str(tmp_path / "x.json"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1 and words in err[0], err

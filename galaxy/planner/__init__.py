@@ -13,7 +13,8 @@
   search.py          the search: mesh x methods x micro-batches, shares and stages by local moves
   encdec_search.py   the same over an encoder-decoder's plans (XATT's method, target token shares)
   latency_cost.py    --objective latency: one request's prefill, decode steps and KV cache per rank
-  latency_search.py  the search on that cost model (dp 1), its table and --json
+  encoder_latency.py --objective latency for an encoder classifier: one forward a request, no cache
+  latency_search.py  the search on those cost models (dp 1), its table and --json
   latency_cli.py     search --objective latency: the request's size, the refusals, the written config
   writer.py          the chosen plan over the base config, checked by galaxy.config
   draw.py            --png: the plan, ranks x sub-blocks, and predicted time per rank

@@ -108,7 +108,8 @@ def _devices_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shares, rows, sizes and repeats (tests)")
     p.add_argument("--objective", choices=("step", "latency"), default="step",
                    help="step: what training plans read (default); latency: only what search --objective latency "
-                        "reads (forward at pad_size, one decode step, the one-token calls), small enough for a small device")
+                        "reads (forward at pad_size, a causal LM's decode step, the one-token calls), small enough for "
+                        "a small device")
 
 
 def _devices_prepare(cfg, opts) -> DevicesJob:
@@ -116,9 +117,9 @@ def _devices_prepare(cfg, opts) -> DevicesJob:
         raise ConfigError("--repeats must be at least 1")
     shape = read_model_shape(cfg.model_path)
     family = family_of(shape["model_type"])
-    if opts.objective == "latency" and next(iter(family.tasks)) != "causal_lm":
-        raise ConfigError("profile-devices --objective latency profiles causal LMs (what search --objective latency "
-                          "plans); drop --objective latency for this config")
+    if opts.objective == "latency" and next(iter(family.tasks)) not in ("causal_lm", "classification"):
+        raise ConfigError("profile-devices --objective latency profiles causal LMs and encoder classifiers (what "
+                          "search --objective latency plans); drop --objective latency for this config")
     if shape.get("is_encoder_decoder"):      # no compute table yet: the GEMM rate, memory, optimizer, link
         config_signature(cfg, family)        # two method flags: refused here as for the other families
         return DevicesJob(cfg, opts, None)

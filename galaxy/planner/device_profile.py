@@ -266,22 +266,25 @@ def profile_this_rank(cfg, num_labels, env, *, quick: bool, repeats: int, warmup
 
 def latency_entry(cfg, bench, env, *, host, threads, memory, baseline, statistic, **measuring) -> dict:
     """A DEVICE entry for plan.py search --objective latency, forward only at batch 1: the layer's
-    sub-blocks and the embedding under no_grad at pad_size tokens (the prefill), one decode step's
-    pieces with a cache of pad_size keys (galaxy.planner.decode_profile; the LM head on one token,
-    the prefill's too), the GEMM and one-token rates. No backward, optimizer or gradient timings,
-    no LM head over every token, no PEFT table: what a small device can hold (bench/README.md: the
-    training profile of the bench Llama peaked at 1246 MiB, over home3's 900 MiB pi)."""
+    sub-blocks and the embedding under no_grad at pad_size tokens (the prefill; an encoder
+    classifier's whole request, with its pooler and classifier as the "head" kind), a causal LM's
+    decode step's pieces with a cache of pad_size keys (galaxy.planner.decode_profile; the LM head
+    on one token, the prefill's too), the GEMM and one-token rates. No backward, optimizer or
+    gradient timings, no LM head over every token, no PEFT table: what a small device can hold
+    (bench/README.md: the training profile of the bench Llama peaked at 1246 MiB, over home3's
+    900 MiB pi)."""
     bench.model.eval()
-    compute = measure_compute(bench, 1, kinds=LAYER_KINDS + ("embed",), forward_only=True, statistic=statistic,
-                              **measuring)
+    causal = bench.task != "classification"      # an encoder classifier: its pooler and classifier, no decode
+    compute = measure_compute(bench, 1, kinds=LAYER_KINDS + (("embed",) if causal else ("embed", "head")),
+                              forward_only=True, statistic=statistic, **measuring)
     compute["model"] = _model_signature(cfg, bench.hf)
+    decode = {"decode": {**measure_decode(bench, cfg.pad_size, STATISTICS[statistic], measuring["quick"]),
+                         "statistic": statistic}} if causal else {}
     return {"name": f"{host} rank {env.rank}", "host": host, "device": env.device.type, "threads": threads,
             "memory_mib": round(memory, 1), "baseline_mib": round(baseline, 1), "objective": "latency",
             "gemm_flops_per_s": gemm_rate(bench, 1, env.device, max(3, measuring["repeats"]), statistic),
             "decode_flops_per_s": decode_rate(bench, env.device, max(10, measuring["repeats"]), statistic),
-            "freed_memory_kept": cpu_allocator.kept(), "compute": compute,
-            "decode": {**measure_decode(bench, cfg.pad_size, STATISTICS[statistic], measuring["quick"]),
-                       "statistic": statistic},
+            "freed_memory_kept": cpu_allocator.kept(), "compute": compute, **decode,
             "profile_peak_mib": _peak_mib(env)}
 
 

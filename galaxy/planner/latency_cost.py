@@ -146,12 +146,17 @@ class LatencyCostModel(ModelTerms):
         if p == 0:
             self._charge(out, ranks, "EMB", [self.compute[r]("embed", self.seq, 1)[0] * scale for r in ranks])
         if p == plan.pp - 1:
-            self._charge(out, ranks[-1:], "HEAD", [self.sampler_head_s(ranks[-1])])
+            self._prefill_head(plan, out, ranks)
         calls = self.prefill_calls(plan, P)
         self._communicate(plan, out, ranks, calls, L)
         if p < plan.pp - 1:
             tokens = max(plan.tokens) if plan.con == "SP" and plan.group > 1 else P
             self._hop(out, ranks, self.carry * tokens * self.hidden * FP32)
+
+    def _prefill_head(self, plan: Plan, out: _Pass, ranks: list[int]) -> None:
+        """The last stage's head after the prefill: the sampler's (the last Galaxy rank) LM head on
+        the last position and its choice."""
+        self._charge(out, ranks[-1:], "HEAD", [self.sampler_head_s(ranks[-1])])
 
     def sampler_head_s(self, r: int) -> float:
         """The sampler's LM head on the last position and its choice: measured on one token where

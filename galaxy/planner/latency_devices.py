@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from galaxy.planner.latency_cost import LatencyCostModel
-from galaxy.planner.latency_search import search_latency
+from galaxy.planner.latency_search import latency_cost_model, search_latency
 from galaxy.planner.search import divisors
 
 TOKEN_CALLS = ("token_sum", "broadcast")
@@ -50,8 +49,8 @@ def search_subsets(model: dict, devices: list[dict], link: dict | None, budgets:
             allowed = [p for p in (pps or divisors(k)) if k % p == 0]
             if not allowed:
                 continue
-            cost = LatencyCostModel(model, [devices[r] for r in ranks], sub_link(link, ranks, n), prompt_tokens=prompt,
-                                    new_tokens=new)
+            cost = latency_cost_model(model, [devices[r] for r in ranks], sub_link(link, ranks, n), prompt=prompt,
+                                      new=new)
             out.append((ranks, search_latency(cost, [budgets[r] for r in ranks], top=top, pps=allowed), cost))
     quickest = lambda item: (not item[1].ranked, item[1].ranked[0].step_s if item[1].ranked else 0.0, -len(item[0]))  # noqa: E731
     return sorted(out, key=quickest)
@@ -60,12 +59,12 @@ def search_subsets(model: dict, devices: list[dict], link: dict | None, budgets:
 def subset_lines(found, devices: list[dict]) -> list[str]:
     """One line per subset searched: its best plan's request, prefill and decode step."""
     lines = ["devices used   total ms  prefill ms  decode ms/tok  (each subset's quickest plan)"]
-    for ranks, result, _ in found:
+    for ranks, result, cost in found:
         names = ",".join(devices[r].get("name", str(r)).split(" rank ")[0] for r in ranks)
         if result.ranked:
             e = result.ranked[0]
-            lines.append(f"{names:<14} {e.step_s * 1e3:9.1f} {e.prefill_s * 1e3:11.1f} "
-                         f"{e.decode_s_per_token * 1e3:14.3f}")
+            decode = f"{e.decode_s_per_token * 1e3:14.3f}" if cost.new else f"{'-':>14}"     # a classifier: none
+            lines.append(f"{names:<14} {e.step_s * 1e3:9.1f} {e.prefill_s * 1e3:11.1f} {decode}")
         else:
             lines.append(f"{names:<14}  no plan fits")
     return lines

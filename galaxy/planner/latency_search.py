@@ -9,6 +9,7 @@ the decode step and each rank's KV cache.
 """
 from __future__ import annotations
 
+from galaxy.planner.encoder_latency import EncoderLatencyCostModel
 from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.search import SearchResult, Searcher, divisors
 from galaxy.planner.table import describe, mib
@@ -33,6 +34,19 @@ def add_objective_arguments(p) -> None:
                         "leaving out a device that every plan using it would slow)")
 
 
+def is_encoder(model: dict) -> bool:
+    """Whether the model profile is an encoder classifier's (one forward a request), not a causal LM's."""
+    return model.get("task") == "classification" and not model.get("encoder_decoder")
+
+
+def latency_cost_model(model: dict, devices: list[dict], link: dict | None, *, prompt: int, new: int):
+    """The latency cost model of the profile's model: an encoder classifier's one forward, else a
+    causal LM's generation of `new` tokens after a `prompt`-token prompt."""
+    if is_encoder(model):
+        return EncoderLatencyCostModel(model, devices, link)
+    return LatencyCostModel(model, devices, link, prompt_tokens=prompt, new_tokens=new)
+
+
 def search_latency(cost: LatencyCostModel, budgets: list[float], *, top: int = 5,
                    pps: list[int] | None = None) -> SearchResult:
     """The plans that fit, quickest request first (pps: the pipeline degrees to try; default all)."""
@@ -41,6 +55,8 @@ def search_latency(cost: LatencyCostModel, budgets: list[float], *, top: int = 5
 
 
 def latency_table(ranked, prompt: int, new: int) -> str:
+    if new == 0:
+        return encoder_table(ranked, prompt)
     head = (f"{'#':>2} {'total ms':>9} {'prefill ms':>10} {'decode ms/tok':>13}  {'pp x dp x g':<12} "
             f"{'ATT MLP CON':<12} {'stages':<8} MiB per rank (KV cache) | shares per Galaxy rank")
     lines = [f"one request at batch 1: a {prompt}-token prompt, {new} new tokens (the prefill chooses the first, "
@@ -55,6 +71,19 @@ def latency_table(ranked, prompt: int, new: int) -> str:
     return "\n".join(lines)
 
 
+def encoder_table(ranked, tokens: int) -> str:
+    """An encoder classifier's plans: one forward each, no cache."""
+    lines = [f"one request at batch 1: one forward of a {tokens}-token input (pad_size), the pooler and classifier "
+             "on one rank; dp 1 only: replicas serve other requests, they do not shorten this one",
+             f"{'#':>2} {'forward ms':>10}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} "
+             "MiB per rank | shares per Galaxy rank"]
+    for i, est in enumerate(ranked, 1):
+        d = describe(est.plan)
+        lines.append(f"{i:>2} {est.step_s * 1e3:>10.2f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
+                     f"{','.join(mib(m) for m in est.memory_mib)} | {d['splits']}")
+    return "\n".join(lines)
+
+
 def latency_prediction(est) -> dict:
     """A plan's --json fields: the training search's (predicted_step_s: the whole request), and the
     request's parts."""
@@ -64,7 +93,8 @@ def latency_prediction(est) -> dict:
 
 def latency_document(result, layers: int, trainable: int, prompt: int, new: int) -> dict:
     """search --objective latency --json: the ranked plans (or, when none fits, the shortfall)."""
-    request = {"objective": "latency", "prompt_tokens": prompt, "new_tokens": new, "batch": 1}
+    request = {"objective": "latency", "task": "causal_lm" if new else "classification", "prompt_tokens": prompt,
+               "new_tokens": new, "batch": 1}
     if result.ranked:
         return {**request, "plans": [{"keys": plan_keys(e, layers), **prediction(e, trainable),
                                       **latency_prediction(e)} for e in result.ranked]}
