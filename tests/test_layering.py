@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 # Bottom first; a module may import its own package and those of earlier rows.
-LAYERS = [("plan", "plan_shares"), ("config", "files", "data", "compat", "assets"), ("distributed",), ("layers",), ("models",),
+LAYERS = [("plan", "plan_shares", "plan_pipeline"), ("config", "files", "data", "compat", "assets"), ("distributed",), ("layers",), ("models",),
           ("parallel",), ("pipeline",), ("runtime",), ("peft",), ("preflight",), ("train",), ("inference",), ("launch",),
           ("profiler",), ("planner",), ("edge",)]
 RANK = {name: i for i, row in enumerate(LAYERS) for name in row}
