@@ -6,7 +6,8 @@
     methods     how each sub-block runs in the group: att TP|SP, mlp TP|SP, con SP|None, and an
                 encoder-decoder's cross-attention xatt TP|SP (None: as att)
     shares      per Galaxy rank: query heads (a TP ATT or XATT), MLP columns (a TP MLP), tokens
-                (SP), and an encoder-decoder's decoder tokens (its target sequence, SP)
+                (SP), an encoder-decoder's decoder tokens (its target sequence, SP), and the MLP
+                columns an SP MLP computes while decoding one token (decode_columns)
                 per data-parallel replica: rows of every global batch (replica_rows; None: even)
     pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
                 accumulation's otherwise) and the schedule (gpipe | 1f1b)
@@ -29,7 +30,8 @@ from enum import Enum
 from itertools import accumulate
 from typing import NamedTuple
 
-from galaxy.plan_shares import given_share_problems, microbatch_problems, share_problems
+from galaxy.plan_shares import (even_split, given_share_problems, microbatch_problems, share_problems,
+                                tokenwise_default)
 
 
 class Layout(str, Enum):
@@ -62,9 +64,11 @@ FIELD_OF_KEY = {
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks", "batch_streams": "batch_streams",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
+    "decode_intermediate_size_list": "decode_columns",
 }
 SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
-              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
+              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list",
+              "decode_columns": "decode_intermediate_size_list"}
 
 
 class Workload(NamedTuple):
@@ -108,6 +112,9 @@ class Plan:
     xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
+    # MLP columns per Galaxy rank a decode step computes under an SP MLP (galaxy.parallel.decode_layout);
+    # None: in proportion to the token shares
+    decode_columns: tuple[int, ...] | None = None
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -181,12 +188,21 @@ class Plan:
             return self.att == "TP" or self.xatt == "TP"
         if share == "columns":
             return self.mlp == "TP"
+        if share == "decode_columns":
+            return self.mlp == "SP"
         return self.att == "SP" or self.mlp == "SP" or self.con == "SP" or (share == "decoder_tokens"
                                                                              and self.xatt == "SP")
 
     def splits_prompt(self) -> bool:
         """Whether generation pads prompts to pad_size: tokens split, or XATT SP caching the memory's by them."""
         return self.group > 1 and (self.uses("tokens") or self.xatt == "SP")
+
+    def decode_mlp_columns(self, width: int | None = None) -> tuple[int, ...]:
+        """MLP columns per rank in a decode step: a TP MLP's shares, an SP MLP's decode_columns
+        (unresolved: their default). width: the MLP's (default: the columns' sum)."""
+        if self.mlp == "TP" or self.decode_columns:
+            return self.columns if self.mlp == "TP" else self.decode_columns
+        return tokenwise_default(width or sum(self.columns), self.tokens, len(self.tokens))
 
     def method(self, kind: str) -> str:
         """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""
@@ -302,6 +318,8 @@ class Plan:
             "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
             "decoder_tokens": (work.target_tokens, "target_pad_size (default pad_size)", 1,
                                "or raise target_pad_size"),
+            "decode_columns": (work.columns, "intermediate_size in the model config", 1,
+                               "or set mlp_parallel_method to 'TP'"),
         }
         out, problems = {}, []
         for name, (total, what, unit, fix) in wanted.items():
@@ -318,7 +336,8 @@ class Plan:
                 out[name] = tuple(given)
                 continue
             try:
-                out[name] = tuple(even_split(total, size, unit))
+                out[name] = tokenwise_default(total, out["tokens"], size) if name == "decode_columns" \
+                    else tuple(even_split(total, size, unit))
             except ValueError:
                 if self.uses(name):
                     units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
@@ -362,23 +381,6 @@ class PlanError(ValueError):
     def __init__(self, *problems: str):
         self.problems = list(problems)
         super().__init__("\n".join(problems))
-
-
-def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
-    """Split total into parts multiples of unit that differ by at most one unit, larger first.
-
-    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
-    Raises ValueError when some part would be 0 or total is not a multiple of unit.
-    """
-    if parts < 1 or unit < 1:
-        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
-    if total % unit:
-        raise ValueError(f"{total} is not a multiple of {unit}")
-    units = total // unit
-    if units < parts:
-        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
-    base, extra = divmod(units, parts)
-    return [(base + (i < extra)) * unit for i in range(parts)]
 
 
 def recompute_layers(spec, num_layers: int) -> frozenset[int]:

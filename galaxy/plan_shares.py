@@ -12,6 +12,43 @@ from __future__ import annotations
 KEY = "dp_batch_list"
 
 
+def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Split total into parts multiples of unit that differ by at most one unit, larger first.
+
+    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
+    Raises ValueError when some part would be 0 or total is not a multiple of unit.
+    """
+    if parts < 1 or unit < 1:
+        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
+    if total % unit:
+        raise ValueError(f"{total} is not a multiple of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * unit for i in range(parts)]
+
+
+
+def proportional_split(total: int, weights) -> tuple[int, ...]:
+    """Split total in proportion to weights, each part's end rounded (as the split LM head's
+    vocabulary rows are); ValueError when a part would be 0. proportional_split(10, (3, 1)) == (8, 2)."""
+    bounds = [round(total * sum(weights[:i]) / sum(weights)) for i in range(len(weights) + 1)]
+    parts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if min(parts) < 1:
+        raise ValueError(f"{total} cannot be split in proportion to {tuple(weights)} with every part at least 1")
+    return parts
+
+
+def tokenwise_default(total: int, tokens, parts: int) -> tuple[int, ...]:
+    """decode_intermediate_size_list left out: an SP MLP's decode columns in proportion to the token
+    shares (under SP the only per-rank speed a config gives; even tokens, even columns), else even."""
+    try:
+        return proportional_split(total, tokens)
+    except (TypeError, ValueError):          # no token shares, or a rank would get no column
+        return tuple(even_split(total, parts))
+
+
 def rows_per_replica(shares, batch_rows: int, dp: int) -> list[int]:
     """Every replica's rows of a global batch of batch_rows: the shares, or an even split."""
     if shares is not None:
