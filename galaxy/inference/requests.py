@@ -110,7 +110,7 @@ class Progress:
     def set_generator_states(self, states: torch.Tensor) -> None:
         """Take generator_states' rows (another rank's): this rank then draws what that one draws."""
         for g, state in zip((g for g in self.generators if g is not None), states):
-            g.set_state(state.contiguous())
+            g.set_state(state.clone())       # its own storage: set_state reads from the storage start
 
     def _status_after(self, i: int, token: int) -> int:
         r, tokens = self.requests[i], self.tokens[i] + [token]
