@@ -67,8 +67,9 @@ def test_prefill_and_decode_by_hand():
     head and key over the N + k + 1 keys of step k; the prefill's LM head runs on one token on the
     sampler (the last rank), a decode step's is split by vocabulary rows in proportion to the MLP
     columns (669 and 331 of 1000). A link of latency lat (no bandwidth cost, nothing measured) adds
-    per pass two one-token sums a layer priced as all-reduces (2 (n - 1) steps each) and the
-    token's broadcast (n - 1 steps), per decode step the logits' all-gather. A pipeline of the two devices
+    per pass two one-token sums a layer priced as all-reduces (2 (n - 1) steps each), to the
+    prefill the token's broadcast (n - 1 steps), to a decode step the logits' all-gather (every rank
+    then chooses the token: no broadcast). A pipeline of the two devices
     (3 layers, then 1) adds its stages' times: at batch 1 nothing overlaps."""
     R, N, M, lat = 1e9, 12, 5, 1e-4
     rate = (2 * R, R)
@@ -89,7 +90,7 @@ def test_prefill_and_decode_by_hand():
         {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M)
     passes = 1 + (M - 1)
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
-    assert again.step_s - est.step_s == pytest.approx(passes * (LAYERS * 2 * 2 * lat + lat) + (M - 1) * lat, rel=1e-6)
+    assert again.step_s - est.step_s == pytest.approx(passes * LAYERS * 2 * 2 * lat + lat + (M - 1) * lat, rel=1e-6)
 
     pipe = cost.estimate(plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1)))
     whole = (ATT_F + MLP_F) * N / SEQ
@@ -112,8 +113,8 @@ def test_an_sp_mlp_decodes_its_decode_columns_by_hand():
     split), so step k attends to SEQ + k + 1 keys; each rank's MLP runs its decode columns (the
     plan's decode_columns, 260 and 84, not the 230 / 114 columns a TP MLP would take) at its rate,
     and the split head's vocabulary rows follow them (756 and 244 of 1000). A link of latency lat
-    adds a step two one-token sums a layer (the SP MLP's as a TP MLP's, priced as all-reduces), the
-    token's broadcast and the logits' all-gather. The search moves the decode columns to the
+    adds a step two one-token sums a layer (the SP MLP's as a TP MLP's, priced as all-reduces) and
+    the logits' all-gather. The search moves the decode columns to the
     quicker rank."""
     R, N, M, lat = 1e9, 12, 5, 1e-4
     rate, heads, dcols = (2 * R, R), (2, 2), (260, 84)
@@ -127,7 +128,7 @@ def test_an_sp_mlp_decodes_its_decode_columns_by_hand():
     assert est.decode_s_per_token == pytest.approx(sum(steps) / (M - 1), rel=1e-9)
     slow = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], check_link(
         {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M).estimate(split)
-    assert slow.decode_s_per_token - est.decode_s_per_token == pytest.approx(LAYERS * 2 * 2 * lat + 2 * lat, rel=1e-6)
+    assert slow.decode_s_per_token - est.decode_s_per_token == pytest.approx(LAYERS * 2 * 2 * lat + lat, rel=1e-6)
 
     cost = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], FREE_LINK, prompt_tokens=SEQ,
                             new_tokens=8)
@@ -159,8 +160,9 @@ def test_measured_decode_steps_and_one_token_calls():
     FLOPs per key more at the one-token rate; the MLP at its columns; two CONs and the layer's
     glue), the embedding, the LM head split by vocabulary rows (669 and 331), the sampler's
     choice; the prefill's head is the measured head on one token and the sampler. The link's
-    measured one-token sum (token_sum) and broadcast replace the all-reduce and all-gather its
-    fit would price (latency lat), the logits' all-gather keeps its fit."""
+    measured one-token sum (token_sum) and broadcast (the prefill's; a decode step has none)
+    replace the all-reduce and all-gather its fit would price (latency lat), the logits'
+    all-gather keeps its fit."""
     R, N, M, lat = 1e9, 12, 5, 1e-2
     devices = [{**device(2 * R), "decode_flops_per_s": 2 * R, "decode": decode_section(0.5)},
                {**device(R), "decode_flops_per_s": R, "decode": decode_section(1.0)}]
@@ -186,7 +188,7 @@ def test_measured_decode_steps_and_one_token_calls():
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
     # [1, h] is 512 bytes, under the smallest measured: its time; the logits' all-gather: lat x 1 step
     assert again.decode_s_per_token - est.decode_s_per_token == pytest.approx(
-        LAYERS * 2 * token_sum + broadcast + lat, rel=1e-9)
+        LAYERS * 2 * token_sum + lat, rel=1e-9)
     assert again.prefill_s - est.prefill_s == pytest.approx(LAYERS * 2 * 2 * lat + broadcast, rel=1e-9)
 
 
