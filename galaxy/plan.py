@@ -112,9 +112,7 @@ class Plan:
     xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
-    # MLP columns per Galaxy rank a decode step computes under an SP MLP (galaxy.parallel.decode_layout);
-    # None: in proportion to the token shares
-    decode_columns: tuple[int, ...] | None = None
+    decode_columns: tuple[int, ...] | None = None   # SP MLP columns per rank per decoded token; None: as tokens
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -198,11 +196,10 @@ class Plan:
         return self.group > 1 and (self.uses("tokens") or self.xatt == "SP")
 
     def decode_mlp_columns(self, width: int | None = None) -> tuple[int, ...]:
-        """MLP columns per rank in a decode step: a TP MLP's shares, an SP MLP's decode_columns
-        (unresolved: their default). width: the MLP's (default: the columns' sum)."""
-        if self.mlp == "TP" or self.decode_columns:
-            return self.columns if self.mlp == "TP" else self.decode_columns
-        return tokenwise_default(width or sum(self.columns), self.tokens, len(self.tokens))
+        """A decode step's MLP columns per rank: TP's shares, SP's decode_columns (or their default)."""
+        if self.mlp == "TP":
+            return self.columns
+        return self.decode_columns or tokenwise_default(width or sum(self.columns), self.tokens, len(self.tokens))
 
     def method(self, kind: str) -> str:
         """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""

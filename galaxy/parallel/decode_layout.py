@@ -21,8 +21,10 @@ So a decode step costs one sum of a token's partial output per TP sub-block and 
 small all-gather per SP ATT. An SP MLP whose projections carry LoRA computes the whole token on
 every rank, as before (R out). An SP ATT keeps its token split while decoding: decoding it by
 heads would need its cache, every head of its own tokens, laid out again by heads after the
-prefill (one all-to-all per generate call), not done. Decoding runs under no_grad, so the transitions are plain functions, no
-autograd (an R -> R into a TP sub-block, whose backward would all-reduce, is the identity), and
+prefill (one all-to-all per generate call), not done.
+
+Decoding runs under no_grad, so the transitions are plain functions, no autograd (an R -> R into
+a TP sub-block, whose backward would all-reduce, is the identity), and
 a TP output's sum is the primitive `token_sum` names (galaxy.distributed.transitions.TOKEN_SUMS):
 a one-token sum of a few KB costs its rounds of messages, not its bytes, and a ring all-reduce
 takes 2 (n - 1) rounds where an all-to-all and a local sum take one ("all_to_all", the default;
