@@ -6,7 +6,8 @@
     methods     how each sub-block runs in the group: att TP|SP, mlp TP|SP, con SP|None, and an
                 encoder-decoder's cross-attention xatt TP|SP (None: as att)
     shares      per Galaxy rank: query heads (a TP ATT or XATT), MLP columns (a TP MLP), tokens
-                (SP), and an encoder-decoder's decoder tokens (its target sequence, SP)
+                (SP), an encoder-decoder's decoder tokens (its target sequence, SP), and the MLP
+                columns an SP MLP computes while decoding one token (decode_columns)
                 per data-parallel replica: rows of every global batch (replica_rows; None: even)
     pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
                 accumulation's otherwise) and the schedule (gpipe | 1f1b)
@@ -31,7 +32,8 @@ from itertools import accumulate
 from typing import NamedTuple
 
 from galaxy.plan_pipeline import pipeline_problems
-from galaxy.plan_shares import SHARE_KEYS, even_split, galaxy_shares, microbatch_problems, share_problems
+from galaxy.plan_shares import (SHARE_KEYS, even_split, galaxy_shares, microbatch_problems, share_problems,
+                                tokenwise_default)
 
 __all__ = ["Layout", "Plan", "PlanError", "Workload", "even_split", "recompute_layers"]
 
@@ -66,6 +68,7 @@ FIELD_OF_KEY = {
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks", "batch_streams": "batch_streams",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
+    "decode_intermediate_size_list": "decode_columns",
 }
 
 class Workload(NamedTuple):
@@ -109,6 +112,7 @@ class Plan:
     xatt: str | None = None                   # TP | SP; None: as att (resolved: concrete)
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
+    decode_columns: tuple[int, ...] | None = None   # SP MLP columns per rank per decoded token; None: as tokens
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -182,12 +186,20 @@ class Plan:
             return self.att == "TP" or self.xatt == "TP"
         if share == "columns":
             return self.mlp == "TP"
+        if share == "decode_columns":
+            return self.mlp == "SP"
         return self.att == "SP" or self.mlp == "SP" or self.con == "SP" or (share == "decoder_tokens"
                                                                              and self.xatt == "SP")
 
     def splits_prompt(self) -> bool:
         """Whether generation pads prompts to pad_size: tokens split, or XATT SP caching the memory's by them."""
         return self.group > 1 and (self.uses("tokens") or self.xatt == "SP")
+
+    def decode_mlp_columns(self, width: int | None = None) -> tuple[int, ...]:
+        """A decode step's MLP columns per rank: TP's shares, SP's decode_columns (or their default)."""
+        if self.mlp == "TP":
+            return self.columns
+        return self.decode_columns or tokenwise_default(width or sum(self.columns), self.tokens, len(self.tokens))
 
     def method(self, kind: str) -> str:
         """The method of sub-block kind "att", "mlp", "con" or "xatt" (XATT: as ATT unless given)."""

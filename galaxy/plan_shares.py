@@ -12,7 +12,44 @@ from __future__ import annotations
 KEY = "dp_batch_list"
 # A Galaxy share list's plan field -> its config key.
 SHARE_KEYS = {"heads": "tp_num_attention_heads_list", "columns": "tp_intermediate_size_list",
-              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list"}
+              "tokens": "seq_scatter_list", "decoder_tokens": "decoder_seq_scatter_list",
+              "decode_columns": "decode_intermediate_size_list"}
+
+
+def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
+    """Split total into parts multiples of unit that differ by at most one unit, larger first.
+
+    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
+    Raises ValueError when some part would be 0 or total is not a multiple of unit.
+    """
+    if parts < 1 or unit < 1:
+        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
+    if total % unit:
+        raise ValueError(f"{total} is not a multiple of {unit}")
+    units = total // unit
+    if units < parts:
+        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * unit for i in range(parts)]
+
+
+def proportional_split(total: int, weights) -> tuple[int, ...]:
+    """Split total in proportion to weights, each part's end rounded (as the split LM head's
+    vocabulary rows are); ValueError when a part would be 0. proportional_split(10, (3, 1)) == (8, 2)."""
+    bounds = [round(total * sum(weights[:i]) / sum(weights)) for i in range(len(weights) + 1)]
+    parts = tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if min(parts) < 1:
+        raise ValueError(f"{total} cannot be split in proportion to {tuple(weights)} with every part at least 1")
+    return parts
+
+
+def tokenwise_default(total: int, tokens, parts: int) -> tuple[int, ...]:
+    """decode_intermediate_size_list left out: an SP MLP's decode columns in proportion to the token
+    shares (under SP the only per-rank speed a config gives; even tokens, even columns), else even."""
+    try:
+        return proportional_split(total, tokens)
+    except (TypeError, ValueError):          # no token shares, or a rank would get no column
+        return tuple(even_split(total, parts))
 
 
 def rows_per_replica(shares, batch_rows: int, dp: int) -> list[int]:
@@ -85,6 +122,8 @@ def galaxy_shares(plan, size: int, world: int, work) -> tuple[dict, list[str]]:
         "tokens": (work.tokens, "pad_size", 1, "or raise pad_size"),
         "decoder_tokens": (work.target_tokens, "target_pad_size (default pad_size)", 1,
                            "or raise target_pad_size"),
+        "decode_columns": (work.columns, "intermediate_size in the model config", 1,
+                           "or set mlp_parallel_method to 'TP'"),
     }
     out, problems = {}, []
     for name, (total, what, unit, fix) in wanted.items():
@@ -101,7 +140,8 @@ def galaxy_shares(plan, size: int, world: int, work) -> tuple[dict, list[str]]:
             out[name] = tuple(given)
             continue
         try:
-            out[name] = tuple(even_split(total, size, unit))
+            out[name] = tokenwise_default(total, out["tokens"], size) if name == "decode_columns" \
+                else tuple(even_split(total, size, unit))
         except ValueError:
             if plan.uses(name):
                 units = f"{total // unit} KV groups" if unit > 1 else f"{total}"
@@ -111,20 +151,3 @@ def galaxy_shares(plan, size: int, world: int, work) -> tuple[dict, list[str]]:
                     f"none; use at most {total // unit} ranks per group {fix}")
             out[name] = None
     return out, problems
-
-
-def even_split(total: int, parts: int, unit: int = 1) -> list[int]:
-    """Split total into parts multiples of unit that differ by at most one unit, larger first.
-
-    even_split(12, 5) == [3, 3, 2, 2, 2]; even_split(8, 2, unit=2) == [4, 4].
-    Raises ValueError when some part would be 0 or total is not a multiple of unit.
-    """
-    if parts < 1 or unit < 1:
-        raise ValueError(f"parts and unit must be at least 1, got parts={parts} unit={unit}")
-    if total % unit:
-        raise ValueError(f"{total} is not a multiple of {unit}")
-    units = total // unit
-    if units < parts:
-        raise ValueError(f"{units} units of {unit} cannot fill {parts} parts")
-    base, extra = divmod(units, parts)
-    return [(base + (i < extra)) * unit for i in range(parts)]

@@ -11,6 +11,7 @@ the paired exchange and the all-reduce give the same tokens."""
 from dataclasses import replace
 
 import pytest
+import torch
 
 from support.generation_runners import galaxy_generate, galaxy_generate_token_sums, hf_generate, requests_for
 
@@ -18,7 +19,9 @@ from galaxy.distributed.group import GalaxyGroup
 from galaxy.inference.replicas import replica_requests
 from galaxy.inference.sampling import Sampling
 from galaxy.inference.split_head import vocab_shares
+from galaxy.parallel.decode_layout import decode_layouts
 from galaxy.plan import Plan
+from galaxy.runtime.assemble import build_model
 
 PAD, NEW = 24, 10
 PROMPTS = ("The for statement is used to", "Lists", "A class definition defines a class object and then the")
@@ -27,6 +30,10 @@ SHARES = {   # family -> world -> (query heads, MLP columns, tokens)
     "gpt2": {1: ((4,), (512,), (PAD,)), 2: ((3, 1), (300, 212), (14, 10)), 3: ((2, 1, 1), (200, 200, 112), (9, 8, 7))},
 }
 SHARES["qwen2"] = SHARES["llama"]
+# family -> world -> the MLP columns an SP MLP computes per decoded token (decode_columns): uneven,
+# and not in proportion to the tokens (their default)
+DECODE_COLUMNS = {"llama": {2: (120, 224), 3: (100, 144, 100)}, "gpt2": {2: (312, 200), 3: (112, 200, 200)}}
+DECODE_COLUMNS["qwen2"] = DECODE_COLUMNS["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,9 @@ def lm(sharp_lm):
 def plan_of(family, world, att="TP", mlp="TP", con="SP", **mesh):
     group = world // (mesh.get("pp", 1) * mesh.get("dp", 1))
     heads, columns, tokens = SHARES[family][group]
-    return Plan(att, mlp, con, heads=heads, columns=columns, tokens=tokens, stages=mesh.pop("stages", (4,)), **mesh)
+    decode = DECODE_COLUMNS[family].get(group) if mlp == "SP" else None
+    return Plan(att, mlp, con, heads=heads, columns=columns, tokens=tokens, stages=mesh.pop("stages", (4,)),
+                decode_columns=decode, **mesh)
 
 
 def check(pool, family, lm, plan, prompts=PROMPTS):
@@ -83,9 +92,33 @@ def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh):
     check(dist_pool(world), family, lm, plan_of(family, world, **mesh))
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_single_prompt(dist_pool, lm, world):
-    check(dist_pool(world), "llama", lm, plan_of("llama", world), prompts=PROMPTS[2:])
+@pytest.mark.parametrize("world,methods", [(1, ()), (2, ()), (2, ("TP", "SP", "SP"))])
+def test_a_single_prompt(dist_pool, lm, world, methods):
+    check(dist_pool(world), "llama", lm, plan_of("llama", world, *methods), prompts=PROMPTS[2:])
+
+
+def test_an_sp_mlp_decodes_its_columns_and_the_ranks_sum_to_the_whole(lm):
+    """Under the decode layouts an SP MLP computes its rank's decode columns (120 and 224 of 344)
+    from views of the whole weights it holds (no copy), and its output goes to the token sum
+    (P -> R) as a TP MLP's; the two ranks' partial outputs add up to the serial MLP's. After
+    decoding, the whole MLP again. (Each rank's model built alone: no process group.)"""
+    model_dir, _ = lm("llama")
+    p = plan_of("llama", 2, "TP", "SP", "SP")
+    serial = build_model(model_dir, plan_of("llama", 1), GalaxyGroup.serial(4, 344, PAD), task="causal_lm")
+    ranks = [build_model(model_dir, p, GalaxyGroup(j, 2, None, p.heads, p.columns, p.tokens), task="causal_lm")
+             for j in range(2)]
+    x = torch.randn(3, 1, 128, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), decode_layouts(ranks[0]), decode_layouts(ranks[1]):
+        for i, layer in enumerate(serial.layers):
+            mlps = [m.layers[i].mlp for m in ranks]
+            assert [m.column_views[1].shape for m in mlps] == [(128, 120), (128, 224)]
+            assert all(m.column_views[1].data_ptr() == m.down_proj.weight[:, start].data_ptr()
+                       for m, start in zip(mlps, (0, 120)))
+            assert ranks[1].layers[i].from_mlp.label == "P->R by all_to_all"
+            want = layer.mlp(x)[0]
+            got = mlps[0](x)[0] + mlps[1](x)[0]
+            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert all(m.layers[0].mlp.column_views is None for m in ranks)
 
 
 def test_every_decode_token_sum_gives_hf_tokens(dist_pool, lm):
@@ -102,8 +135,8 @@ def test_every_decode_token_sum_gives_hf_tokens(dist_pool, lm):
 def test_the_decode_head_splits_the_vocabulary_by_column_shares():
     """Each rank's rows of the LM head in a decode step (galaxy.inference.split_head)."""
     group = GalaxyGroup(0, 3, None, (1, 1, 1), (300, 200, 100), (1, 1, 1))
-    assert vocab_shares(1000, group) == (500, 333, 167)
-    assert vocab_shares(7, replace(group, columns=(1, 1, 1))) == (2, 3, 2)
+    assert vocab_shares(1000, group.columns) == (500, 333, 167)
+    assert vocab_shares(7, (1, 1, 1)) == (2, 3, 2)
 
 
 def test_each_rank_caches_its_share(dist_pool, lm):
@@ -130,7 +163,7 @@ def test_seeded_sampling_under_plans_equals_serial(dist_pool, lm):
     serial = dist_pool(1).run(galaxy_generate, model_dir, plan_of("llama", 1), requests)[0][0]
     assert len({tuple(t) for t, _ in serial}) == 3
     # dp 2 with uneven rows (dp_batch_list [2, 1]): replica 0 samples prompts 0 and 1, replica 1 prompt 2
-    for plan, rows in ((plan_of("llama", 2, "SP", "TP", "SP"), 8), (plan_of("llama", 2, dp=2), [2, 1])):
+    for plan, rows in ((plan_of("llama", 2, "SP", "SP", "SP"), 8), (plan_of("llama", 2, dp=2), [2, 1])):
         for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan, requests, rows)):
             assert got == serial, f"{plan.att}/{plan.mlp}/{plan.con} dp {plan.dp} rank {rank}"
 

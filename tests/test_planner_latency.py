@@ -6,6 +6,7 @@ generate.py runs at world 2 with Hugging Face's tokens, one that pretrain_galaxy
 with Hugging Face's probabilities) are in tests/test_inference_scripts.py."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.latency_devices import search_subsets
 from galaxy.planner.latency_search import search_latency
 from galaxy.planner.profiles import check_cluster, check_link
+from galaxy.planner.search import Searcher
 from galaxy.runtime.assemble import build_model
 
 # tiny-llama's shape (models/tiny-llama): hidden 128, 4 heads of 32 in 2 K/V groups, 344 MLP columns
@@ -68,8 +70,9 @@ def test_prefill_and_decode_by_hand():
     head and key over the N + k + 1 keys of step k; the prefill's LM head runs on one token on the
     sampler (the last rank), a decode step's is split by vocabulary rows in proportion to the MLP
     columns (669 and 331 of 1000). A link of latency lat (no bandwidth cost, nothing measured) adds
-    per pass two one-token sums a layer priced as all-reduces (2 (n - 1) steps each) and the
-    token's broadcast (n - 1 steps), per decode step the logits' all-gather. A pipeline of the two devices
+    per pass two one-token sums a layer priced as all-reduces (2 (n - 1) steps each), to the
+    prefill the token's broadcast (n - 1 steps), to a decode step the logits' all-gather (every rank
+    then chooses the token: no broadcast). A pipeline of the two devices
     (3 layers, then 1) adds its stages' times: at batch 1 nothing overlaps."""
     R, N, M, lat = 1e9, 12, 5, 1e-4
     rate = (2 * R, R)
@@ -90,7 +93,7 @@ def test_prefill_and_decode_by_hand():
         {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M)
     passes = 1 + (M - 1)
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
-    assert again.step_s - est.step_s == pytest.approx(passes * (LAYERS * 2 * 2 * lat + lat) + (M - 1) * lat, rel=1e-6)
+    assert again.step_s - est.step_s == pytest.approx(passes * LAYERS * 2 * 2 * lat + lat + (M - 1) * lat, rel=1e-6)
 
     pipe = cost.estimate(plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1)))
     whole = (ATT_F + MLP_F) * N / SEQ
@@ -106,6 +109,35 @@ def test_prefill_and_decode_by_hand():
     slower = weight_bound.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
     assert slower.decode_s_per_token == pytest.approx(4 * est.decode_s_per_token, rel=1e-9)
     assert slower.prefill_s == pytest.approx(est.prefill_s, rel=1e-9)
+
+
+def test_an_sp_mlp_decodes_its_decode_columns_by_hand():
+    """ATT TP, MLP SP, CON None on devices at 2R and R: the prompt is padded to pad_size (tokens are
+    split), so step k attends to SEQ + k + 1 keys; each rank's MLP runs its decode columns (the
+    plan's decode_columns, 260 and 84, not the 230 / 114 columns a TP MLP would take) at its rate,
+    and the split head's vocabulary rows follow them (756 and 244 of 1000). A link of latency lat
+    adds a step two one-token sums a layer (the SP MLP's as a TP MLP's, priced as all-reduces) and
+    the logits' all-gather. The search moves the decode columns to the
+    quicker rank."""
+    R, N, M, lat = 1e9, 12, 5, 1e-4
+    rate, heads, dcols = (2 * R, R), (2, 2), (260, 84)
+    split = replace(plan("TP", "SP", "None", heads, (230, 114), (12, 12)), decode_columns=dcols)
+    est = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], FREE_LINK, prompt_tokens=N,
+                           new_tokens=M).estimate(split)
+    split_head = max(756 / 1000 / (2 * R), 244 / 1000 / R) * HEAD_F / SEQ
+    steps = [LAYERS * (max((PROJ * h / HEADS + 4 * h * D * (SEQ + k + 1)) / r for h, r in zip(heads, rate))
+                       + max(MLP_F / SEQ * c / COLS / r for c, r in zip(dcols, rate))) + split_head
+             for k in range(M - 1)]
+    assert est.decode_s_per_token == pytest.approx(sum(steps) / (M - 1), rel=1e-9)
+    slow = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], check_link(
+        {"latency_s": lat, "bytes_per_s": 1e18}, "link"), prompt_tokens=N, new_tokens=M).estimate(split)
+    assert slow.decode_s_per_token - est.decode_s_per_token == pytest.approx(LAYERS * 2 * 2 * lat + lat, rel=1e-6)
+
+    cost = LatencyCostModel(causal_lm_profile(), [device(r) for r in rate], FREE_LINK, prompt_tokens=SEQ,
+                            new_tokens=8)
+    best = Searcher(cost, [1e6, 1e6], meshes=[(1, 1)], methods=[("TP", "SP", "SP")]).run(1).ranked[0].plan
+    assert best.decode_columns[0] > 1.8 * best.decode_columns[1], best
+    assert best.to_keys()["decode_intermediate_size_list"] == list(best.decode_columns)
 
 
 def decode_section(scale):
@@ -131,8 +163,9 @@ def test_measured_decode_steps_and_one_token_calls():
     FLOPs per key more at the one-token rate; the MLP at its columns; two CONs and the layer's
     glue), the embedding, the LM head split by vocabulary rows (669 and 331), the sampler's
     choice; the prefill's head is the measured head on one token and the sampler. The link's
-    measured one-token sum (token_sum) and broadcast replace the all-reduce and all-gather its
-    fit would price (latency lat), the logits' all-gather keeps its fit."""
+    measured one-token sum (token_sum) and broadcast (the prefill's; a decode step has none)
+    replace the all-reduce and all-gather its fit would price (latency lat), the logits'
+    all-gather keeps its fit."""
     R, N, M, lat = 1e9, 12, 5, 1e-2
     devices = [{**device(2 * R), "decode_flops_per_s": 2 * R, "decode": decode_section(0.5)},
                {**device(R), "decode_flops_per_s": R, "decode": decode_section(1.0)}]
@@ -158,22 +191,23 @@ def test_measured_decode_steps_and_one_token_calls():
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
     # [1, h] is 512 bytes, under the smallest measured: its time; the logits' all-gather: lat x 1 step
     assert again.decode_s_per_token - est.decode_s_per_token == pytest.approx(
-        LAYERS * 2 * token_sum + broadcast + lat, rel=1e-9)
+        LAYERS * 2 * token_sum + lat, rel=1e-9)
     assert again.prefill_s - est.prefill_s == pytest.approx(LAYERS * 2 * 2 * lat + broadcast, rel=1e-9)
 
 
 def test_sequence_parallel_attention_decodes_against_its_own_keys():
     """ATT SP, MLP SP, CON SP on equal devices: the prompt is padded to pad_size (16 and 8 tokens),
-    every rank projects each decoded token with all heads and the whole MLP, and attends to its
-    prompt tokens and the decoded tokens it owns (step k's goes to rank k mod 2); the decode
-    step's LM head is split in halves (equal columns)."""
+    every rank projects each decoded token with all heads and attends to its prompt tokens and the
+    decoded tokens it owns (step k's goes to rank k mod 2); its MLP runs its decode columns, by
+    default in proportion to the tokens (229 and 115 of 344), and the decode step's LM head
+    follows them (666 and 334 of 1000)."""
     R, N, M = 1e9, 10, 4
     cost = LatencyCostModel(causal_lm_profile(), [device(R), device(R)], FREE_LINK, prompt_tokens=N, new_tokens=M)
     est = cost.estimate(plan("SP", "SP", "SP", (2, 2), (172, 172), (16, 8)))
     assert est.prefill_s == pytest.approx(LAYERS * (ATT_F + MLP_F) * 16 / SEQ / R + HEAD_F / SEQ / R, rel=1e-9)
     owned = [[1, 0], [1, 1], [2, 1]]                # decoded keys per rank after steps 0, 1, 2
-    steps = [LAYERS * (PROJ + 4 * HEADS * D * max(16 + owned[k][0], 8 + owned[k][1]) + MLP_F / SEQ) / R
-             + HEAD_F / SEQ / R / 2 for k in range(M - 1)]
+    steps = [LAYERS * (PROJ + 4 * HEADS * D * max(16 + owned[k][0], 8 + owned[k][1]) + MLP_F / SEQ * 229 / COLS) / R
+             + HEAD_F / SEQ / R * 666 / 1000 for k in range(M - 1)]
     assert est.decode_s_per_token * (M - 1) == pytest.approx(sum(steps), rel=1e-9)
 
 

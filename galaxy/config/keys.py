@@ -99,6 +99,9 @@ class PlanKeys:
     tp_intermediate_size_list: list[int] | None = key(None, "MLP columns per Galaxy rank (TP MLP); null: "
                                                       "even")
     seq_scatter_list: list[int] | None = key(None, "tokens per Galaxy rank (SP sub-blocks); null: even")
+    decode_intermediate_size_list: list[int] | None = key(None, "MLP columns per Galaxy rank that an SP MLP "
+                                                          "computes for each decoded token (generation); null: "
+                                                          "in proportion to seq_scatter_list")
     pp_deg: int = key(1, "pipeline stages", at_least=1)
     dp_deg: int = key(1, "data-parallel replicas of every stage", at_least=1)
     dp_batch_list: list[int] | None = key(None, "rows of every global batch per data-parallel replica, in "

@@ -15,10 +15,14 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
   decode    one token per row under the decode layouts (galaxy.parallel.decode_layout), positions
             continuing each row's own, until every row has stopped. The LM head of a decode step
             is split by vocabulary rows over the last stage's group and its logits gathered to
-            the sampler (galaxy.inference.split_head); each TP sub-block's one-token partial
-            output is summed by `token_sum`'s primitive. The gather gives every rank of the group
-            the same logits, so when every row is greedy each rank takes the argmax itself and
-            the [b, 2] broadcast of the sampler's choice is skipped (one collective a token less).
+            the sampler (galaxy.inference.split_head); each TP sub-block's (and SP MLP's)
+            one-token partial output is summed by `token_sum`'s primitive. The gather gives every
+            rank of the group the same logits, so each rank chooses the tokens itself and the
+            [b, 2] broadcast of the sampler's choice is skipped (one collective a token less):
+            greedy rows by the argmax; sampled rows (without a pipeline) by the same draw, each
+            rank's row generators set once, after the prefill, to the sampler's states (one
+            broadcast a batch): a draw depends only on the logits and the generator's state.
+            Beam search, and sampling under a pipeline, keep the sampler's broadcast.
 
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
@@ -79,6 +83,8 @@ class Engine:
         try:
             logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
             self._advance(progress, logits, on_token, caches)
+            if everywhere:
+                self._share_generators(progress)
             ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
             with decode_layouts(self.model, self.token_sum):
                 step = 0
@@ -95,9 +101,22 @@ class Engine:
 
     def _chooses_everywhere(self, progress) -> bool:
         """Whether every rank of the last stage's group chooses a decode step's tokens itself: the
-        split head gives each the same logits, and greedy rows need no shared draw."""
-        return (self.split_head is not None and not isinstance(progress, BeamProgress)
-                and all(r.sampling.greedy for r in progress.rows))
+        split head gives each the same logits; greedy rows need no shared draw, sampled rows the
+        sampler's generator states (_share_generators; not under a pipeline)."""
+        if self.split_head is None or isinstance(progress, BeamProgress):
+            return False
+        return self.mesh.pp_pg is None or all(r.sampling.greedy for r in progress.rows)
+
+    def _share_generators(self, progress) -> None:
+        """Every sampled row's generator as the sampler's after the prefill's draw: [rows, state
+        bytes] broadcast over the group once a batch (nothing when every row is greedy)."""
+        states = progress.generator_states(self.device)
+        if not states.numel():
+            return
+        g, moved = self.group, states.to(self.device)
+        waiting.wait(dist.broadcast(moved, src=dist.get_global_rank(g.pg, g.size - 1), group=g.pg, async_op=True))
+        if not self.is_sampler:
+            progress.set_generator_states(moved.cpu())
 
     def _progress(self, requests: list[Request]):
         """How the batch's rows stand: one row per request, or num_beams rows (beam search)."""

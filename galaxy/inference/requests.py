@@ -86,8 +86,7 @@ class Progress:
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampler's pick for every row from logits [b, vocab] (fp32) -> [b, 2] (token, status);
         finished rows get the pad token and keep their status."""
-        if self.generators is None:
-            self.generators = [generator_for(r.sampling, logits.device) for r in self.requests]
+        self._make_generators(logits.device)
         out = torch.empty(len(self.requests), 2, dtype=torch.long)
         for i, (r, g) in enumerate(zip(self.requests, self.generators)):
             if self.status[i] != RUNNING:
@@ -96,6 +95,22 @@ class Progress:
             token = choose(logits[i], r.sampling, g)
             out[i] = torch.tensor([token, self._status_after(i, token)])
         return out
+
+    def _make_generators(self, device) -> None:
+        if self.generators is None:
+            self.generators = [generator_for(r.sampling, device) for r in self.requests]
+
+    def generator_states(self, device) -> torch.Tensor:
+        """[sampled rows, state bytes] (uint8, CPU): every sampled row's generator state, in row
+        order (the generators made, seeded, if no draw has made them yet)."""
+        self._make_generators(device)
+        states = [g.get_state() for g in self.generators if g is not None]
+        return torch.stack(states) if states else torch.empty(0, 0, dtype=torch.uint8)
+
+    def set_generator_states(self, states: torch.Tensor) -> None:
+        """Take generator_states' rows (another rank's): this rank then draws what that one draws."""
+        for g, state in zip((g for g in self.generators if g is not None), states):
+            g.set_state(state.clone())       # its own storage: set_state reads from the storage start
 
     def _status_after(self, i: int, token: int) -> int:
         r, tokens = self.requests[i], self.tokens[i] + [token]

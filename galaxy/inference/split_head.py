@@ -4,7 +4,8 @@ The sampler alone ran the LM head on every step, a [vocab, h] product as large a
 (the bench Llama's 32000 x 1024 is 2.6 of its 8 layers' weights), while the other ranks waited for
 its choice. While decoding, the head's input is replicated (the decode layouts put the residual
 stream in R), so each rank can score its own rows of the vocabulary, in proportion to its MLP
-column share (the plan's measure of its speed), and one all-gather of the [b, vocab_r] pieces
+column share in a decode step (the plan's measure of its speed: a TP MLP's columns, an SP MLP's
+decode_columns), and one all-gather of the [b, vocab_r] pieces
 gives the sampler every logit: a few tens of KB on the link against half the head's weight read.
 The sampler then chooses as before (greedy, sampling, beams), from the same logits up to the
 rounding of a product of another width.
@@ -20,9 +21,8 @@ from galaxy.distributed.collectives import all_gather_sequence
 from galaxy.distributed.group import GalaxyGroup
 
 
-def vocab_shares(vocab: int, group: GalaxyGroup) -> tuple[int, ...]:
-    """Rows of the vocabulary per rank, in proportion to the group's MLP column shares."""
-    weights = group.columns
+def vocab_shares(vocab: int, weights) -> tuple[int, ...]:
+    """Rows of the vocabulary per rank, in proportion to the ranks' decode MLP columns (weights)."""
     total, bounds = sum(weights), [0]
     for i in range(1, len(weights) + 1):
         bounds.append(round(vocab * sum(weights[:i]) / total))
@@ -34,7 +34,8 @@ class SplitHead:
 
     def __init__(self, model, group: GalaxyGroup):
         self.model, self.group = model, group
-        self.shares = vocab_shares(model.lm_head.weight.shape[0], group)
+        plan = model.attached.plan
+        self.shares = vocab_shares(model.lm_head.weight.shape[0], plan.decode_mlp_columns() if plan else group.columns)
         start = sum(self.shares[:group.rank])
         self.rows = slice(start, start + self.shares[group.rank])
 

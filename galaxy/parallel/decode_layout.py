@@ -10,13 +10,21 @@ the CON layout is R on every rank and each sub-block keeps its method where one 
   ATT SP      S in, S out                 R in, R out: every rank projects the token (all heads),
                                           attends to its own cached tokens, and the partial
                                           outputs are merged (galaxy.layers.cached_attention)
-  MLP SP      S in, S out                 R in, R out: every rank computes the token's MLP
+  MLP SP      S in, S out                 R -> R in, P -> R (token sum) out: every rank holds the
+                                          whole MLP, so it computes its decode columns (the
+                                          plan's decode_columns) from views of its weights
+                                          (FeedForward.decode_on_columns), summed as TP's
   CON         S or R                      R: every rank holds the token's stream
   embeddings  R -> CON layout             R -> R
 
-So a decode step costs one sum of a token's partial output per TP sub-block and one small
-all-gather per SP ATT. Decoding runs under no_grad, so the transitions are plain functions, no
-autograd (an R -> R into a TP sub-block, whose backward would all-reduce, is the identity), and
+So a decode step costs one sum of a token's partial output per TP sub-block and SP MLP, and one
+small all-gather per SP ATT. An SP MLP whose projections carry LoRA computes the whole token on
+every rank, as before (R out). An SP ATT keeps its token split while decoding: decoding it by
+heads would need its cache, every head of its own tokens, laid out again by heads after the
+prefill (one all-to-all per generate call), not done.
+
+Decoding runs under no_grad, so the transitions are plain functions, no autograd (an R -> R into
+a TP sub-block, whose backward would all-reduce, is the identity), and
 a TP output's sum is the primitive `token_sum` names (galaxy.distributed.transitions.TOKEN_SUMS):
 a one-token sum of a few KB costs its rounds of messages, not its bytes, and a ring all-reduce
 takes 2 (n - 1) rounds where an all-to-all and a local sum take one ("all_to_all", the default;
@@ -51,10 +59,22 @@ def decode_layouts(model, token_sum: str = DEFAULT_TOKEN_SUM):
             if encoder_decoder and layer.sequence == "source":
                 continue
             for name, into, out in layer.parts():
-                tp = plan.method(name) == "TP"
-                into.use(None, "R->R" + (" (TP consumer)" if tp else ""), group)
-                out.use(summed if tp else None, f"P->R by {token_sum}" if tp else "R->R", group)
+                split = plan.method(name) == "TP" or (name == "mlp" and _split_mlp(layer.mlp, plan, group))
+                into.use(None, "R->R" + (" (split consumer)" if split else ""), group)
+                out.use(summed if split else None, f"P->R by {token_sum}" if split else "R->R", group)
         yield
     finally:
         for t, fn, label in saved:
             t.fn, t.label = fn, label
+        for layer in model.layers:
+            layer.mlp.decode_on_columns(None)
+
+
+def _split_mlp(mlp, plan, group) -> bool:
+    """Set an SP MLP to compute its rank's decode columns; whether it does (a group of two or
+    more, plain projections)."""
+    if plan.mlp != "SP" or group.size == 1 or not mlp.splits_columns():
+        return False
+    shares = plan.decode_mlp_columns(mlp.intermediate)
+    mlp.decode_on_columns(sum(shares[:group.rank]), shares[group.rank])
+    return True

@@ -16,19 +16,21 @@ scores' quadratic part taken as linear), each layer its plan's forward transitio
 None: an all-gather out; SP attention: its K/V all-gather), each stage boundary one send of the
 carry. The sampler (the last Galaxy rank of the last stage) runs the LM head on the last position.
 
-Decode. One token, so no token split: CON and an SP MLP run the whole token on every rank, an SP
-ATT projects it with every head and attends to its own cached keys (its prompt tokens and the
-decoded tokens it owns, round-robin), a TP sub-block its heads or columns. Each piece's seconds
+Decode. One token, so no token split: CON runs the whole token on every rank, an SP ATT projects
+it with every head and attends to its own cached keys (its prompt tokens and the decoded tokens it
+owns, round-robin), a TP sub-block its heads or columns, an SP MLP its decode columns (the plan's
+decode_columns, which the search chooses: every rank holds the whole MLP). Each piece's seconds
 come from galaxy.planner.decode_time: the device profile's measured one-token steps where
 profile-devices --objective latency took them (ATT at its heads, a line in the keys it attends
 to; the MLP at its columns; each CON; the layer's glue beyond its sub-blocks; the embedding; the
 LM head at its vocabulary rows; the sampler), else matrix FLOPs over the one-token rate. Per
-layer: one one-token sum of [1, h] per TP sub-block (an all-to-all: "token_sum", at its measured
-time where the link profile has it, else priced as an all-reduce), one all-gather of [1, heads,
-head_dim + 1] (output and log-sum-exp) per SP ATT. The last stage's group splits the LM head by
-vocabulary rows (in proportion to MLP columns) and all-gathers the logits [1, vocab_r] to the
-sampler (galaxy.inference.split_head). Each pass ends with the sampler's [1, 2] broadcast over
-the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes).
+layer: one one-token sum of [1, h] per TP sub-block and SP MLP (an all-to-all: "token_sum", at its
+measured time where the link profile has it, else priced as an all-reduce), one all-gather of
+[1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT. The last stage's group splits the LM
+head by vocabulary rows (in proportion to the decode step's MLP columns) and all-gathers the logits [1, vocab_r] to the
+sampler (galaxy.inference.split_head). The prefill ends with the sampler's [1, 2] broadcast over
+the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes), a
+decode step with the pipeline's alone: every rank of the group chooses from the same logits.
 
 Memory per rank: the baseline + the weights of its shards (fp32) + its KV caches as
 galaxy.layers.cached_attention allocates them (TP and serial: its K/V heads of P + M slots; SP:
@@ -74,7 +76,9 @@ class _Pass:
 
 class LatencyCostModel(ModelTerms):
     """estimate(plan): one request's prefill and decode time and every rank's memory (module
-    docstring). The plan search (galaxy.planner.search.Searcher) drives it as it drives CostModel."""
+    docstring). The plan search (galaxy.planner.search.Searcher) drives it as it drives CostModel,
+    and moves an SP MLP's decode columns too (charged as "MLP decode")."""
+    decode_columns = True
 
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, prompt_tokens: int,
                  new_tokens: int):
@@ -118,8 +122,8 @@ class LatencyCostModel(ModelTerms):
         for p in range(plan.pp):
             self._prefill_stage(plan, p, prefill)
             self._decode_stage(plan, p, decode)
-        for one in (prefill, decode):
-            self._broadcasts(plan, one, self.new - 1 if one is decode else 1)
+        self._broadcasts(plan, prefill, 1, (plan.group, plan.pp))
+        self._broadcasts(plan, decode, self.new - 1, (plan.pp,))
         steps = max(1, self.new - 1)
         memory, cache = self.estimate_memory(plan), self.cache_mib(plan)
         add = lambda a, b: [x + y for x, y in zip(a, b)]       # noqa: E731
@@ -178,7 +182,8 @@ class LatencyCostModel(ModelTerms):
         own, path = self._decode_attention(plan, tuple(ranks))
         self._charge(out, ranks, "ATT", [L * t for t in own], L * path)
         mlp = self._decode_shares(plan, "mlp")
-        self._charge(out, ranks, "MLP", [L * steps * d.mlp(u) for d, u in zip(times, mlp)])
+        self._charge(out, ranks, "MLP" if plan.mlp == "TP" else "MLP decode",
+                     [L * steps * d.mlp(u) for d, u in zip(times, mlp)])
         self._charge(out, ranks, "CON", [L * steps * (2 * d.con() + d.glue()) for d in times])
         if p == 0:
             self._charge(out, ranks, "EMB", [steps * d.embed() for d in times])
@@ -196,7 +201,7 @@ class LatencyCostModel(ModelTerms):
         if plan.group == 1:
             self._charge(out, ranks, "HEAD", [steps * (times[0].head(self.vocab) + times[0].sampler())])
             return
-        rows = vocab_split(self.vocab, plan.columns)
+        rows = vocab_split(self.vocab, plan.decode_mlp_columns())
         self._charge(out, ranks, "HEAD", [steps * d.head(v) for d, v in zip(times, rows)])
         wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
         t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
@@ -212,12 +217,13 @@ class LatencyCostModel(ModelTerms):
         return self.devices[r].get("decode_flops_per_s") or self.devices[r]["gemm_flops_per_s"]
 
     def _decode_shares(self, plan: Plan, sub: str) -> list[int]:
-        """Per Galaxy rank, the heads (ATT) or columns (MLP) it runs for one token: TP its share,
-        SP (and a group of one) all of them."""
-        whole = self.heads if sub == "att" else sum(plan.columns)
-        if plan.group == 1 or getattr(plan, sub) != "TP":
-            return [whole] * plan.group
-        return list(plan.heads if sub == "att" else plan.columns)
+        """Per Galaxy rank, the heads (ATT) or columns (MLP) it runs for one token: TP its share, an
+        SP MLP its decode columns, an SP ATT (and a group of one) all of them."""
+        if plan.group == 1:
+            return [self.heads if sub == "att" else sum(plan.columns)]
+        if sub == "mlp":
+            return list(plan.decode_mlp_columns())
+        return list(plan.heads) if plan.att == "TP" else [self.heads] * plan.group
 
     def _decode_attention(self, plan: Plan, ranks: tuple) -> tuple[list[float], float]:
         """(each Galaxy rank's seconds of ATT over the S = M - 1 steps, the steps' sum of the
@@ -271,12 +277,13 @@ class LatencyCostModel(ModelTerms):
 
     def decode_calls(self, plan: Plan) -> list[tuple[str, int]]:
         """(kind, elements per rank) of one layer's collectives in a decode step: a TP sub-block's
-        one-token sum ("token_sum": galaxy.parallel.decode_layout's default, an all-to-all), an SP
-        ATT's all-gather of [1, heads, head_dim + 1]."""
+        and the MLP's (TP or SP, each on its columns) one-token sum ("token_sum":
+        galaxy.parallel.decode_layout's default, an all-to-all), an SP ATT's all-gather of
+        [1, heads, head_dim + 1]."""
         if plan.group == 1:
             return []
-        calls = [("token_sum", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))]
-        return calls + ([("token_sum", self.hidden)] if plan.mlp == "TP" else [])
+        att = ("token_sum", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))
+        return [att, ("token_sum", self.hidden)]
 
     def _call_time(self, kind: str, g: int, numel: int, uneven: bool, ranks) -> tuple[float, float]:
         """(seconds, bytes sent) of one call: a one-token sum at its measured time where the link
@@ -312,9 +319,11 @@ class LatencyCostModel(ModelTerms):
             out.sent[r] += times * nbytes
         out.seconds += t
 
-    def _broadcasts(self, plan: Plan, out: _Pass, times: int) -> None:
-        """The sampler's token broadcast after every pass: over the group, then the pipeline."""
-        for n in (plan.group, plan.pp):
+    def _broadcasts(self, plan: Plan, out: _Pass, times: int, sizes) -> None:
+        """The sampler's token broadcast after a pass, over the group and the pipeline (`sizes`: a
+        decode step's goes over the pipeline alone: every rank of the group chooses the token itself
+        from the same gathered logits, galaxy.inference.engine)."""
+        for n in sizes:
             if n > 1 and times > 0:
                 one = token_call_time(self.link, "broadcast", n, TOKEN_MESSAGE_BYTES)
                 t = times * (one if one is not None else

@@ -5,7 +5,8 @@ MLP TP|SP, CON SP|None; one choice for a group of 1), the micro-batches (divisor
 replica: pipeline micro-batches, or grad_accum_steps without a pipeline; 1f1b when there are at
 least pp of them, else gpipe) and sharded data parallelism (with replicas). For each, the integer choices are optimised by local search:
 
-  start    heads / columns / tokens per Galaxy rank proportional to its speed (the slowest device
+  start    heads / columns / tokens (and, for the latency objective, an SP MLP's decode columns)
+           per Galaxy rank proportional to its speed (the slowest device
            holding that Galaxy rank in any group: every group uses the same lists), in whole
            units (a K/V group of heads for grouped-query attention); layers per stage
            proportional to the stage's speed; rows of the global batch per data-parallel replica
@@ -90,6 +91,8 @@ class Searcher:
         self.seq = self.model["pad_size"]
         self.layers = cost.layers
         self.speed = [self._speed(r) for r in range(cost.world)]
+        # The latency cost model times a decode step, where an SP MLP splits by its decode columns.
+        self._decode_columns = getattr(cost, "decode_columns", False)
 
     def _speed(self, r: int) -> float:
         c, rows = self.cost.compute[r], self.cost.batch
@@ -182,9 +185,10 @@ class Searcher:
         schedule = "1f1b" if m >= pp else "gpipe"
         replica_speed = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for j in range(g)) for d in range(dp)]
         rows = proportional(self.cost.batch, m, replica_speed) if dp > 1 else None
+        decode = columns if mlp == "SP" and self._decode_columns and g > 1 else None
         return Plan(att=att, mlp=mlp, con=con, pp=pp, dp=dp, heads=heads, columns=columns, tokens=tokens,
                     stages=stages, microbatches=m, schedule=schedule, checkpoint=(), dp_sharding=shard,
-                    replica_rows=uneven(rows))
+                    replica_rows=uneven(rows), decode_columns=decode)
 
     # --- local search ----------------------------------------------------------------------------
 
@@ -201,6 +205,8 @@ class Searcher:
                                      ("CON", plan.con == "SP"), ("HEAD", plan.con == "SP")) if on)
         if uses:
             out.append(("tokens", 1, uses))
+        if plan.decode_columns is not None:
+            out.append(("decode_columns", 1, ("MLP decode",)))
         return out
 
     def _steps(self, total: int, unit: int, g: int) -> list[int]:

@@ -12,6 +12,8 @@ def describe(plan) -> dict:
         splits.append("cols " + ",".join(map(str, plan.columns)))
     if g > 1 and "SP" in (plan.att, plan.mlp, plan.con):
         splits.append("tok " + ",".join(map(str, plan.tokens)))
+    if g > 1 and plan.mlp == "SP" and plan.decode_columns:
+        splits.append("decode cols " + ",".join(map(str, plan.decode_columns)))     # generation's SP MLP
     if g > 1 and plan.decoder_tokens and "SP" in (plan.att, plan.mlp, plan.con, plan.xatt):
         splits.append("dec tok " + ",".join(map(str, plan.decoder_tokens)))     # an encoder-decoder's target
     if plan.dp > 1 and plan.replica_rows is not None:
