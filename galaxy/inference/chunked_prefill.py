@@ -23,6 +23,8 @@ prefill_chunks with it. Only the last chunk's last position reaches the LM head.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -62,6 +64,9 @@ class ChunkedPrefill:
         self.engine, self.model, self.spans = engine, engine.model, spans
         self.mesh, self.slots = engine.mesh, carry_slots(engine.model)
         self.dtype = carry_dtype(engine.model)
+        # where this rank's prefill went (s): waiting for chunks to arrive, computing them, waiting
+        # for its last sends; benches read them (bench/inference_plans.py)
+        self.seconds = {"arriving": 0.0, "computing": 0.0, "sending": 0.0}
 
     @torch.no_grad()
     def run(self, ids, mask, positions) -> tuple:
@@ -70,17 +75,21 @@ class ChunkedPrefill:
         query_dims = next(iter(m.layers)).att.query_dims
         arriving = None if at.is_first_stage else self._post_receives(ids.shape[0])
         sending, carry = [], None
+        clock, spent = time.perf_counter(), self.seconds
         for k, (a, b) in enumerate(self.spans):
             context = {**chunk_context(whole, query_dims, a, b), STEP_KEY: CacheStep(False, mask[:, a:b].bool())}
             if at.is_first_stage:
                 carry = m.embed(ids[:, a:b], positions=positions[:, a:b])
             else:
                 carry = unpack_carry(self._arrived(arriving[k]), self.slots)
+                spent["arriving"], clock = spent["arriving"] + time.perf_counter() - clock, time.perf_counter()
             carry = m.run_layers(tuple(carry), context, m.layers)
             if not at.is_last_stage:
                 sending += self._start_send(pack_carry(carry, self.slots))
+            spent["computing"], clock = spent["computing"] + time.perf_counter() - clock, time.perf_counter()
         for work, _ in sending:               # the buffers live until their sends are done
             waiting.wait(work)
+        spent["sending"] = time.perf_counter() - clock
         return carry
 
     def _peer(self, step: int) -> int:

@@ -62,6 +62,7 @@ class Engine:
         self.split_head = SplitHead(model, self.group) if SplitHead.applies(model, self.group, mesh.is_last_stage) \
             else None
         self.cache_bytes = 0                 # this rank's KV cache of the last batch
+        self.prefill_parts = None            # a chunked prefill's seconds on this rank (ChunkedPrefill.seconds)
         model.eval()
         for layer in model.layers:           # chunked transitions call ATT's pieces, not its cache path
             layer.comm_chunks = 1
@@ -161,7 +162,9 @@ class Engine:
         spans = chunk_spans(ids.shape[1], self.plan.prefill_chunks)
         if len(spans) == 1:
             return self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
-        carry = ChunkedPrefill(self, spans).run(ids, mask, positions)
+        chunked = ChunkedPrefill(self, spans)
+        carry = chunked.run(ids, mask, positions)
+        self.prefill_parts = chunked.seconds
         if not self.is_sampler:
             return None
         logits, _ = self.model.head(tuple(t[:, -1:] for t in carry))            # [b, 1, vocab]
