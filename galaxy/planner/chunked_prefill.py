@@ -10,9 +10,12 @@ t_i per resource, sum_i t_i + (C - 1) max_i t_i, the fill and drain of the chunk
 C - 1 turns of its slowest resource.
 
 A chunk's time at a stage: its layers' sub-blocks at c tokens (the whole prompt's at c / P), the
-group's collectives at c tokens (each call's latency paid per chunk), and what every pass pays
-whatever its size: each layer's step beyond its sub-blocks (the measured decode `glue`, the
-layer steps' Python) per chunk. A boundary's: one send of the chunk's carry [1, c, h] per carry
+group's collectives at c tokens (each call's latency paid per chunk), and what every pass of a
+layer pays whatever its tokens: its one-token step with no key cached, at the rank's shares
+(DecodeTimes.layer_pass: measured where the profile has a decode section), since each chunk reads
+the stage's weights from memory once more and runs the layer's Python once more. On home3's
+laptop that is 9.6 ms a layer, beside about 14 ms of a layer's work on 32 tokens, so a few
+large chunks beat many small ones. A boundary's: one send of the chunk's carry [1, c, h] per carry
 tensor on that pair's link, its latency paid per chunk. The LM head runs once, after the last
 chunk, on the last position.
 """
@@ -84,12 +87,14 @@ class ChunkedPrefillCost:
 
     def _chunk_resources(self, plan: Plan, tokens: int) -> list:
         """One chunk of `tokens` at each resource: stage 0, the link 0 -> 1, stage 1, ...: a stage's
-        layers at those tokens and each layer's glue; a link's send of the chunk's carry."""
+        layers at those tokens and each layer's pass; a link's send of the chunk's carry."""
         out = []
+        heads, columns = self._decode_shares(plan, "att"), self._decode_shares(plan, "mlp")
         for p in range(plan.pp):
             stage, ranks = self._blank(plan), self._ranks(plan, p)
             self._prefill_stage(plan, p, stage, tokens, whole=False)
-            self._charge(stage, ranks, "GLUE", [plan.stages[p] * self.decode[r].glue() for r in ranks])
+            self._charge(stage, ranks, "PASS", [plan.stages[p] * self.decode[r].layer_pass(h, c)
+                                                for r, h, c in zip(ranks, heads, columns)])
             out.append(stage)
             if p < plan.pp - 1:
                 out.append(self._blank(plan))
