@@ -14,8 +14,8 @@ Per chunk [a, b) of the left-padded batch:
               whole-prompt pass writes
   boundary    the chunk's carry, [b, c, h] per tensor, sent with isend (the stage goes on to the
               next chunk while it travels); the next stage has posted a receive for every chunk
-              before it starts (gloo moves a message once its receive is posted), and waits
-              for chunk k only when it is about to run it
+              before it starts (so a chunk can land while the stage still computes an earlier
+              one), and waits for chunk k only when it is about to run it
 
 Tokens stay whole on every rank of a stage's Galaxy group (TP sub-blocks, CON None): a plan whose
 sub-blocks split tokens makes its shares for the whole pad_size prompt, so galaxy.plan refuses
