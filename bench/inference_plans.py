@@ -19,6 +19,10 @@ Run as the ranks of the edge testbed (galaxy.edge appends --world, --rank, --ini
     python -m galaxy.edge run --cluster ONE_DEVICE.json -- \\
         .venv/bin/python bench/inference_plans.py --plans serial --json one.json    # a cluster file of one of its devices
 
+--plans defaults to tp sp galaxy, which load beside --plan_file's plans: to measure a plan file
+alone give an empty --plans, as latency_cluster.py does (home3's nano, 1500 MiB, cannot hold
+four engines of the 8 x 1024 model).
+
 Rank 0 writes the model to a temporary folder that every rank reads (one file system), unless
 --model_path names one already written (bench/latency_cluster.py writes it once for its runs).
 """
