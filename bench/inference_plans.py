@@ -8,7 +8,9 @@ every rank; "serial" on one rank) and each --plan_file NAME=CONFIG.json (the pla
 config, e.g. one plan.py search wrote): prefill = the seconds to the first new token of a --prompt-token prompt;
 decode = (K - 1) / (t(K) - t(1)) tokens/s after a --decode_prompt-token prompt, EOS ignored. The
 plans alternate their order every round; medians over --repeats rounds; rank 0 prints them and the
-greedy tokens of every plan must equal the first plan's.
+greedy tokens of every plan must equal the first plan's. A plan whose prefill runs in chunks
+(prefill_chunks) also reports, per rank, where its last prefill went (prefill_parts_ms: waiting
+for chunks to arrive, computing them, waiting for its last sends).
 
 Run as the ranks of the edge testbed (galaxy.edge appends --world, --rank, --init_method):
 
@@ -16,6 +18,10 @@ Run as the ranks of the edge testbed (galaxy.edge appends --world, --rank, --ini
         .venv/bin/python bench/inference_plans.py --plans tp sp galaxy --json out.json
     python -m galaxy.edge run --cluster ONE_DEVICE.json -- \\
         .venv/bin/python bench/inference_plans.py --plans serial --json one.json    # a cluster file of one of its devices
+
+--plans defaults to tp sp galaxy, which load beside --plan_file's plans: to measure a plan file
+alone give an empty --plans, as latency_cluster.py does (home3's nano, 1500 MiB, cannot hold
+four engines of the 8 x 1024 model).
 
 Rank 0 writes the model to a temporary folder that every rank reads (one file system), unless
 --model_path names one already written (bench/latency_cluster.py writes it once for its runs).
@@ -85,7 +91,7 @@ def measure(engines: dict, args, vocab: int) -> dict:
     long_ids = [1] + torch.randint(3, vocab, (args.prompt - 1,), generator=draw).tolist()
     short = long_ids[:args.decode_prompt]
     times = {n: {"prefill": [], "one": [], "many": []} for n in engines}
-    tokens = {}
+    tokens, parts = {}, {}
     names = list(engines)
     for name in names:                                    # warm-up
         run_galaxy(engines[name], short, 2)
@@ -95,6 +101,8 @@ def measure(engines: dict, args, vocab: int) -> dict:
                 dist.barrier()
                 seconds, got = run_galaxy(engines[name], ids, new)
                 times[name][what].append(seconds)
+                if what == "prefill" and engines[name].prefill_parts is not None:   # a chunked prefill's parts
+                    parts[name] = {k: round(v * 1e3, 1) for k, v in engines[name].prefill_parts.items()}
                 if what == "many":
                     tokens[name] = got
     out = {}
@@ -102,6 +110,10 @@ def measure(engines: dict, args, vocab: int) -> dict:
         one, many = statistics.median(t["one"]), statistics.median(t["many"])
         out[name] = {"prefill_ms": 1e3 * statistics.median(t["prefill"]),
                      "decode_tokens_per_s": (args.new - 1) / max(many - one, 1e-9), "tokens": tokens[name]}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, parts.get(name))        # each rank's last chunked prefill, ms
+        if any(every):
+            out[name]["prefill_parts_ms"] = every
     first = tokens[names[0]]
     return {"plans": out, "tokens_equal": all(tokens[n] == first for n in names)}
 

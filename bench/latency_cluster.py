@@ -241,6 +241,9 @@ def speedup_lines(table: dict) -> list[str]:
     first = {n: r["tokens"] for n, r in table.items() if "tokens" in r}
     lines.append("greedy tokens equal across plans: " + ("yes" if len({json.dumps(t) for t in first.values()}) <= 1
                                                           else "NO"))
+    for name, r in table.items():
+        for rank, parts in enumerate(r.get("prefill_parts_ms") or ()):
+            lines.append(f"{name} rank {rank} chunked prefill ms: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
     errors = [abs(r[k] - 1) for r in table.values() for k in ("prefill_measured_over_predicted",) if k in r]
     if errors:
         lines.append(f"prefill |measured / predicted - 1|: median {statistics.median(errors):.3f}, "

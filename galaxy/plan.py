@@ -15,7 +15,8 @@
                 replicas shard parameters, gradients and optimizer state (dp_sharding, FSDP2)
     overlap     comm_chunks: a TP sub-block's collectives in chunks of the sequence; kv_blocks: SP
                 attention over the own keys while the other ranks' K/V travel; batch_streams: a
-                micro-batch's rows in streams, one's collectives travelling while another computes
+                micro-batch's rows in streams, one's collectives travelling while another computes;
+                prefill_chunks (generation): a prompt crossing the pipeline in token chunks
 
 A Plan reads and writes the config's flat keys (`from_keys` / `to_keys`: today's JSON and
 Galaxy-LM's keep their names), fills in what a config leaves out (`resolve`: even splits, larger
@@ -67,6 +68,7 @@ FIELD_OF_KEY = {
     "grad_accum_steps": "microbatches", "pipeline_schedule": "schedule",
     "activation_checkpointing": "checkpoint", "dp_sharding": "dp_sharding",
     "comm_chunks": "comm_chunks", "kv_blocks": "kv_blocks", "batch_streams": "batch_streams",
+    "prefill_chunks": "prefill_chunks",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
     "decode_intermediate_size_list": "decode_columns",
 }
@@ -113,6 +115,7 @@ class Plan:
     decoder_tokens: tuple[int, ...] | None = None   # decoder tokens per Galaxy rank; None: even
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
     decode_columns: tuple[int, ...] | None = None   # SP MLP columns per rank per decoded token; None: as tokens
+    prefill_chunks: int = 1                   # generation: the prompt's token chunks (galaxy.inference.engine)
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -158,7 +161,8 @@ class Plan:
             keys["dp_sharding"] = self.dp_sharding
             if self.replica_rows is not None:
                 keys["dp_batch_list"] = list(self.replica_rows)
-        keys.update({k: getattr(self, k) for k in ("comm_chunks", "batch_streams") if getattr(self, k) > 1})
+        keys.update({k: getattr(self, k) for k in ("comm_chunks", "batch_streams", "prefill_chunks")
+                     if getattr(self, k) > 1})
         if self.kv_blocks:
             keys["kv_blocks"] = True
         if self.xatt is not None:
@@ -250,7 +254,7 @@ class Plan:
         """What is wrong with the keys whatever the world and model: one line each."""
         problems = []
         for name, key in (("pp", "pp_deg"), ("dp", "dp_deg"), ("microbatches", None), ("comm_chunks", "comm_chunks"),
-                          ("batch_streams", "batch_streams")):
+                          ("batch_streams", "batch_streams"), ("prefill_chunks", "prefill_chunks")):
             value = getattr(self, name)
             if value < 1:
                 key = key or ("num_microbatches" if self.pp > 1 else "grad_accum_steps")
@@ -288,8 +292,20 @@ class Plan:
             problems.append(f"dp_sharding is '{self.dp_sharding}' but dp_deg is 1: it shards the data-parallel "
                             f"replicas' parameters over dp_deg > 1 replicas; set dp_deg or remove dp_sharding")
         if not world % cells:
-            problems += galaxy_shares(self, world // cells, world, work)[1]
+            problems += galaxy_shares(self, world // cells, world, work)[1] + self._chunk_problems(world // cells, work)
         return problems
+
+    def _chunk_problems(self, group: int, work: Workload) -> list[str]:
+        """prefill_chunks cuts a causal LM's prompt by tokens: no pass may split them over the group."""
+        n = self.prefill_chunks
+        if n > 1 and work.target_tokens is not None:
+            return [f"prefill_chunks {n} cuts a causal LM's prompt; an encoder-decoder's encoder reads it whole: "
+                    "remove prefill_chunks"]
+        if n > 1 and group > 1 and self.uses("tokens"):
+            return [f"prefill_chunks {n} cuts the prompt into chunks, but an SP sub-block splits every pass's tokens "
+                    "over the Galaxy group (shares made for pad_size): set prefill_chunks to 1, or make ATT and MLP "
+                    "TP and con_parallel_method None"]
+        return []
 
     def resolve(self, world: int, work: Workload) -> "Plan":
         """This plan with every share, stage and recomputed layer concrete; PlanError naming

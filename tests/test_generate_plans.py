@@ -1,7 +1,7 @@
 """KV-cached generation (galaxy.inference.engine) gives Hugging Face generate's greedy tokens
 (do_sample=False, with its own cache) under every plan: Llama under all 8 ATT x MLP x CON
 combinations at world 2 with uneven shares, world 3, a 2-stage pipeline (alone and of Galaxy
-groups), 2 data-parallel replicas splitting the prompts (evenly, and 2 / 1 under seeded sampling:
+groups; Llama's prompt whole and in token chunks), 2 data-parallel replicas splitting the prompts (evenly, and 2 / 1 under seeded sampling:
 dp_batch_list); Qwen2 and GPT-2 under several. Prompts of
 different lengths go in one left-padded batch, and alone. Seeded sampling under a plan draws the
 serial run's tokens; LoRA from a peft folder (and folded into the weights) gives peft's tokens;
@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from support.generation_runners import galaxy_generate, galaxy_generate_token_sums, hf_generate, requests_for
+from support.generation_runners import (galaxy_generate, galaxy_generate_runs, galaxy_generate_token_sums, hf_generate,
+                                        requests_for)
 
 from galaxy.distributed.group import GalaxyGroup
 from galaxy.inference.replicas import replica_requests
@@ -84,12 +85,25 @@ def test_families_and_worlds(dist_pool, lm, family, world, att, mlp, con):
     check(dist_pool(world), family, lm, plan_of(family, world, att, mlp, con))
 
 
-@pytest.mark.parametrize("family,world,mesh", [
-    ("llama", 2, dict(pp=2, stages=(3, 1))), ("gpt2", 2, dict(pp=2, stages=(2, 2))),
-    ("llama", 2, dict(dp=2)), ("llama", 4, dict(pp=2, stages=(2, 2))),
+@pytest.mark.parametrize("family,world,mesh,chunked", [
+    ("llama", 2, dict(pp=2, stages=(3, 1)), dict(prefill_chunks=5)), ("gpt2", 2, dict(pp=2, stages=(2, 2)), None),
+    ("llama", 2, dict(dp=2), None), ("llama", 4, dict(pp=2, stages=(2, 2)), dict(con="None", prefill_chunks=4)),
 ], ids=["llama-pp2", "gpt2-pp2", "llama-dp2", "llama-pp2-x-galaxy2"])
-def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh):
-    check(dist_pool(world), family, lm, plan_of(family, world, **mesh))
+def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh, chunked):
+    """chunked: the same pipeline, in the same pool call, with its prompt in token chunks
+    (prefill_chunks; tokens whole on every rank: CON None in a group): the batch (its short rows'
+    first chunks all padding) and, at world 2, a single prompt; 5 and 4 chunks."""
+    if chunked is None:
+        check(dist_pool(world), family, lm, plan_of(family, world, **mesh))
+        return
+    model_dir, want = lm(family)
+    batch, single = requests_for(model_dir, PROMPTS, NEW), requests_for(model_dir, PROMPTS[2:], NEW)
+    runs = [(plan_of(family, world, **mesh), [batch]),
+            (plan_of(family, world, **{**mesh, **chunked}), [batch] + ([single] if world == 2 else []))]
+    wants = [[want], [want, hf_generate(family, model_dir, PROMPTS[2:], NEW)][:len(runs[1][1])]]
+    for rank, per_plan in enumerate(dist_pool(world).run(galaxy_generate_runs, model_dir, runs)):
+        for (plan, _), got, expected in zip(runs, per_plan, wants):
+            assert [[t for t, _ in case] for case in got] == expected, f"rank {rank}, {plan.prefill_chunks} chunks"
 
 
 @pytest.mark.parametrize("world,methods", [(1, ()), (2, ()), (2, ("TP", "SP", "SP"))])

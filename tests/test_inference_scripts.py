@@ -127,10 +127,14 @@ BAD = [
 
 
 def test_bad_input_is_one_line_exit_2(lm):
-    """Each mistake stops every rank before the rendezvous (no peer is waited for)."""
-    cfg = config(lm, "bad", **GALAXY)
-    outcomes = run_scripts([(script, cfg, 2, *extra) for script, extra, _ in BAD], timeout=120)
-    for (script, extra, line), ranks in zip(BAD, outcomes):
+    """Each mistake stops every rank before the rendezvous (no peer is waited for); a prompt in
+    chunks under a plan whose CON splits tokens too."""
+    cfg, chunked = config(lm, "bad", **GALAXY), config(lm, "chunked", **GALAXY, prefill_chunks=2)
+    bad = BAD + [("generate.py", ("--prompt", "x"), "prefill_chunks 2 cuts the prompt into chunks, but an SP "
+                                                     "sub-block splits every pass's tokens")]
+    outcomes = run_scripts([(script, chunked if i == len(BAD) else cfg, 2, *extra)
+                            for i, (script, extra, _) in enumerate(bad)], timeout=120)
+    for (script, extra, line), ranks in zip(bad, outcomes):
         for code, out, err in ranks:
             assert code == 2 and line in err and len(err.strip().splitlines()) == 1, (script, extra, code, out, err)
 

@@ -16,6 +16,7 @@ from galaxy.distributed.group import GalaxyGroup
 from galaxy.layers.kv_cache import open_caches
 from galaxy.plan import Plan
 from galaxy.planner import cli
+from galaxy.planner.chunked_prefill import flow_shop
 from galaxy.planner.encoder_latency import EncoderLatencyCostModel
 from galaxy.planner.latency_cost import LatencyCostModel
 from galaxy.planner.latency_devices import search_subsets
@@ -193,6 +194,49 @@ def test_measured_decode_steps_and_one_token_calls():
     assert again.decode_s_per_token - est.decode_s_per_token == pytest.approx(
         LAYERS * 2 * token_sum + lat, rel=1e-9)
     assert again.prefill_s - est.prefill_s == pytest.approx(LAYERS * 2 * 2 * lat + broadcast, rel=1e-9)
+
+
+def test_a_pipeline_prefill_in_chunks_by_hand():
+    """Two devices at 2R and R with measured decode sections (a layer's one-token step: layer_s
+    less its keys' 4 x heads x d FLOPs each), a link of latency lat and B bytes/s, stages 3 / 1,
+    N = 12 tokens in 3 chunks of 4. Each chunk takes at stage 0 its 3 layers at 4 / SEQ of the
+    profiled sub-blocks and 3 one-token layer steps (each pass reads the weights once more), on
+    the link lat + its carry [1, 4, H] fp32 / B, at stage 1 its layer and 1 step; the stages and the link
+    take the chunks in order, so the prefill is their sum + 2 x the slowest (fill, drain and two
+    turns), then the sampler's head and the token's broadcast over the pipeline. Unchunked: each
+    stage and the link once at 12 tokens, no step. The search's cost model takes the quickest
+    count of 1, 2, 4, 8 (at most N): 1 where a layer's pass costs more than the overlap saves; a
+    plan that splits tokens runs its prompt whole."""
+    R, N, M, lat, B, scale = 1e9, 12, 5, 1e-3, 1e6, (0.05, 0.1)
+    devices = [{**device(r), "decode_flops_per_s": r, "decode": decode_section(f)} for r, f in zip((2 * R, R), scale)]
+    link = check_link({"latency_s": lat, "bytes_per_s": B}, "link")
+    cost = LatencyCostModel(causal_lm_profile(), devices, link, prompt_tokens=N, new_tokens=M)
+    pipe = plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1))
+    layer = ATT_F + MLP_F                          # FLOPs per layer at SEQ tokens
+    stage0 = lambda c: 3 * layer * c / SEQ / (2 * R)      # noqa: E731
+    stage1 = lambda c: layer * c / SEQ / R               # noqa: E731
+    hop = lambda c: lat + c * H * 4 / B                  # noqa: E731
+    after = ((1e-5 + 1e-7 * 1000) + 4e-4) * scale[1] + (lat + 16 / B)   # the head and sampler, the broadcast
+    layer_pass = lambda j: decode_section(scale[j])["layer_s"] - 4 * HEADS * D * SEQ / (2 * R, R)[j]  # noqa: E731
+    chunk = [stage0(4) + 3 * layer_pass(0), hop(4), stage1(4) + layer_pass(1)]
+    chunked = cost.estimate(replace(pipe, prefill_chunks=3))
+    assert chunked.prefill_s == pytest.approx(sum(chunk) + 2 * max(chunk) + after, rel=1e-9)
+    whole = cost.estimate(pipe)
+    assert whole.prefill_s == pytest.approx(stage0(N) + hop(N) + stage1(N) + after, rel=1e-9)
+    assert chunked.prefill_s < whole.prefill_s and chunked.decode_s_per_token == whole.decode_s_per_token
+    assert flow_shop([[1.0, 5.0], [3.0, 1.0]]) == 7.0      # chunk 1 waits for the second resource
+
+    search = LatencyCostModel(causal_lm_profile(), devices, link, prompt_tokens=N, new_tokens=M, choose_chunks=True)
+    chosen = search.estimate(pipe)
+    trials = {c: cost.estimate(replace(pipe, prefill_chunks=c)).prefill_s for c in (1, 2, 4, 8)}
+    assert chosen.plan.prefill_chunks == min(trials, key=trials.get) > 1
+    assert chosen.prefill_s == pytest.approx(min(trials.values()), rel=1e-12)
+    heavy = [{**d, "decode": decode_section(10 * f)} for d, f in zip(devices, scale)]   # a pass dearer than the overlap
+    assert LatencyCostModel(causal_lm_profile(), heavy, link, prompt_tokens=N, new_tokens=M,
+                            choose_chunks=True).estimate(pipe).plan.prefill_chunks == 1
+    tokens_split = plan("TP", "TP", "SP", (2, 2), (172, 172), (12, 12))
+    assert search.estimate(tokens_split).plan.prefill_chunks == 1
+    assert cost.estimate(replace(tokens_split, prefill_chunks=4)).prefill_s == cost.estimate(tokens_split).prefill_s
 
 
 def test_sequence_parallel_attention_decodes_against_its_own_keys():

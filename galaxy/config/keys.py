@@ -124,6 +124,9 @@ class PlanKeys:
     kv_blocks: bool = key(False, "SP attention attends to its own keys while the other ranks' K/V travel")
     batch_streams: int = key(1, "each micro-batch's rows run as this many streams through every layer, one's "
                              "collectives travelling while another's sub-block computes", at_least=1)
+    prefill_chunks: int = key(1, "generation: the prompt crosses the pipeline in this many token chunks, stage "
+                              "s running chunk k + 1 while stage s + 1 runs chunk k (no SP sub-block: tokens "
+                              "stay whole on every rank); the latency planner writes it", at_least=1)
     xatt_parallel_method: Method | None = key(None, "XATT, an encoder-decoder's cross-attention: heads split "
                                               "(TP) or the decoder's tokens split (SP); null: as ATT")
     decoder_seq_scatter_list: list[int] | None = key(None, "an encoder-decoder's decoder tokens per Galaxy "

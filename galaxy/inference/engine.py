@@ -24,6 +24,10 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
             broadcast a batch): a draw depends only on the logits and the generator's state.
             Beam search, and sampling under a pipeline, keep the sampler's broadcast.
 
+A pipeline's prefill may run in token chunks (the plan's prefill_chunks; tokens whole on every
+rank: no SP sub-block): stage s computes chunk k + 1 while stage s + 1 computes chunk k, the
+carry of each chunk sent asynchronously (galaxy.inference.chunked_prefill).
+
 Left padding and per-row positions follow Hugging Face's generate: position = real tokens
 before it, so a padded row computes what it would alone.
 
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from galaxy.distributed import waiting
 from galaxy.inference.beam_search import BeamProgress
+from galaxy.inference.chunked_prefill import ChunkedPrefill, chunk_spans
 from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
 from galaxy.inference.split_head import SplitHead
 from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
@@ -61,6 +66,7 @@ class Engine:
         self.split_head = SplitHead(model, self.group) if SplitHead.applies(model, self.group, mesh.is_last_stage) \
             else None
         self.cache_bytes = 0                 # this rank's KV cache of the last batch
+        self.prefill_parts = None            # a chunked prefill's seconds on this rank (ChunkedPrefill.seconds)
         model.eval()
         for layer in model.layers:           # chunked transitions call ATT's pieces, not its cache path
             layer.comm_chunks = 1
@@ -81,7 +87,7 @@ class Engine:
         self.cache_bytes = caches.nbytes
         everywhere = self._chooses_everywhere(progress)
         try:
-            logits = self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
+            logits = self._prefill(ids, mask, positions)
             self._advance(progress, logits, on_token, caches)
             if everywhere:
                 self._share_generators(progress)
@@ -167,6 +173,20 @@ class Engine:
         if not self.is_sampler:
             return None
         logits, _ = m.head(tuple(t[:, -1:] for t in carry))                    # [b, 1, vocab]
+        return logits[:, -1].float()
+
+    def _prefill(self, ids, mask, positions):
+        """The prompt's pass: whole, or in prefill_chunks token chunks (ChunkedPrefill); the
+        sampler's logits of the last position [b, vocab] (fp32), None elsewhere."""
+        spans = chunk_spans(ids.shape[1], self.plan.prefill_chunks)
+        if len(spans) == 1:
+            return self._forward(ids, mask, positions, CacheStep(False, mask.bool()))
+        chunked = ChunkedPrefill(self, spans)
+        carry = chunked.run(ids, mask, positions)
+        self.prefill_parts = chunked.seconds
+        if not self.is_sampler:
+            return None
+        logits, _ = self.model.head(tuple(t[:, -1:] for t in carry))            # [b, 1, vocab]
         return logits[:, -1].float()
 
     def _advance(self, progress, logits, on_token, caches, everywhere: bool = False) -> None:

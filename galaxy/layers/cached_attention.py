@@ -5,9 +5,13 @@ The engine (galaxy.inference) puts a CacheStep under STEP_KEY in the layer conte
 a decode step projects one token per row and attends to the cache:
 
   serial, ATT TP    prefill: the whole prompt's K/V of the rank's heads go to the cache, the prompt
-                    attends to itself under its causal mask. decode: q, k, v of the new token for
-                    the rank's heads; k, v appended; q over every cached key (SDPA, the cache's keep
-                    mask). The output is partial over the heads, as in training (P -> R after it).
+                    attends to itself under its causal mask. A prompt in chunks (prefill_chunks,
+                    a pipeline's): each chunk's K/V are appended, and its queries attend
+                    to every cached key so far under the mask's rows of the chunk [b, 1, c, T]:
+                    the cache the decode reads is the unchunked prefill's (galaxy.inference.
+                    chunked_prefill). decode: q, k, v of the new token for the rank's heads; k, v
+                    appended; q over every cached key (SDPA, the cache's keep mask). The output
+                    is partial over the heads, as in training (P -> R after it).
   ATT SP            prefill: as in training (own queries over every rank's gathered keys); the
                     rank caches only its own tokens' K/V. decode: the new token is replicated on
                     every rank (the decode phase's layout, galaxy.parallel.decode_layout); every
@@ -79,6 +83,8 @@ def _every_token(att, x, context: dict, step):
     q, k, v = _heads(att, x, context)
     att.kv_cache.write(k.transpose(1, 2), v.transpose(1, 2), step.keep)
     if not step.decoding:      # the prompt attends to itself, as in training
+        if att.kv_cache.length > k.shape[1]:       # a later chunk of it: also to the earlier chunks' keys
+            k, v = (t.transpose(1, 2) for t in att.kv_cache.filled()[:2])          # [b, T, kv_heads, d]
         return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1)
     k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
     mask = decode_mask(keep, context.get(KEY_BIAS), slice(0, keep.shape[1]), q.dtype)

@@ -74,6 +74,12 @@ class DecodeTimes:
         parts = at + per_key * self.table["keys"] + self.mlp(self.columns) + 2 * self.con()
         return max(0.0, self.table["layer_s"] - parts)
 
+    def layer_pass(self, heads_r: int, columns_r: int) -> float:
+        """A layer's one-token step at these shares with no key cached: what any pass of the layer
+        costs whatever its tokens (its weights read from memory once, its Python). A prefill chunk
+        pays it (galaxy.planner.chunked_prefill)."""
+        return self.att_line(heads_r)[0] + self.mlp(columns_r) + 2 * self.con() + self.glue()
+
     def head(self, rows: int) -> float:
         """The LM head (final norm and product) on one token for `rows` vocabulary rows."""
         return self._share("head", "head", rows, self.vocab)

@@ -15,6 +15,9 @@ scores' quadratic part taken as linear), each layer its plan's forward transitio
 (TP: an all-reduce out, or under CON SP an all-gather in and a reduce-scatter out; SP under CON
 None: an all-gather out; SP attention: its K/V all-gather), each stage boundary one send of the
 carry. The sampler (the last Galaxy rank of the last stage) runs the LM head on the last position.
+A prompt in prefill_chunks token chunks (tokens whole on every rank) crosses the pipeline as a
+flow shop of its stages and links (galaxy.planner.chunked_prefill); with choose_chunks (the
+search) the estimate takes the count in CHUNK_CHOICES that gives the quickest prefill.
 
 Decode. One token, so no token split: CON runs the whole token on every rank, an SP ATT projects
 it with every head and attends to its own cached keys (its prompt tokens and the decoded tokens it
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.models.shape import with_shape_keys
 from galaxy.plan import Plan
+from galaxy.planner.chunked_prefill import ChunkedPrefillCost
 from galaxy.planner.cost import SUB_BLOCKS, Estimate
 from galaxy.planner.decode_time import DecodeTimes, token_call_time, vocab_split
 from galaxy.planner.link_model import link_time
@@ -73,16 +77,26 @@ class _Pass:
     sub: list
     seconds: float = 0.0
 
+    def add(self, other: "_Pass") -> None:
+        """other's per-rank figures added to this pass's (its seconds are the caller's to place)."""
+        for r, sub in enumerate(other.sub):
+            self.compute[r] += other.compute[r]
+            self.comm[r] += other.comm[r]
+            self.sent[r] += other.sent[r]
+            for k, v in sub.items():
+                self.sub[r][k] = self.sub[r].get(k, 0.0) + v
 
-class LatencyCostModel(ModelTerms):
+
+class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
     """estimate(plan): one request's prefill and decode time and every rank's memory (module
     docstring). The plan search (galaxy.planner.search.Searcher) drives it as it drives CostModel,
     and moves an SP MLP's decode columns too (charged as "MLP decode")."""
     decode_columns = True
 
     def __init__(self, model: dict, devices: list[dict], link: dict | None, *, prompt_tokens: int,
-                 new_tokens: int):
+                 new_tokens: int, choose_chunks: bool = False):
         super().__init__(model, devices, link, batch_size=1)
+        self.choose_chunks = choose_chunks
         hf = with_shape_keys(dict(model["hf_config"]), "the model profile")
         self.heads = hf["num_attention_heads"]
         self.kv_heads = hf.get("num_key_value_heads") or self.heads
@@ -116,11 +130,10 @@ class LatencyCostModel(ModelTerms):
     # --- time -----------------------------------------------------------------------------------
 
     def estimate(self, plan: Plan) -> LatencyEstimate:
-        world = plan.world
-        blank = lambda: _Pass([0.0] * world, [0.0] * world, [0.0] * world, [dict() for _ in range(world)])  # noqa: E731
-        prefill, decode = blank(), blank()
+        plan = self.with_chunks(plan)
+        prefill, decode = self._blank(plan), self._blank(plan)
+        self._prefill(plan, prefill)
         for p in range(plan.pp):
-            self._prefill_stage(plan, p, prefill)
             self._decode_stage(plan, p, decode)
         self._broadcasts(plan, prefill, 1, (plan.group, plan.pp))
         self._broadcasts(plan, decode, self.new - 1, (plan.pp,))
@@ -133,14 +146,20 @@ class LatencyCostModel(ModelTerms):
                                max(add(prefill.comm, decode.comm)), add(prefill.comm, decode.comm), subs,
                                prefill_s=prefill.seconds, decode_s_per_token=decode.seconds / steps, cache_mib=cache)
 
+    @staticmethod
+    def _blank(plan: Plan) -> _Pass:
+        w = plan.world
+        return _Pass([0.0] * w, [0.0] * w, [0.0] * w, [dict() for _ in range(w)])
+
     def _ranks(self, plan: Plan, p: int) -> list[int]:
         return [p * plan.group + j for j in range(plan.group)]
 
-    def _prefill_stage(self, plan: Plan, p: int, out: _Pass) -> None:
-        """Stage p's part of the prefill: its layers' sub-blocks at the slowest rank, their
-        transitions, the embedding (first stage), the head on the last position (the sampler),
-        the carry's send to the next stage."""
-        L, ranks, P = plan.stages[p], self._ranks(plan, p), self.prefill_tokens(plan)
+    def _prefill_stage(self, plan: Plan, p: int, out: _Pass, tokens: int | None = None, whole: bool = True) -> None:
+        """Stage p's part of the prefill at `tokens` (default P, the whole prompt): its layers'
+        sub-blocks at the slowest rank, their transitions, the embedding (first stage); where
+        `whole`, the head on the last position (the sampler) and the carry's send to the next stage."""
+        L, ranks = plan.stages[p], self._ranks(plan, p)
+        P = self.prefill_tokens(plan) if tokens is None else tokens
         scale = 1.0 if P == self.seq else P / self.seq
         kinds = [self._kinds(plan, j) for j in range(plan.group)]
         for label, pick in (("ATT", lambda k: k[0]), ("CON", lambda k: ("con", k[2])), ("MLP", lambda k: k[1]),
@@ -149,11 +168,11 @@ class LatencyCostModel(ModelTerms):
             self._charge(out, ranks, label, [L * t for t in times])
         if p == 0:
             self._charge(out, ranks, "EMB", [self.compute[r]("embed", self.seq, 1)[0] * scale for r in ranks])
-        if p == plan.pp - 1:
+        if p == plan.pp - 1 and whole:
             self._prefill_head(plan, out, ranks)
         calls = self.prefill_calls(plan, P)
         self._communicate(plan, out, ranks, calls, L)
-        if p < plan.pp - 1:
+        if p < plan.pp - 1 and whole:
             tokens = max(plan.tokens) if plan.con == "SP" and plan.group > 1 else P
             self._hop(out, ranks, self.carry * tokens * self.hidden * FP32)
 

@@ -50,7 +50,7 @@ def search_subsets(model: dict, devices: list[dict], link: dict | None, budgets:
             if not allowed:
                 continue
             cost = latency_cost_model(model, [devices[r] for r in ranks], sub_link(link, ranks, n), prompt=prompt,
-                                      new=new)
+                                      new=new, choose_chunks=True)
             out.append((ranks, search_latency(cost, [budgets[r] for r in ranks], top=top, pps=allowed), cost))
     quickest = lambda item: (not item[1].ranked, item[1].ranked[0].step_s if item[1].ranked else 0.0, -len(item[0]))  # noqa: E731
     return sorted(out, key=quickest)

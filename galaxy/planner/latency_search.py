@@ -39,12 +39,14 @@ def is_encoder(model: dict) -> bool:
     return model.get("task") == "classification" and not model.get("encoder_decoder")
 
 
-def latency_cost_model(model: dict, devices: list[dict], link: dict | None, *, prompt: int, new: int):
+def latency_cost_model(model: dict, devices: list[dict], link: dict | None, *, prompt: int, new: int,
+                       choose_chunks: bool = False):
     """The latency cost model of the profile's model: an encoder classifier's one forward, else a
-    causal LM's generation of `new` tokens after a `prompt`-token prompt."""
+    causal LM's generation of `new` tokens after a `prompt`-token prompt (choose_chunks: the search's
+    prefill_chunks, galaxy.planner.chunked_prefill)."""
     if is_encoder(model):
         return EncoderLatencyCostModel(model, devices, link)
-    return LatencyCostModel(model, devices, link, prompt_tokens=prompt, new_tokens=new)
+    return LatencyCostModel(model, devices, link, prompt_tokens=prompt, new_tokens=new, choose_chunks=choose_chunks)
 
 
 def search_latency(cost: LatencyCostModel, budgets: list[float], *, top: int = 5,
@@ -58,16 +60,16 @@ def latency_table(ranked, prompt: int, new: int) -> str:
     if new == 0:
         return encoder_table(ranked, prompt)
     head = (f"{'#':>2} {'total ms':>9} {'prefill ms':>10} {'decode ms/tok':>13}  {'pp x dp x g':<12} "
-            f"{'ATT MLP CON':<12} {'stages':<8} MiB per rank (KV cache) | shares per Galaxy rank")
+            f"{'ATT MLP CON':<12} {'stages':<8} {'chunks':>6}  MiB per rank (KV cache) | shares per Galaxy rank")
     lines = [f"one request at batch 1: a {prompt}-token prompt, {new} new tokens (the prefill chooses the first, "
              f"{max(0, new - 1)} decode steps the rest); dp 1 only: replicas serve other requests, they do not "
-             "shorten this one", head]
+             "shorten this one; chunks: the prompt's token chunks through a pipeline (prefill_chunks)", head]
     for i, est in enumerate(ranked, 1):
         d = describe(est.plan)
         mem = ",".join(f"{mib(m)} ({mib(c)})" for m, c in zip(est.memory_mib, est.cache_mib))
         lines.append(f"{i:>2} {est.step_s * 1e3:>9.2f} {est.prefill_s * 1e3:>10.2f} "
                      f"{est.decode_s_per_token * 1e3:>13.3f}  {d['mesh']:<12} {d['methods']:<12} {d['stages']:<8} "
-                     f"{mem} | {d['splits']}")
+                     f"{est.plan.prefill_chunks:>6}  {mem} | {d['splits']}")
     return "\n".join(lines)
 
 

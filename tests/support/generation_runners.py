@@ -107,6 +107,13 @@ def hf_generate(family, model_dir, prompts, max_new: int, eos=None, **beams) -> 
     return rows
 
 
+def galaxy_generate_runs(model_dir, runs, rows_per_batch: int = 8):
+    """Each (plan, [requests, ...]) of `runs` in one pool call: [[(tokens, finish_reason)] per
+    requests] per plan."""
+    return [[galaxy_generate(model_dir, plan, requests, rows_per_batch)[0] for requests in cases]
+            for plan, cases in runs]
+
+
 def galaxy_generate_cases(model_dir, plans, cases, rows_per_batch: int = 8):
     """Every (requests, eos) case under each of `plans` in one pool call: [[(tokens, finish_reason)]
     per case] per plan."""
