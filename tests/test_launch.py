@@ -1,4 +1,12 @@
-"""galaxy.launch end to end: real processes running tests/support/launch_target.py over gloo."""
+"""galaxy.launch end to end: real processes running tests/support/launch_target.py over gloo.
+
+Where how a process ends is what is tested (exit status and stderr of a fresh interpreter, a peer
+that dies, hangs, rendezvous that fail) each rank is a fresh process. Runs that end as a script
+ends on the command drivers (an argument error raised before any process group, a world-2 run
+that finishes) run there instead (support.script_runner.run_argvs: `python launch_target.py ...`
+without importing torch again, about 3 s of CPU a process); test_bad_config_one_line_exit_2 keeps
+a fresh interpreter's stderr to exactly the one line.
+"""
 
 import json
 import os
@@ -10,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from support.dist_pool import free_port
+from support.script_runner import run_argvs
 from galaxy.distributed import waiting
 from galaxy.launch import parse_args
 
@@ -47,6 +56,16 @@ def start(args, **env_extra) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def on_drivers(*ranks) -> list[tuple]:
+    """Each rank's (exit status, stdout, stderr) of launch_target.py with its arguments, run on the
+    command drivers; "{port}" in an argument is a free port, leading NAME=VALUE words its
+    environment (as the shell reads them)."""
+    def argv(words):
+        n = next((i for i, w in enumerate(words) if w.startswith("-") or "=" not in w), len(words))
+        return [*words[:n], os.path.relpath(TARGET, REPO), *words[n:]]
+    return run_argvs([[argv(words) for words in ranks]])[0]
+
+
 def finish(proc, timeout=60):
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -69,7 +88,7 @@ def test_bad_config_one_line_exit_2(config, tmp_path):
 
 
 def test_argparse_error_is_one_line():
-    code, _, err = finish(start([]))
+    (code, _, err), = on_drivers([])
     assert code == 2 and err.splitlines() == [
         "launch_target.py: error: the following arguments are required: --config_file/--config"]
 
@@ -87,23 +106,21 @@ def test_single_process(config, tmp_path):
 
 
 def test_two_ranks_over_tcp(config):
-    cfg, url = config(), f"tcp://127.0.0.1:{free_port()}"
-    procs = [start(["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method", url])
-             for r in range(2)]
+    cfg = config()
+    outcome = on_drivers(*[["--config_file", cfg, "--world", "2", "--rank", str(r), "--init_method",
+                            "tcp://127.0.0.1:{port}"] for r in range(2)])
     # comm_wait auto: two ranks on one host poll when the host gives them two cores, else block.
     waits = "poll" if len(waiting.usable_core_ids()) >= 2 else "block"
-    for r, proc in enumerate(procs):
-        code, out, err = finish(proc)
+    for r, (code, out, err) in enumerate(outcome):
         assert code == 0, err
         assert f"rank {r}/2 ok backend=gloo device=cpu waits={waits}" in out
 
 
 def test_torchrun_env(config):
-    cfg, port = config(), str(free_port())
-    procs = [start(["--config_file", cfg], RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(2)]
-    for r, proc in enumerate(procs):
-        code, out, err = finish(proc)
+    cfg = config()
+    outcome = on_drivers(*[[f"RANK={r}", "WORLD_SIZE=2", f"LOCAL_RANK={r}", "MASTER_ADDR=127.0.0.1",
+                            "MASTER_PORT={port}", "--config_file", cfg] for r in range(2)])
+    for r, (code, out, err) in enumerate(outcome):
         assert code == 0, err
         assert f"rank {r}/2 ok" in out
 
@@ -150,7 +167,7 @@ def test_rendezvous_timeout_when_peer_never_starts(config):
 
 def test_init_method_without_port_is_an_argument_error(config):
     t0 = time.monotonic()
-    code, _, err = finish(start(["--config_file", config(), "--world", "2", "--init_method", "tcp://127.0.0.1"]))
+    (code, _, err), = on_drivers(["--config_file", config(), "--world", "2", "--init_method", "tcp://127.0.0.1"])
     assert code == 2 and time.monotonic() - t0 < STARTUP_S
     assert err.splitlines() == ["launch_target.py: error: --init_method tcp://127.0.0.1 has no port; give "
                                 "tcp://HOST:PORT with rank 0's address (e.g. tcp://127.0.0.1:29500)"]

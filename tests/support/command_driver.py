@@ -11,10 +11,12 @@ as galaxy.launch does, and the caller sees it; CPU_S: this process's CPU seconds
 included for the first command). The ranks of a distributed command run as drivers
 given the same list in the same order, so they meet at each command's rendezvous.
 
---serve: read one JSON request a line from stdin, {"argv": [SCRIPT, ARGS...], "stdout": PATH,
-"stderr": PATH, "without": [MODULE, ...] (optional)}; run it with file descriptors 1 and 2 sent to
-those files (so that what C code and child threads print is caught too) and the modules named in
-"without" unimportable (as if not installed), then answer "@@ end CODE" on the driver's own stdout.
+--serve: read one JSON request a line from stdin, {"argv": [NAME=VALUE..., SCRIPT, ARGS...], "stdout": PATH,
+"stderr": PATH, "without": [MODULE, ...] (optional), "cwd": DIR (optional: the directory to run it
+from, as the shell's current directory; the driver's own otherwise)}; run it with file descriptors
+1 and 2 sent to those files (so that what C code and child threads print is caught too) and the
+modules named in "without" unimportable (as if not installed), then answer "@@ end CODE" on the
+driver's own stdout.
 tests/support/script_runner.py keeps such drivers for the test session.
 """
 import json
@@ -51,19 +53,34 @@ def run_argv(argv: list[str], root: str) -> int:
 
 
 def run_without(argv: list[str], root: str, modules: list[str]) -> int:
-    """run_argv with `modules` unimportable (hidden_modules)."""
-    with modules_hidden(modules):
-        return run_argv(argv, root)
+    """run_argv with `modules` unimportable (hidden_modules). Leading NAME=VALUE words set
+    environment variables for this run only, as the shell reads `NAME=VALUE python ...`."""
+    assigned = {}
+    while argv and "=" in argv[0] and argv[0].split("=", 1)[0].isidentifier():
+        name, value = argv[0].split("=", 1)
+        assigned[name], argv = value, argv[1:]
+    saved = {name: os.environ.get(name) for name in assigned}
+    os.environ.update(assigned)
+    try:
+        with modules_hidden(modules):
+            return run_argv(argv, root)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def serve(root: str) -> None:
     reply = os.fdopen(os.dup(1), "w")
-    saved = os.dup(1), os.dup(2)
+    saved, home = (os.dup(1), os.dup(2)), os.getcwd()
     for line in sys.stdin:
         request = json.loads(line)
         with open(request["stdout"], "w") as out, open(request["stderr"], "w") as err:
             os.dup2(out.fileno(), 1)
             os.dup2(err.fileno(), 2)
+            os.chdir(request.get("cwd") or home)
             try:
                 code = run_without(request["argv"], root, request.get("without", []))
             finally:
@@ -71,6 +88,7 @@ def serve(root: str) -> None:
                 sys.stderr.flush()
                 os.dup2(saved[0], 1)
                 os.dup2(saved[1], 2)
+                os.chdir(home)
         print(f"@@ end {code}", file=reply, flush=True)
 
 

@@ -27,7 +27,7 @@ ENV = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 NO_PLOT = ("matplotlib",)      # the trainer's loss plot, skipped (the default of run_scripts)
 
 
-def _argv(script, config: str, world: int, rank: int, port: int, extra) -> list[str]:
+def _argv(script, config: str, world: int, rank: int, port, extra) -> list[str]:
     command = [script] if isinstance(script, str) else list(script)
     return [*command, "--config_file", config, "--world", str(world), "--rank", str(rank),
             "--init_method", f"tcp://127.0.0.1:{port}", *extra]
@@ -53,9 +53,9 @@ class _Driver:
                                       "--serve"], cwd=ROOT, env=ENV, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
 
-    def submit(self, argv: list[str], without: tuple = ()) -> None:
+    def submit(self, argv: list[str], without: tuple = (), cwd: str | None = None) -> None:
         self.out, self.err = os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")
-        request = {"argv": argv, "stdout": self.out, "stderr": self.err, "without": list(without)}
+        request = {"argv": argv, "stdout": self.out, "stderr": self.err, "without": list(without), "cwd": cwd}
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
 
@@ -91,27 +91,36 @@ def _close_drivers():
 def run_scripts(jobs: list[tuple], timeout: float = 240, without: tuple = NO_PLOT) -> list[list[tuple]]:
     """Each job (script, config, world, *extra) run on the drivers; for each job, every rank's
     (exit status, stdout, stderr), the status None for a rank that did not finish in time.
-    without: modules the scripts must find unimportable (command_driver.py's "without").
+    without: modules the scripts must find unimportable (command_driver.py's "without")."""
+    return run_argvs([[_argv(script, config, world, r, "{port}", extra) for r in range(world)]
+                      for script, config, world, *extra in jobs], timeout, without)
+
+
+def run_argvs(jobs: list[list[list[str]]], timeout: float = 240, without: tuple = NO_PLOT,
+              cwd: str | None = None) -> list[list[tuple]]:
+    """Each job, one argv (`python argv...`) per rank, run on the drivers from `cwd` (None: the
+    repository), "{port}" in an argument replaced by a port free when the job starts; for each
+    job, every rank's (exit status, stdout, stderr) as run_scripts gives them.
 
     Consecutive jobs that fit the drivers together (two serial runs on two drivers) run at the
     same time; jobs never share a driver. The drivers of a job that failed are replaced, so no
     state of a broken run reaches the next one; a refusal (exit 2, raised before any process
     group or model exists) leaves nothing behind, and its drivers, if still alive, are kept."""
-    width = max(job[2] for job in jobs)
+    width = max(len(job) for job in jobs)
     while len(_drivers) < width:
         _drivers.append(_Driver())
     results, start = [], 0
     while start < len(jobs):
         end, used = start, 0
-        while end < len(jobs) and used + jobs[end][2] <= width:
-            used, end = used + jobs[end][2], end + 1
+        while end < len(jobs) and used + len(jobs[end]) <= width:
+            used, end = used + len(jobs[end]), end + 1
         placed, first = [], 0
-        for script, config, world, *extra in jobs[start:end]:
-            port = free_port()
-            for r in range(world):
-                _drivers[first + r].submit(_argv(script, config, world, r, port, extra), without)
-            placed.append(range(first, first + world))
-            first += world
+        for job in jobs[start:end]:
+            port = str(free_port())
+            for r, argv in enumerate(job):
+                _drivers[first + r].submit([a.replace("{port}", port) for a in argv], without, cwd)
+            placed.append(range(first, first + len(job)))
+            first += len(job)
         deadline = time.monotonic() + timeout
         for drivers in placed:
             outcome = [_drivers[d].result(deadline) for d in drivers]
