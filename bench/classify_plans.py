@@ -37,6 +37,7 @@ from classify_latency import galaxy_runner, request, run_galaxy  # noqa: E402
 from inference_plans import named_plans  # noqa: E402
 from step_terms import all_ranks_terms  # noqa: E402
 from galaxy.models.shape import read_model_shape  # noqa: E402
+from testbed_args import add_rank_arguments, check_plan_arguments  # noqa: E402
 
 PROBABILITY_TOL = 1e-5
 
@@ -67,14 +68,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"))
     p.add_argument("--json")
-    p.add_argument("--world", type=int, default=1, help="set by galaxy.edge run")
-    p.add_argument("--rank", type=int, default=0, help="set by galaxy.edge run")
-    p.add_argument("--init_method", default=None, help="set by galaxy.edge run")
+    add_rank_arguments(p)
     args = p.parse_args()
-    if "serial" in args.plans and args.world != 1:
-        p.error("--plans serial runs on one rank (a one-device cluster)")
-    if not args.plans and not args.plan_file:
-        p.error("name a plan: --plans or --plan_file")
+    check_plan_arguments(p, args)
     torch.set_num_threads(args.threads)
     if args.init_method:
         from galaxy.distributed.interface import bind_to_rendezvous

@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from inference_latency import SHAPE  # noqa: E402
+from testbed_args import add_rank_arguments  # noqa: E402
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product", "aten::baddbmm", "aten::mv")
 COLLECTIVE = ("gloo:", "c10d::", "record_param_comms", "nccl:")
@@ -147,9 +148,7 @@ def main() -> None:
     p.add_argument("--token_sum", default="all_to_all", choices=("all_to_all", "exchange", "all_reduce"))
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"))
     p.add_argument("--json")
-    p.add_argument("--world", type=int, default=1, help="set by galaxy.edge run")
-    p.add_argument("--rank", type=int, default=0, help="set by galaxy.edge run")
-    p.add_argument("--init_method", default=None, help="set by galaxy.edge run")
+    add_rank_arguments(p)
     args = p.parse_args()
     torch.set_num_threads(1)
     if args.init_method:

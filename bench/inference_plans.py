@@ -53,6 +53,7 @@ from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM  # noqa: E402
 from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.runtime.runners import stage_of  # noqa: E402
+from testbed_args import add_rank_arguments, check_plan_arguments  # noqa: E402
 
 
 def named_plans(names: list[str], files: list[str], world: int, layers: int) -> dict[str, Plan]:
@@ -135,16 +136,9 @@ def main() -> None:
     p.add_argument("--token_sum", default=DEFAULT_TOKEN_SUM, choices=sorted(TOKEN_SUMS),
                    help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout)")
     p.add_argument("--json")
-    p.add_argument("--world", type=int, default=1, help="set by galaxy.edge run")
-    p.add_argument("--rank", type=int, default=0, help="set by galaxy.edge run")
-    p.add_argument("--init_method", default=None, help="set by galaxy.edge run")
+    add_rank_arguments(p)
     args = p.parse_args()
-    if "serial" in args.plans and args.world != 1:
-        p.error("--plans serial runs on one rank (a one-device cluster)")
-    if not args.plans and not args.plan_file:
-        p.error("name a plan: --plans or --plan_file")
-    if any("=" not in f for f in args.plan_file):
-        p.error("--plan_file takes NAME=CONFIG.json")
+    check_plan_arguments(p, args)
     torch.set_num_threads(args.threads)
     if args.init_method:
         from galaxy.distributed.interface import bind_to_rendezvous
