@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,7 +36,7 @@ from classify_latency import galaxy_runner, request, run_galaxy  # noqa: E402
 from inference_plans import named_plans  # noqa: E402
 from step_terms import all_ranks_terms  # noqa: E402
 from galaxy.models.shape import read_model_shape  # noqa: E402
-from testbed_args import add_rank_arguments, check_plan_arguments  # noqa: E402
+from testbed_args import add_rank_arguments, check_plan_arguments, start_ranks  # noqa: E402
 
 PROBABILITY_TOL = 1e-5
 
@@ -72,14 +71,8 @@ def main() -> None:
     args = p.parse_args()
     check_plan_arguments(p, args)
     torch.set_num_threads(args.threads)
-    if args.init_method:
-        from galaxy.distributed.interface import bind_to_rendezvous
-        bind_to_rendezvous(args.init_method)
-    dist.init_process_group("gloo", init_method=args.init_method or f"file://{tempfile.mkstemp()[1]}",
-                            world_size=args.world, rank=args.rank)
-    from galaxy.distributed import waiting       # as the scripts' launch does
-    from galaxy.launch import ranks_and_cores_on_this_host
-    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
+    start_ranks(args)
+    from galaxy.distributed import waiting
     polling = waiting.polling()
     layers = read_model_shape(args.model_path)["num_hidden_layers"]
     plans = named_plans(args.plans, args.plan_file, args.world, layers)

@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from inference_latency import SHAPE  # noqa: E402
-from testbed_args import add_rank_arguments  # noqa: E402
+from testbed_args import add_rank_arguments, start_ranks  # noqa: E402
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product", "aten::baddbmm", "aten::mv")
 COLLECTIVE = ("gloo:", "c10d::", "record_param_comms", "nccl:")
@@ -151,11 +150,7 @@ def main() -> None:
     add_rank_arguments(p)
     args = p.parse_args()
     torch.set_num_threads(1)
-    if args.init_method:
-        from galaxy.distributed.interface import bind_to_rendezvous
-        bind_to_rendezvous(args.init_method)
-    init = args.init_method or f"file://{tempfile.mkstemp()[1]}"
-    dist.init_process_group("gloo", init_method=init, world_size=args.world, rank=args.rank)
+    start_ranks(args)
     per_rank = [None] * args.world
     dist.all_gather_object(per_rank, measure_bound(args))
     out = {"args": vars(args), "phases": per_rank}

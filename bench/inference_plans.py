@@ -53,7 +53,7 @@ from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM  # noqa: E402
 from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.runtime.runners import stage_of  # noqa: E402
-from testbed_args import add_rank_arguments, check_plan_arguments  # noqa: E402
+from testbed_args import add_rank_arguments, check_plan_arguments, start_ranks  # noqa: E402
 
 
 def named_plans(names: list[str], files: list[str], world: int, layers: int) -> dict[str, Plan]:
@@ -140,14 +140,8 @@ def main() -> None:
     args = p.parse_args()
     check_plan_arguments(p, args)
     torch.set_num_threads(args.threads)
-    if args.init_method:
-        from galaxy.distributed.interface import bind_to_rendezvous
-        bind_to_rendezvous(args.init_method)
-    init = args.init_method or f"file://{tempfile.mkstemp()[1]}"
-    dist.init_process_group("gloo", init_method=init, world_size=args.world, rank=args.rank)
-    from galaxy.distributed import waiting       # as generate.py's launch does: a sleeping waiter wakes late
-    from galaxy.launch import ranks_and_cores_on_this_host
-    waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
+    start_ranks(args)
+    from galaxy.distributed import waiting
     print(f"rank {args.rank}: waits {'poll' if waiting.polling() else 'block'}", flush=True)
     with tempfile.TemporaryDirectory() as own:
         path = [args.model_path or own]

@@ -19,3 +19,21 @@ def check_plan_arguments(p, args) -> None:
         p.error("name a plan: --plans or --plan_file")
     if any("=" not in f for f in args.plan_file):
         p.error("--plan_file takes NAME=CONFIG.json")
+
+
+def start_ranks(args) -> None:
+    """This rank's gloo process group (the testbed's rendezvous, or a one-rank group through a
+    file); with args.comm_wait, waits that poll or block as the scripts' launch chooses them."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if args.init_method:
+        from galaxy.distributed.interface import bind_to_rendezvous
+        bind_to_rendezvous(args.init_method)
+    init = args.init_method or f"file://{tempfile.mkstemp()[1]}"
+    dist.init_process_group("gloo", init_method=init, world_size=args.world, rank=args.rank)
+    if getattr(args, "comm_wait", None) is not None:
+        from galaxy.distributed import waiting       # a sleeping waiter wakes late
+        from galaxy.launch import ranks_and_cores_on_this_host
+        waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
