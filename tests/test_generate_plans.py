@@ -136,13 +136,15 @@ def test_an_sp_mlp_decodes_its_columns_and_the_ranks_sum_to_the_whole(lm):
 
 
 def test_every_decode_token_sum_gives_hf_tokens(dist_pool, lm):
-    """A TP sub-block's one-token output summed by a paired exchange or gloo's all-reduce instead of
-    the default all-to-all (galaxy.parallel.decode_layout), under uneven heads and columns."""
+    """A TP sub-block's one-token output summed by gloo's all-to-all, a paired exchange or gloo's
+    all-reduce instead of the default on CPU, the group's own sockets (galaxy.parallel.
+    decode_layout), under uneven heads and columns."""
     model_dir, want = lm("llama")
+    names = ("all_to_all", "exchange", "all_reduce")
     results = dist_pool(2).run(galaxy_generate_token_sums, model_dir, plan_of("llama", 2, "TP", "TP", "None"),
-                               requests_for(model_dir, PROMPTS, NEW), ("exchange", "all_reduce"))
+                               requests_for(model_dir, PROMPTS, NEW), names)
     for rank, per_sum in enumerate(results):
-        for name, (got, _) in zip(("exchange", "all_reduce"), per_sum):
+        for name, (got, _) in zip(names, per_sum):
             assert [tokens for tokens, _ in got] == want, f"{name} rank {rank}: {got} != HF {want}"
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from galaxy.distributed import transitions as T
 from galaxy.distributed import collectives, pair_exchange, waiting
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.token_link import TokenLink
 from galaxy.distributed.transitions import Layout
 
 CASES = [  # (function, source, destination, consumer is sharded)
@@ -117,7 +118,8 @@ def token_sums_on_rank(names, poll):
         want = sum(s.double() for s in summands)
         out = {}
         for name in names:
-            got = T.TOKEN_SUMS[name](summands[rank].clone(), group)
+            summed = TokenLink.open(group).sum_over if name == "socket" else T.TOKEN_SUMS[name]
+            got = summed(summands[rank].clone(), group)
             out[name] = ((got.double() - want).abs().max().item() / want.abs().max().item(), got)
         return out
     finally:
@@ -127,15 +129,17 @@ def token_sums_on_rank(names, poll):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_decoded_tokens_sum_is_the_same_on_every_rank_by_every_primitive(dist_pool, world):
     """The decode phase's P -> R of one token (galaxy.parallel.decode_layout): the all-to-all
-    (polled), the paired exchange (world 2) and the all-reduce give the sum within fp32 rounding,
-    and every rank holds the same bits."""
-    names = ["all_to_all", "all_reduce"] + (["exchange"] if world == 2 else [])
+    (polled), the group's own sockets (galaxy.distributed.token_link, spinning), the paired
+    exchange (world 2) and the all-reduce give the sum within fp32 rounding, and every rank holds
+    the same bits; the sockets' are the all-to-all's, bit for bit."""
+    names = ["all_to_all", "socket", "all_reduce"] + (["exchange"] if world == 2 else [])
     results = dist_pool(world).run(token_sums_on_rank, names, True)
     for name in names:
         for rank, per_name in enumerate(results):
             err, got = per_name[name]
             assert err < 1e-6, f"{name} rank {rank}: off by {err:.2e} relative"
             assert torch.equal(got, results[0][name][1]), f"{name}: rank {rank} holds other bits than rank 0"
+    assert torch.equal(results[0]["socket"][1], results[0]["all_to_all"][1])
 
 
 def polled_waits_on_rank():

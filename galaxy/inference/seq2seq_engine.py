@@ -53,7 +53,7 @@ class Seq2SeqEngine(Engine):
         caches = open_caches(m, *ids.shape, max(r.max_new_tokens for r in requests), carry_dtype(m), self.device)
         self.cache_bytes = caches.nbytes
         try:
-            with decode_layouts(m, self.token_sum):
+            with decode_layouts(m, self.token_sum, self.link):
                 source = self._first_pass(ids, mask, progress, on_token, caches)
                 position = 1
                 while not progress.done:
