@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from galaxy.distributed import waiting
-from galaxy.distributed.group import GalaxyGroup
 
 DEFAULT_TIMEOUT_S = 120.0        # Galaxy's timeout_s default, where the group's cannot be read
 
@@ -75,26 +74,27 @@ def _read_exactly(s: socket.socket, n: int) -> bytes:
 
 
 class TokenLink:
-    """One TCP connection to every other rank of a Galaxy group (group.size > 1)."""
+    """One TCP connection to every other rank of a group (two or more ranks)."""
 
     def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], timeout: float):
         self.rank, self.size, self.peers, self.timeout = rank, size, peers, timeout
 
     @classmethod
-    def open(cls, group: GalaxyGroup) -> "TokenLink":
-        """Collective over the group: every rank listens, the addresses are all-gathered over the
-        group's process group, each rank dials the lower ranks and accepts the higher ones."""
-        timeout = group_timeout(group.pg)
-        listener = socket.create_server((reachable_address(), 0), backlog=group.size)
+    def open(cls, pg) -> "TokenLink":
+        """Collective over the process group pg (a Galaxy group's, of two or more ranks): every
+        rank listens, the addresses are all-gathered over pg, each rank dials the lower ranks and
+        accepts the higher ones."""
+        rank, size, timeout = dist.get_rank(pg), dist.get_world_size(pg), group_timeout(pg)
+        listener = socket.create_server((reachable_address(), 0), backlog=size)
         listener.settimeout(timeout)
-        every = [None] * group.size
-        dist.all_gather_object(every, listener.getsockname()[:2], group=group.pg)
+        every = [None] * size
+        dist.all_gather_object(every, listener.getsockname()[:2], group=pg)
         peers = {}
-        for r in range(group.rank):
+        for r in range(rank):
             s = socket.create_connection(tuple(every[r]), timeout=timeout)
-            s.sendall(struct.pack("!i", group.rank))
+            s.sendall(struct.pack("!i", rank))
             peers[r] = s
-        for _ in range(group.size - 1 - group.rank):
+        for _ in range(size - 1 - rank):
             s, _ = listener.accept()
             s.settimeout(timeout)
             peers[struct.unpack("!i", _read_exactly(s, 4))[0]] = s
@@ -102,7 +102,7 @@ class TokenLink:
         for s in peers.values():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.setblocking(False)
-        return cls(group.rank, group.size, dict(sorted(peers.items())), timeout)
+        return cls(rank, size, dict(sorted(peers.items())), timeout)
 
     def exchange(self, x: torch.Tensor, shapes=None) -> list[torch.Tensor]:
         """Every rank's x, in rank order (this rank's own x at its place); shapes[r]: rank r's

@@ -69,7 +69,7 @@ class Engine:
         self.is_sampler = mesh.is_last_stage and self.group.rank == self.group.size - 1
         self.token_sum = token_sum or default_token_sum(self.device)
         # the group's own sockets for a decode step's small messages: its sums and the LM head's pick
-        self.link = TokenLink.open(self.group) if self.token_sum == SOCKET and self.group.size > 1 else None
+        self.link = TokenLink.open(self.group.pg) if self.token_sum == SOCKET and self.group.size > 1 else None
         self.split_head = SplitHead(model, self.group, self.link) \
             if SplitHead.applies(model, self.group, mesh.is_last_stage) else None
         self.cache_bytes = 0                 # this rank's KV cache of the last batch

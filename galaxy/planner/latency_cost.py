@@ -27,11 +27,12 @@ come from galaxy.planner.decode_time: the device profile's measured one-token st
 profile-devices --objective latency took them (ATT at its heads, a line in the keys it attends
 to; the MLP at its columns; each CON; the layer's glue beyond its sub-blocks; the embedding; the
 LM head at its vocabulary rows; the sampler), else matrix FLOPs over the one-token rate. Per
-layer: one one-token sum of [1, h] per TP sub-block and SP MLP (an all-to-all: "token_sum", at its
-measured time where the link profile has it, else priced as an all-reduce), one all-gather of
-[1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT. The last stage's group splits the LM
-head by vocabulary rows (in proportion to the decode step's MLP columns) and all-gathers the logits [1, vocab_r] to the
-sampler (galaxy.inference.split_head). The prefill ends with the sampler's [1, 2] broadcast over
+layer: one one-token sum of [1, h] per TP sub-block and SP MLP ("token_sum": the engine's default
+primitive, on CPU the group's own sockets; at its measured time where the link profile has it,
+else priced as an all-reduce), one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp)
+per SP ATT. The last stage's group splits the LM head by vocabulary rows (in proportion to the
+decode step's MLP columns) and exchanges each rank's best logit and index (a greedy row's pick,
+galaxy.inference.split_head; a measured 16-byte "token_sum"). The prefill ends with the sampler's [1, 2] broadcast over
 the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes), a
 decode step with the pipeline's alone: every rank of the group chooses from the same logits.
 
@@ -52,7 +53,7 @@ from galaxy.models.shape import with_shape_keys
 from galaxy.plan import Plan
 from galaxy.planner.chunked_prefill import ChunkedPrefillCost
 from galaxy.planner.cost import SUB_BLOCKS, Estimate
-from galaxy.planner.decode_time import DecodeTimes, token_call_time, vocab_split
+from galaxy.planner.decode_time import PICK_BYTES, DecodeTimes, token_call_time, vocab_split
 from galaxy.planner.link_model import link_time
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 from galaxy.planner.profiles import ProfileError
@@ -214,16 +215,24 @@ class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
 
     def _decode_head(self, plan: Plan, out: _Pass, ranks, steps: int) -> None:
         """The last stage's LM head on each decoded token: a group splits it by vocabulary rows
-        (galaxy.inference.split_head) and all-gathers the logits [1, vocab_r] to the sampler; a
-        rank alone runs it whole. Then the sampler chooses."""
+        (galaxy.inference.split_head) and, greedy, exchanges each rank's best logit and index
+        (PICK_BYTES; sampling gathers the logits, not priced here: the latency objective is the
+        greedy request's); a rank alone runs it whole. Then the sampler chooses."""
         times = [self.decode[r] for r in ranks]
         if plan.group == 1:
             self._charge(out, ranks, "HEAD", [steps * (times[0].head(self.vocab) + times[0].sampler())])
             return
         rows = vocab_split(self.vocab, plan.decode_mlp_columns())
         self._charge(out, ranks, "HEAD", [steps * d.head(v) for d, v in zip(times, rows)])
-        wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
-        t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
+        # a greedy row's pick (split_head.greedy_tokens): one exchange of its best logit and index,
+        # at the measured one-token call; else (older profiles) the gather of the logits
+        pick = token_call_time(self.link, "token_sum", plan.group, PICK_BYTES)
+        if pick is not None:
+            wire = ring_bytes("all_gather", PICK_BYTES // FP32, FP32, plan.group)
+            t = steps * pick
+        else:
+            wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
+            t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
         for r in ranks:
             out.comm[r] += t
             out.sent[r] += steps * wire
