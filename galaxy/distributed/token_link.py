@@ -117,8 +117,10 @@ class TokenLink:
         return got
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the group: the copies stacked in rank order and summed over dim 0."""
-        return torch.stack(self.exchange(x)).sum(0)
+        """x summed over the group: the copies stacked in rank order and summed over dim 0 (two:
+        one addition in rank order, the same value without the stack's copy)."""
+        every = self.exchange(x)
+        return every[0] + every[1] if self.size == 2 else torch.stack(every).sum(0)
 
     def sum_over(self, x: torch.Tensor, group=None) -> torch.Tensor:
         """sum(x) in a Transition's signature fn(x, group) (galaxy.parallel.decode_layout)."""
