@@ -98,6 +98,7 @@ class Engine:
         greedy = everywhere and all(r.sampling.greedy for r in progress.rows)
         try:
             logits = self._prefill(ids, mask, positions)
+            caches.skip_padding()            # decode steps read no slot that is padding in every row
             self._advance(progress, logits, on_token, caches)
             if everywhere:
                 self._share_generators(progress)

@@ -86,8 +86,9 @@ def _every_token(att, x, context: dict, step):
         if att.kv_cache.length > k.shape[1]:       # a later chunk of it: also to the earlier chunks' keys
             k, v = (t.transpose(1, 2) for t in att.kv_cache.filled()[:2])          # [b, T, kv_heads, d]
         return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1)
-    k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
-    mask = decode_mask(keep, context.get(KEY_BIAS), slice(0, keep.shape[1]), q.dtype)
+    cache = att.kv_cache
+    k, v, keep = cache.filled()                                          # [b, kv_heads, T, d], [b, T]
+    mask = decode_mask(keep, context.get(KEY_BIAS), slice(cache.start, cache.length), q.dtype)
     ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                          scale=att.scale, enable_gqa=att.group > 1)    # [b, heads, 1, d]
     return ctx.transpose(1, 2).flatten(2)
@@ -111,7 +112,8 @@ def _decode_across_ranks(att, x, context: dict, step):
     k, v, keep = att.kv_cache.filled()
     bias = context.get(KEY_BIAS)
     if bias is not None:       # no prefill: this rank's slot j holds decoded token rank + N * j
-        bias = bias[..., g.rank + g.size * torch.arange(keep.shape[1], device=keep.device)]
+        slots = torch.arange(att.kv_cache.start, att.kv_cache.length, device=keep.device)
+        bias = bias[..., g.rank + g.size * slots]
     o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale, bias)   # [b, heads, 1, d], [b, heads, 1]
     return merge_across_ranks(o, lse, g).to(q.dtype)
 
