@@ -151,7 +151,8 @@ def main() -> None:
         shape = model_config(path[0])
         plans = named_plans(args.plans, args.plan_file, args.world, shape["num_hidden_layers"])
         sums = args.token_sum
-        engines = {name if len(sums) == 1 else f"{name}/{summed}": engine_for(path[0], plan, args.world, args.prompt, summed)
+        engines = {name if len(sums) == 1 else f"{name}/{summed}":
+                   engine_for(path[0], plan, args.world, args.prompt, summed)
                    for name, plan in plans.items() for summed in sums}
         result = measure(engines, args, shape["vocab_size"])
         dist.barrier()                                   # rank 0's folder outlives every reader

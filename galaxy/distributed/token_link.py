@@ -146,7 +146,7 @@ class TokenLink:
                     except BlockingIOError:
                         continue
                     if n == 0:
-                        raise TokenLinkError(f"peer rank {r} of the Galaxy group closed its token link (connection lost)")
+                        raise TokenLinkError(f"peer rank {r} closed its token link (connection lost)")
                     got[r] += n
                     moved = True
             reading = [s for r, s in self.peers.items() if got[r] < len(ins[r])]
@@ -157,7 +157,7 @@ class TokenLink:
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TokenLinkError(f"the token link's peers sent nothing for {self.timeout:g} s: timed out (timeout_s)")
+                raise TokenLinkError(f"the token link's peers sent nothing for {self.timeout:g} s: timed out")
             if spin:
                 os.sched_yield()
             else:

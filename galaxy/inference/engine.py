@@ -103,14 +103,15 @@ class Engine:
             if everywhere:
                 self._share_generators(progress)
             ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
+            keep = ones.bool()
             with decode_layouts(self.model, self.token_sum, self.link):
                 step = 0
                 while not progress.done:
                     tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]
                     positions = self._reordered(progress, positions)[:, -1:] + 1        # [b, 1]
                     owner = step % self.group.size
-                    scores = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner), everywhere,
-                                           greedy)
+                    step_info = CacheStep(True, keep, owner, self.link)
+                    scores = self._forward(tokens, ones, positions, step_info, everywhere, greedy)
                     self._advance(progress, scores, on_token, caches, everywhere, greedy)
                     step += 1
         finally:

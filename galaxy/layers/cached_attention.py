@@ -115,15 +115,19 @@ def _decode_across_ranks(att, x, context: dict, step):
         slots = torch.arange(att.kv_cache.start, att.kv_cache.length, device=keep.device)
         bias = bias[..., g.rank + g.size * slots]
     o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale, bias)   # [b, heads, 1, d], [b, heads, 1]
-    return merge_across_ranks(o, lse, g).to(q.dtype)
+    return merge_across_ranks(o, lse, g, step.link).to(q.dtype)
 
 
-def merge_across_ranks(o, lse, group):
+def merge_across_ranks(o, lse, group, link=None):
     """One query per row attended by every rank of `group` to its own keys, o [b, heads, 1, d] and
     lse [b, heads, 1] (fp32, partial_attention's) -> the attention over all their keys, [b, 1,
-    heads*d] on every rank: one all-gather of [b, 1, heads, d + 1] and the exact merge."""
-    parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2)       # [b, 1, heads, d + 1]
-    every = all_gather_sequence(parts.contiguous(), (1,) * group.size, group.pg)   # [b, N, heads, d + 1]
+    heads*d] on every rank: one all-gather of [b, 1, heads, d + 1] (over the group's TokenLink
+    `link` where the engine has one) and the exact merge."""
+    parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2).contiguous()   # [b, 1, heads, d + 1]
+    if link is not None:
+        every = torch.cat(link.exchange(parts), dim=1)                      # [b, N, heads, d + 1]
+    else:
+        every = all_gather_sequence(parts, (1,) * group.size, group.pg)    # [b, N, heads, d + 1]
     o_all, lse_all = every[..., :-1], every[..., -1]
     total = torch.logsumexp(lse_all, dim=1, keepdim=True)                  # [b, 1, heads]
     merged = (torch.exp(lse_all - total).unsqueeze(-1) * o_all).sum(dim=1)  # [b, heads, d]

@@ -40,6 +40,8 @@ class CacheStep:
     decoding: bool           # False: the prompt (prefill), all of it; True: one new token per row
     keep: torch.Tensor       # [b, s] bool: the tokens of this pass that are real (prompt: not padding)
     owner: int = 0           # decoding under SP: the Galaxy rank whose cache stores the new token's K/V
+    link: object = None      # decoding: the group's TokenLink (galaxy.distributed.token_link), if any:
+                             # an SP ATT's merge exchanges its partial outputs over it
 
 
 class KVCache:

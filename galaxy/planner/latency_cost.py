@@ -30,7 +30,8 @@ LM head at its vocabulary rows; the sampler), else matrix FLOPs over the one-tok
 layer: one one-token sum of [1, h] per TP sub-block and SP MLP ("token_sum": the engine's default
 primitive, on CPU the group's own sockets; at its measured time where the link profile has it,
 else priced as an all-reduce), one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp)
-per SP ATT. The last stage's group splits the LM head by vocabulary rows (in proportion to the
+per SP ATT (over the same token link: priced as a one-token sum of its bytes where measured).
+The last stage's group splits the LM head by vocabulary rows (in proportion to the
 decode step's MLP columns) and exchanges each rank's best logit and index (a greedy row's pick,
 galaxy.inference.split_head; a measured 16-byte "token_sum"). The prefill ends with the sampler's [1, 2] broadcast over
 the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes), a
@@ -306,22 +307,23 @@ class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
     def decode_calls(self, plan: Plan) -> list[tuple[str, int]]:
         """(kind, elements per rank) of one layer's collectives in a decode step: a TP sub-block's
         and the MLP's (TP or SP, each on its columns) one-token sum ("token_sum":
-        galaxy.parallel.decode_layout's default, an all-to-all), an SP ATT's all-gather of
-        [1, heads, head_dim + 1]."""
+        galaxy.parallel.decode_layout's default), an SP ATT's exchange of [1, heads, head_dim + 1]
+        ("token_gather": one round of messages as the sum's, over the same token link, so priced
+        as a measured "token_sum" of its bytes; else, older profiles, as the all-gather it was)."""
         if plan.group == 1:
             return []
-        att = ("token_sum", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))
+        att = ("token_sum", self.hidden) if plan.att == "TP" else ("token_gather", self.heads * (self.head_dim + 1))
         return [att, ("token_sum", self.hidden)]
 
     def _call_time(self, kind: str, g: int, numel: int, uneven: bool, ranks) -> tuple[float, float]:
         """(seconds, bytes sent) of one call: a one-token sum at its measured time where the link
         profile has it (profile-devices --objective latency), else priced as the all-reduce it
         replaced (older profiles)."""
-        if kind == "token_sum":
-            measured = token_call_time(self.link, kind, g, numel * FP32)
+        if kind in ("token_sum", "token_gather"):
+            measured = token_call_time(self.link, "token_sum", g, numel * FP32)
             if measured is not None:
                 return measured, ring_bytes("all_gather", numel, FP32, g)
-            kind = "all_reduce"
+            kind = "all_reduce" if kind == "token_sum" else "all_gather"
         b = ring_bytes(kind, numel, FP32, g)
         return link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce", tuple(ranks)), b
 
