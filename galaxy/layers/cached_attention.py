@@ -18,7 +18,8 @@ a decode step projects one token per row and attends to the cache:
                     rank projects q, k, v for all heads, the step's owner rank (round-robin) stores
                     k, v, and every rank attends q to its own cached keys only, giving a partial
                     output o_r and its log-sum-exp lse_r; one all-gather of [o_r, lse_r]
-                    ([b, 1, heads, d + 1], a few KB) and the exact merge
+                    ([b, 1, heads, d + 1], a few KB; over the group's TokenLink where the
+                    engine has one, CacheStep.link) and the exact merge
                         lse = logaddexp_r lse_r,   o = sum_r exp(lse_r - lse) o_r
                     give every rank the attention over all keys (flash-decoding's merge across
                     ranks), so no cached key ever travels.
