@@ -43,12 +43,12 @@ import torch
 import torch.distributed as dist
 
 from galaxy.distributed import waiting
+from galaxy.distributed.token_link import TokenLink
 from galaxy.inference.beam_search import BeamProgress
 from galaxy.inference.chunked_prefill import ChunkedPrefill, chunk_spans
 from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
 from galaxy.inference.split_head import SplitHead
 from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
-from galaxy.distributed.token_link import TokenLink
 from galaxy.parallel.decode_layout import SOCKET, decode_layouts, default_token_sum
 from galaxy.pipeline.stage import carry_dtype, carry_shapes, carry_slots, pack_carry, unpack_carry
 from galaxy.plan import Layout
