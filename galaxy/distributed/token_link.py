@@ -44,13 +44,16 @@ class TokenLinkError(RuntimeError):
 def reachable_address() -> str:
     """The address peers reach this rank at: that of the interface gloo was pointed at
     (GLOO_SOCKET_IFNAME, galaxy.distributed.interface), else the host name's, as gloo offers it."""
-    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    name = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if name:
         import fcntl
         from galaxy.distributed.interface import SIOCGIFADDR
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
-        return socket.inet_ntoa(raw[20:24])
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+                return socket.inet_ntoa(raw[20:24])
+            except OSError:         # no IPv4 address there: the host name's, as below
+                pass
     return socket.gethostbyname(socket.gethostname())
 
 
