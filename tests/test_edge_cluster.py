@@ -82,6 +82,17 @@ def test_check_needs_no_root_and_run_without_root_stops_before_making_anything(t
     assert capsys.readouterr().err.startswith("python -m galaxy.edge: error: not root: the testbed makes network")
 
 
+
+def test_shield_env_turns_the_flag_on_for_runs_that_do_not_pass_it(monkeypatch):
+    from galaxy.edge.__main__ import parse_args
+    argv = ["run", "--cluster", "c.json", "--", "true"]
+    monkeypatch.delenv("GALAXY_EDGE_SHIELD", raising=False)
+    assert not parse_args(argv).shield and parse_args(["run", "--shield", *argv[1:]]).shield
+    monkeypatch.setenv("GALAXY_EDGE_SHIELD", "0")
+    assert not parse_args(argv).shield
+    monkeypatch.setenv("GALAXY_EDGE_SHIELD", "1")
+    assert parse_args(argv).shield
+
 def test_latency_is_refused_where_the_kernel_has_no_netem(tmp_path):
     if host.has_feature("netem", host.kernel_config()) is not False:
         pytest.skip("this kernel has netem (or does not say): latency_ms is allowed here")

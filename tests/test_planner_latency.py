@@ -239,6 +239,44 @@ def test_a_pipeline_prefill_in_chunks_by_hand():
     assert cost.estimate(replace(tokens_split, prefill_chunks=4)).prefill_s == cost.estimate(tokens_split).prefill_s
 
 
+def token_tables(scale):
+    """A forward-only compute table by hand (device profile "compute", at pad_size SEQ), times
+    `scale`: ATT 4 ms at every head (TP), MLP 6 ms (TP, all columns); the token-indexed kinds at 8
+    and 24 tokens, dearer per token at 8 (a pass of few tokens): ATT SP 2 / 4 ms, MLP SP 3 / 6 ms,
+    a CON 0.1 / 0.2 ms; the embedding 0.3 ms."""
+    def kind(units, secs):
+        return {"units": units, "fwd_s": [[t * scale] for t in secs], "bwd_s": [[0.0] for _ in secs]}
+    return {"rows": [1], "forward_only": True, "kinds": {
+        "att_tp": kind([2, 4], [4e-3, 4e-3]), "mlp_tp": kind([COLS], [6e-3]), "att_sp": kind([8, SEQ], [2e-3, 4e-3]),
+        "mlp_sp": kind([8, SEQ], [3e-3, 6e-3]), "con": kind([8, SEQ], [1e-4, 2e-4]), "embed": kind([SEQ], [3e-4])},
+        "model": {"model_type": "llama", "hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV,
+                  "intermediate_size": COLS, "vocab_size": 1000, "pad_size": SEQ}}
+
+
+def test_a_chunk_takes_its_measured_share_of_the_whole_prompt():
+    """Devices whose profile timed the sub-blocks at token counts (their tables, the fast one's
+    times half the slow one's), stages 3 / 1, a prompt of SEQ = 24 tokens in 3 chunks of 8: a
+    chunk's sub-block takes its whole-prompt time at the rank's share times the ratio of its
+    token-indexed kind at 8 and at 24 tokens (ATT 2 / 4, the MLP 3 / 6: half the whole prompt's,
+    not a third), a CON its time at 8 tokens, the embedding a third; no one-token layer step on
+    top. The stages and the link take the chunks in order (the flow shop of the test above)."""
+    R, M, lat, B, scale = 1e9, 5, 1e-3, 1e6, (0.5, 1.0)
+    devices = [{**device(r), "compute": token_tables(f)} for r, f in zip((2 * R, R), scale)]
+    link = check_link({"latency_s": lat, "bytes_per_s": B}, "link")
+    cost = LatencyCostModel(causal_lm_profile(), devices, link, prompt_tokens=SEQ, new_tokens=M)
+    pipe = plan("TP", "TP", "SP", (HEADS,), (COLS,), (SEQ,), stages=(3, 1))
+    layer = lambda f, c: f * ((4e-3 * 2 / 4 + 6e-3 * 3 / 6 + 2 * 1e-4) if c == 8 else (4e-3 + 6e-3 + 2 * 2e-4))  # noqa: E731
+    hop = lambda c: lat + c * H * 4 / B                  # noqa: E731
+    after = HEAD_F / SEQ / R + lat + 16 / B              # the sampler's head on one token (FLOPs), the broadcast
+    chunk = [3 * layer(0.5, 8) + 0.5 * 3e-4 * 8 / SEQ, hop(8), layer(1.0, 8)]
+    chunked = cost.estimate(replace(pipe, prefill_chunks=3))
+    assert chunked.prefill_s == pytest.approx(sum(chunk) + 2 * max(chunk) + after, rel=1e-9)
+    whole = cost.estimate(pipe)
+    assert whole.prefill_s == pytest.approx(3 * layer(0.5, SEQ) + 0.5 * 3e-4 + hop(SEQ) + layer(1.0, SEQ) + after,
+                                            rel=1e-9)
+    assert chunked.sub_block_s and not any("PASS" in sub for sub in chunked.sub_block_s)
+
+
 def test_sequence_parallel_attention_decodes_against_its_own_keys():
     """ATT SP, MLP SP, CON SP on equal devices: the prompt is padded to pad_size (16 and 8 tokens),
     every rank projects each decoded token with all heads and attends to its prompt tokens and the
@@ -355,6 +393,8 @@ def test_latency_profile_on_two_gloo_ranks_plans_generation_only(tmp_path, capsy
         assert table["forward_only"] and set(table["kinds"]) == {"att_tp", "att_sp", "mlp_tp", "mlp_sp", "con", "embed"}
         assert all(t == [0.0] for k in table["kinds"].values() for t in k["bwd_s"])
         assert all(t[0] > 0 for k in table["kinds"].values() for t in k["fwd_s"])
+        # the token-indexed kinds also at every chunk size the search tries (24 tokens in 2 .. 16)
+        assert all({12, 6, 3, 2} <= set(table["kinds"][k]["units"]) for k in ("att_sp", "mlp_sp", "con"))
         dec = d["decode"]
         assert dec["keys"] == SEQ and dec["att_tp"]["units"] == [2, 4] and dec["mlp_tp"]["units"] == [1, 172, COLS]
         assert dec["head"]["units"][-1] == 2048 and min(dec["layer_s"], dec["embed_s"], dec["sampler_s"]) > 0

@@ -25,7 +25,7 @@ from galaxy.edge.network import Network, host_networks, pick_subnet
 from galaxy.edge.output import Console
 from galaxy.edge.ranks import RENDEZVOUS_PORT, rank_argv
 from galaxy.edge.shell import EdgeError
-from galaxy.edge.shield import Shield
+from galaxy.edge.shield import SHIELD_ENV, Shield
 from galaxy.edge.supervisor import StopRequest
 from galaxy.edge.testbed import Testbed
 
@@ -54,9 +54,11 @@ def parse_args(argv):
     run_p.add_argument("--grace_s", type=float, default=DEFAULT_GRACE_S, metavar="S",
                        help=f"after a rank fails, seconds the others get to stop by themselves before they "
                             f"are killed as hung (default {DEFAULT_GRACE_S:g})")
-    run_p.add_argument("--shield", action="store_true",
+    # GALAXY_EDGE_SHIELD=1 shields every run a shell starts, the runs benches start themselves included.
+    run_p.add_argument("--shield", action="store_true", default=os.environ.get(SHIELD_ENV) == "1",
                        help="while the run lasts, move the host's other processes (those in the root cpu cgroup) "
-                            "into a cgroup of the least CPU weight, so that they do not disturb its timings")
+                            f"into a cgroup of the least CPU weight, so that they do not disturb its timings "
+                            f"(default: on where {SHIELD_ENV}=1)")
     args = p.parse_args(argv)
     if getattr(args, "command", None) and args.command[0] == "--":
         args.command = args.command[1:]

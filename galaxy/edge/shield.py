@@ -33,6 +33,8 @@ PREFIX = "gxs-"
 SHIELD_NAME = re.compile(rf"^{PREFIX}([0-9a-f]{{6}})$")
 WEIGHT = {1: ("cpu.shares", 2), 2: ("cpu.weight", 1)}
 SCAN_S = 1.0
+# Set to 1, every `run` shields itself without --shield (benches that start the testbed themselves).
+SHIELD_ENV = "GALAXY_EDGE_SHIELD"
 
 
 def shield_name(run_name: str) -> str:

@@ -9,15 +9,17 @@ resources stage 0, link 0, stage 1, ..., last stage (`flow_shop`): with equal ch
 t_i per resource, sum_i t_i + (C - 1) max_i t_i, the fill and drain of the chunk pipeline plus
 C - 1 turns of its slowest resource.
 
-A chunk's time at a stage: its layers' sub-blocks at c tokens (the whole prompt's at c / P), the
-group's collectives at c tokens (each call's latency paid per chunk), and what every pass of a
-layer pays whatever its tokens: its one-token step with no key cached, at the rank's shares
-(DecodeTimes.layer_pass: measured where the profile has a decode section), since each chunk reads
-the stage's weights from memory once more and runs the layer's Python once more. On home3's
-laptop that is 9.6 ms a layer, beside about 14 ms of a layer's work on 32 tokens, so a few
-large chunks beat many small ones. A boundary's: one send of the chunk's carry [1, c, h] per carry
-tensor on that pair's link, its latency paid per chunk. The LM head runs once, after the last
-chunk, on the last position.
+A chunk's time at a stage: its layers' sub-blocks at c tokens and the group's collectives at c
+tokens (each call's latency paid per chunk). A sub-block at c tokens takes its whole-prompt time at
+the rank's share times the ratio the device profile measured for that sub-block at c tokens and at
+the whole prompt (`tokens_time`: the sequence-parallel kinds' tables, timed at every chunk size the
+search tries): what a pass of few tokens loses, its weights read from memory once more for few rows
+(on home3's laptop the products of 64-token chunks ran at 0.83x the rows per second of a whole
+512-token prompt, of 32-token chunks 0.70x: bench/prefill_chunk_cost.py) and its Python once more.
+A device profile without those tables falls back to the tokens' share of the whole prompt plus each
+layer's one-token step with no key cached (DecodeTimes.layer_pass), an upper bound of that loss. A
+boundary's: one send of the chunk's carry [1, c, h] per carry tensor on that pair's link, its
+latency paid per chunk. The LM head runs once, after the last chunk, on the last position.
 """
 from __future__ import annotations
 
@@ -93,10 +95,31 @@ class ChunkedPrefillCost:
         for p in range(plan.pp):
             stage, ranks = self._blank(plan), self._ranks(plan, p)
             self._prefill_stage(plan, p, stage, tokens, whole=False)
-            self._charge(stage, ranks, "PASS", [plan.stages[p] * self.decode[r].layer_pass(h, c)
-                                                for r, h, c in zip(ranks, heads, columns)])
+            if not all(self._measured_tokens(r) for r in ranks):
+                self._charge(stage, ranks, "PASS", [plan.stages[p] * self.decode[r].layer_pass(h, c)
+                                                    for r, h, c in zip(ranks, heads, columns)])
             out.append(stage)
             if p < plan.pp - 1:
                 out.append(self._blank(plan))
                 self._hop(out[-1], ranks, self.carry * tokens * self.hidden * FP32)
         return out
+
+    # the sub-block kinds whose token-indexed table gives a pass's time at fewer tokens
+    TOKEN_KIND = {"att_tp": "att_sp", "att_sp": "att_sp", "mlp_tp": "mlp_sp", "mlp_sp": "mlp_sp", "con": "con"}
+
+    def _measured_tokens(self, r: int) -> bool:
+        """Whether rank r's device profile timed its sub-blocks at token counts (tokens_time)."""
+        return all(k in self.compute[r].tables for k in set(self.TOKEN_KIND.values()))
+
+    def tokens_time(self, r: int, kind: str, units: int, tokens: int) -> float:
+        """Rank r's forward seconds of `kind` at its share `units` on `tokens` of the prompt: the
+        whole prompt's (pad_size tokens) times the profile's measured ratio of the kind's
+        token-indexed table at `tokens` and at pad_size; without that table, tokens / pad_size."""
+        whole = self.compute[r](kind, units, 1)[0]
+        if tokens == self.seq:
+            return whole
+        by_tokens = self.TOKEN_KIND.get(kind)
+        if by_tokens is None or not self._measured_tokens(r):
+            return whole * tokens / self.seq
+        at = lambda t: self.compute[r](by_tokens, t, 1)[0]          # noqa: E731
+        return whole * at(tokens) / at(self.seq)

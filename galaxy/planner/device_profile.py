@@ -35,6 +35,7 @@ from galaxy.models.registry import family_of
 from galaxy.models.shape import read_model_shape
 from galaxy.peft import PeftOptions
 from galaxy.planner.encdec_bench import EncDecBench
+from galaxy.planner.chunked_prefill import CHUNK_CHOICES
 from galaxy.planner.decode_profile import measure_decode
 from galaxy.planner.harness import KINDS, LAYER_KINDS, SubBlockBench
 from galaxy.planner.method import costed_options, method_signature
@@ -70,19 +71,22 @@ MEAN_WINDOW_S, MAX_MEAN_ROUNDS = 0.1, 400
 
 
 def measure_compute(bench: SubBlockBench, batch: int, *, quick: bool, repeats: int, warmup: int,
-                    statistic: str = "median", kinds=KINDS, forward_only: bool = False) -> dict:
+                    statistic: str = "median", kinds=KINDS, forward_only: bool = False,
+                    extra_units: dict | None = None) -> dict:
     """Forward and backward seconds of every kind on a grid of shares x rows. The points are timed
     in rounds (every point once per round), so that a change in the machine's load while profiling
     shifts every point alike instead of bending the table; `statistic` of the rounds is kept
     (under "mean", each point's rounds go on until it has run MEAN_WINDOW_S in all).
-    forward_only: under no_grad (nothing kept for a backward; its seconds 0), as generation runs."""
+    forward_only: under no_grad (nothing kept for a backward; its seconds 0), as generation runs.
+    extra_units: {kind: shares timed beside its grid's}."""
     rows = rows_grid(batch, quick)
     points = 3 if quick else 5
     grid = {}
     for kind in kinds:
         total, step = bench.units[kind]
         fixed = kind == "embed" or (kind == "head" and bench.task == "classification")
-        grid[kind] = [total] if fixed else unit_grid(total, step, points)
+        grid[kind] = [total] if fixed else sorted(set(unit_grid(total, step, points)) |
+                                                  set((extra_units or {}).get(kind, ())))
     runs = {(k, u, r): bench.runner(k, u, r) for k, units in grid.items() for u in units for r in rows}
     if forward_only:
         runs = {key: _without_grad(run) for key, run in runs.items()}
@@ -275,8 +279,12 @@ def latency_entry(cfg, bench, env, *, host, threads, memory, baseline, statistic
     900 MiB pi)."""
     bench.model.eval()
     causal = bench.task != "classification"      # an encoder classifier: its pooler and classifier, no decode
+    # a causal LM's token-indexed kinds also at every chunk size the search tries for a pipeline's
+    # prefill (galaxy.planner.chunked_prefill: a pass of few tokens is dearer per token)
+    chunks = {-(-cfg.pad_size // c) for c in CHUNK_CHOICES if 1 < c <= cfg.pad_size} if causal else set()
     compute = measure_compute(bench, 1, kinds=LAYER_KINDS + (("embed",) if causal else ("embed", "head")),
-                              forward_only=True, statistic=statistic, **measuring)
+                              forward_only=True, statistic=statistic,
+                              extra_units={k: chunks for k in ("att_sp", "mlp_sp", "con")}, **measuring)
     compute["model"] = _model_signature(cfg, bench.hf)
     decode = {"decode": {**measure_decode(bench, cfg.pad_size, STATISTICS[statistic], measuring["quick"]),
                          "statistic": statistic}} if causal else {}

@@ -10,8 +10,9 @@ would serve other requests, not cut this one's time (the search keeps dp 1).
 
 Prefill. The prompt is padded to P tokens: pad_size where the plan splits tokens (the shares are
 made for it), else N. Each sub-block takes its slowest rank's forward at its share and one row
-(the device profile's table, taken at pad_size tokens, scaled by P / pad_size: the attention
-scores' quadratic part taken as linear), each layer its plan's forward transitions at P tokens
+(the device profile's table, taken at pad_size tokens; at P < pad_size times the ratio its
+token-indexed table measured at P and at pad_size, galaxy.planner.chunked_prefill.tokens_time),
+each layer its plan's forward transitions at P tokens
 (TP: an all-reduce out, or under CON SP an all-gather in and a reduce-scatter out; SP under CON
 None: an all-gather out; SP attention: its K/V all-gather), each stage boundary one send of the
 carry. The sampler (the last Galaxy rank of the last stage) runs the LM head on the last position.
@@ -162,14 +163,13 @@ class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
         `whole`, the head on the last position (the sampler) and the carry's send to the next stage."""
         L, ranks = plan.stages[p], self._ranks(plan, p)
         P = self.prefill_tokens(plan) if tokens is None else tokens
-        scale = 1.0 if P == self.seq else P / self.seq
         kinds = [self._kinds(plan, j) for j in range(plan.group)]
         for label, pick in (("ATT", lambda k: k[0]), ("CON", lambda k: ("con", k[2])), ("MLP", lambda k: k[1]),
                             ("CON", lambda k: ("con", k[2]))):
-            times = [self.compute[r](*pick(kinds[j]), 1)[0] * scale for j, r in enumerate(ranks)]
+            times = [self.tokens_time(r, *pick(kinds[j]), P) for j, r in enumerate(ranks)]
             self._charge(out, ranks, label, [L * t for t in times])
         if p == 0:
-            self._charge(out, ranks, "EMB", [self.compute[r]("embed", self.seq, 1)[0] * scale for r in ranks])
+            self._charge(out, ranks, "EMB", [self.tokens_time(r, "embed", self.seq, P) for r in ranks])
         if p == plan.pp - 1 and whole:
             self._prefill_head(plan, out, ranks)
         calls = self.prefill_calls(plan, P)
