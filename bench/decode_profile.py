@@ -8,6 +8,8 @@ Llama, one decode token = (run of 1 + new tokens - run of 1) / new, prompt 32. S
   collective calls    the operators that start a collective (c10d::*, gloo:*)
   collective waits    waiting.wait (polled or blocking) and the sampler's blocking broadcast,
                       each wrapped in a named range for this run only
+  token link          the token link's exchanges (token_sum socket, the default on CPU: the
+                      sums and the greedy pick), sends and waits together, in a named range
   Python              the step's wall time outside any operator or range
 """
 from __future__ import annotations
@@ -26,11 +28,21 @@ from decode_bound import COLLECTIVE, PRODUCTS, WAIT_RANGE
 from inference_latency import SHAPE, run_galaxy, write_model
 
 
+LINK_RANGE = "bench::token_link"
+
+
 @contextmanager
 def waits_named():
-    """waiting.wait and dist.broadcast inside a named range while profiling."""
+    """waiting.wait and dist.broadcast inside a named range while profiling; the token link's
+    exchanges (galaxy.distributed.token_link: sends, and waits for the peers', in the calling
+    thread) inside another."""
     from galaxy.distributed import waiting
-    wait, broadcast = waiting.wait, dist.broadcast
+    from galaxy.distributed.token_link import TokenLink
+    wait, broadcast, swap = waiting.wait, dist.broadcast, TokenLink._swap
+
+    def named_swap(link, out, ins):
+        with record_function(LINK_RANGE):
+            swap(link, out, ins)
 
     def named_wait(work, pollable=True):
         with record_function(WAIT_RANGE):
@@ -39,11 +51,11 @@ def waits_named():
     def named_broadcast(*a, **k):
         with record_function(WAIT_RANGE):
             return broadcast(*a, **k)
-    waiting.wait, dist.broadcast = named_wait, named_broadcast
+    waiting.wait, dist.broadcast, TokenLink._swap = named_wait, named_broadcast, named_swap
     try:
         yield
     finally:
-        waiting.wait, dist.broadcast = wait, broadcast
+        waiting.wait, dist.broadcast, TokenLink._swap = wait, broadcast, swap
 
 
 def self_times(engine, ids, new) -> tuple[Counter, float]:
@@ -56,7 +68,8 @@ def self_times(engine, ids, new) -> tuple[Counter, float]:
     kinds = Counter()
     for e in prof.events():
         n = e.name
-        kind = ("collective waits" if n == WAIT_RANGE else "products" if n.startswith(PRODUCTS)
+        kind = ("collective waits" if n == WAIT_RANGE else "token link" if n == LINK_RANGE
+                else "products" if n.startswith(PRODUCTS)
                 else "collective calls" if n.startswith(COLLECTIVE) else "other ops")
         kinds[kind] += e.self_cpu_time_total
     return kinds, wall
@@ -91,6 +104,6 @@ def profile_tp_decode(args) -> list[dict]:
     dist.all_gather_object(everyone, result)
     if dist.get_rank() == 0:
         print(f"tp decode step under torch.profiler, ms a token ({SHAPE['num_hidden_layers']} layers), rank 0 / 1 ...:")
-        for k in ("wall", "products", "other ops", "collective calls", "collective waits", "Python"):
+        for k in ("wall", "products", "other ops", "collective calls", "collective waits", "token link", "Python"):
             print(f"  {k:<17} " + "  ".join(f"{r.get(k, 0.0):7.2f}" for r in everyone))
     return everyone

@@ -46,10 +46,9 @@ import torch.distributed as dist  # noqa: E402
 
 from inference_latency import run_galaxy, write_model  # noqa: E402
 from galaxy.distributed.mesh import make_mesh  # noqa: E402
-from galaxy.distributed.transitions import TOKEN_SUMS  # noqa: E402
 from galaxy.inference.engine import Engine  # noqa: E402
 from galaxy.models.shape import read_model_shape  # noqa: E402
-from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM  # noqa: E402
+from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, TOKEN_SUM_NAMES  # noqa: E402
 from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.runtime.runners import stage_of  # noqa: E402
@@ -133,8 +132,9 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
                    help="how ranks wait for collectives (config key comm_wait; auto polls where each rank has a core)")
-    p.add_argument("--token_sum", default=DEFAULT_TOKEN_SUM, choices=sorted(TOKEN_SUMS),
-                   help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout)")
+    p.add_argument("--token_sum", nargs="+", default=[DEFAULT_TOKEN_SUM], choices=TOKEN_SUM_NAMES,
+                   help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout); "
+                        "several: each plan once with each, named PLAN/SUM, alternating in the same rounds")
     p.add_argument("--json")
     add_rank_arguments(p)
     args = p.parse_args()
@@ -150,14 +150,17 @@ def main() -> None:
         dist.broadcast_object_list(path, src=0)          # every rank reads rank 0's copy
         shape = model_config(path[0])
         plans = named_plans(args.plans, args.plan_file, args.world, shape["num_hidden_layers"])
-        engines = {name: engine_for(path[0], plan, args.world, args.prompt, args.token_sum) for name, plan in plans.items()}
+        sums = args.token_sum
+        engines = {name if len(sums) == 1 else f"{name}/{summed}":
+                   engine_for(path[0], plan, args.world, args.prompt, summed)
+                   for name, plan in plans.items() for summed in sums}
         result = measure(engines, args, shape["vocab_size"])
         dist.barrier()                                   # rank 0's folder outlives every reader
     if args.rank == 0:
         print(f"random Llama {shape['num_hidden_layers']} x {shape['hidden_size']}, batch 1, fp32, world {args.world} "
               f"x {args.threads} thread(s), prompt {args.prompt}, decode after {args.decode_prompt}")
         for name, r in result["plans"].items():
-            print(f"{name:>8}: prefill {r['prefill_ms']:8.1f} ms   decode {r['decode_tokens_per_s']:6.2f} tokens/s")
+            print(f"{name:>16}: prefill {r['prefill_ms']:8.1f} ms   decode {r['decode_tokens_per_s']:6.2f} tokens/s")
         print(f"greedy tokens equal across plans: {'yes' if result['tokens_equal'] else 'NO'}")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), **result}, indent=1))

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from support.generation_runners import (galaxy_generate, galaxy_generate_runs, galaxy_generate_token_sums, hf_generate,
                                         requests_for)
@@ -20,6 +21,7 @@ from galaxy.distributed.group import GalaxyGroup
 from galaxy.inference.replicas import replica_requests
 from galaxy.inference.sampling import Sampling
 from galaxy.inference.split_head import vocab_shares
+from galaxy.layers.kv_cache import KVCache
 from galaxy.parallel.decode_layout import decode_layouts
 from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
@@ -136,13 +138,15 @@ def test_an_sp_mlp_decodes_its_columns_and_the_ranks_sum_to_the_whole(lm):
 
 
 def test_every_decode_token_sum_gives_hf_tokens(dist_pool, lm):
-    """A TP sub-block's one-token output summed by a paired exchange or gloo's all-reduce instead of
-    the default all-to-all (galaxy.parallel.decode_layout), under uneven heads and columns."""
+    """A TP sub-block's one-token output summed by gloo's all-to-all, a paired exchange or gloo's
+    all-reduce instead of the default on CPU, the group's own sockets (galaxy.parallel.
+    decode_layout), under uneven heads and columns."""
     model_dir, want = lm("llama")
+    names = ("all_to_all", "exchange", "all_reduce")
     results = dist_pool(2).run(galaxy_generate_token_sums, model_dir, plan_of("llama", 2, "TP", "TP", "None"),
-                               requests_for(model_dir, PROMPTS, NEW), ("exchange", "all_reduce"))
+                               requests_for(model_dir, PROMPTS, NEW), names)
     for rank, per_sum in enumerate(results):
-        for name, (got, _) in zip(("exchange", "all_reduce"), per_sum):
+        for name, (got, _) in zip(names, per_sum):
             assert [tokens for tokens, _ in got] == want, f"{name} rank {rank}: {got} != HF {want}"
 
 
@@ -210,3 +214,26 @@ def test_lora_from_peft_folder_and_folded(dist_pool, lm, tmp_path):
         for rank, (got, _) in enumerate(dist_pool(2).run(galaxy_generate, model_dir, plan_of("llama", 2), requests,
                                                           8, lora, fold)):
             assert [t for t, _ in got] == want, f"fold {fold} rank {rank}"
+
+
+def test_decode_steps_skip_the_slots_no_row_fills():
+    """KVCache.skip_padding after a left-padded prefill: attention reads from the first slot some
+    row keeps (rows padded by 3 and 2 slots: from slot 2), the decoded slots after it; the
+    attention over the kept slots equals SDPA over every slot under the keep mask."""
+    torch.manual_seed(0)
+    cache = KVCache(rows=2, kv_heads=2, slots=8, head_dim=4, dtype=torch.float32, device="cpu")
+    keep = torch.tensor([[False] * 3 + [True] * 3, [False] * 2 + [True] * 4])
+    cache.write(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4), keep)
+    cache.skip_padding()
+    cache.write(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), torch.ones(2, 1, dtype=torch.bool))
+    k, v, kept = cache.filled()
+    decoded = torch.ones(2, 1, dtype=torch.bool)
+    assert cache.start == 2 and k.shape[2] == 5 and torch.equal(kept, torch.cat((keep, decoded), 1)[:, 2:])
+    q = torch.randn(2, 2, 1, 4)
+    every = F.scaled_dot_product_attention(q, cache.k[:, :, :7], cache.v[:, :, :7], attn_mask=cache.keep[:, None, None, :7])
+    skipped = F.scaled_dot_product_attention(q, k, v, attn_mask=kept[:, None, None, :])
+    assert torch.allclose(skipped, every, rtol=1e-6, atol=1e-7)
+    empty = KVCache(rows=1, kv_heads=1, slots=4, head_dim=2, dtype=torch.float32, device="cpu")
+    empty.write(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), torch.zeros(1, 2, dtype=torch.bool))
+    empty.skip_padding()
+    assert empty.start == 2 and empty.filled()[0].shape[2] == 0

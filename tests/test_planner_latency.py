@@ -165,8 +165,8 @@ def test_measured_decode_steps_and_one_token_calls():
     glue), the embedding, the LM head split by vocabulary rows (669 and 331), the sampler's
     choice; the prefill's head is the measured head on one token and the sampler. The link's
     measured one-token sum (token_sum) and broadcast (the prefill's; a decode step has none)
-    replace the all-reduce and all-gather its fit would price (latency lat), the logits'
-    all-gather keeps its fit."""
+    replace the all-reduce and all-gather its fit would price (latency lat), and the split
+    head's greedy pick (16 bytes: the one-token sum's time) replaces the logits' all-gather."""
     R, N, M, lat = 1e9, 12, 5, 1e-2
     devices = [{**device(2 * R), "decode_flops_per_s": 2 * R, "decode": decode_section(0.5)},
                {**device(R), "decode_flops_per_s": R, "decode": decode_section(1.0)}]
@@ -190,9 +190,9 @@ def test_measured_decode_steps_and_one_token_calls():
         {"kind": "broadcast", "group": 2, "bytes": 16, "uneven": False, "seconds": broadcast}]}, "link")
     slow = LatencyCostModel(causal_lm_profile(), devices, link, prompt_tokens=N, new_tokens=M)
     again = slow.estimate(plan("TP", "TP", "None", heads, cols, (12, 12)))
-    # [1, h] is 512 bytes, under the smallest measured: its time; the logits' all-gather: lat x 1 step
+    # [1, h] is 512 bytes, under the smallest measured: its time; so is the head's 16-byte pick
     assert again.decode_s_per_token - est.decode_s_per_token == pytest.approx(
-        LAYERS * 2 * token_sum + lat, rel=1e-9)
+        LAYERS * 2 * token_sum + token_sum, rel=1e-9)
     assert again.prefill_s - est.prefill_s == pytest.approx(LAYERS * 2 * 2 * lat + broadcast, rel=1e-9)
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from galaxy.distributed import transitions as T
 from galaxy.distributed import collectives, pair_exchange, waiting
 from galaxy.distributed.group import GalaxyGroup
+from galaxy.distributed.token_link import TokenLink
 from galaxy.distributed.transitions import Layout
 
 CASES = [  # (function, source, destination, consumer is sharded)
@@ -117,7 +118,8 @@ def token_sums_on_rank(names, poll):
         want = sum(s.double() for s in summands)
         out = {}
         for name in names:
-            got = T.TOKEN_SUMS[name](summands[rank].clone(), group)
+            summed = TokenLink.open(group.pg).sum_over if name == "socket" else T.TOKEN_SUMS[name]
+            got = summed(summands[rank].clone(), group)
             out[name] = ((got.double() - want).abs().max().item() / want.abs().max().item(), got)
         return out
     finally:
@@ -127,15 +129,56 @@ def token_sums_on_rank(names, poll):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_decoded_tokens_sum_is_the_same_on_every_rank_by_every_primitive(dist_pool, world):
     """The decode phase's P -> R of one token (galaxy.parallel.decode_layout): the all-to-all
-    (polled), the paired exchange (world 2) and the all-reduce give the sum within fp32 rounding,
-    and every rank holds the same bits."""
-    names = ["all_to_all", "all_reduce"] + (["exchange"] if world == 2 else [])
+    (polled), the group's own sockets (galaxy.distributed.token_link, spinning), the paired
+    exchange (world 2) and the all-reduce give the sum within fp32 rounding, and every rank holds
+    the same bits; the sockets' are the all-to-all's, bit for bit."""
+    names = ["all_to_all", "socket", "all_reduce"] + (["exchange"] if world == 2 else [])
     results = dist_pool(world).run(token_sums_on_rank, names, True)
     for name in names:
         for rank, per_name in enumerate(results):
             err, got = per_name[name]
             assert err < 1e-6, f"{name} rank {rank}: off by {err:.2e} relative"
             assert torch.equal(got, results[0][name][1]), f"{name}: rank {rank} holds other bits than rank 0"
+    assert torch.equal(results[0]["socket"][1], results[0]["all_to_all"][1])
+
+
+def token_link_on_rank(spin):
+    """Over a TokenLink of the world: an exchange of shapes that differ by rank, one of 4 MB each
+    way (more than both socket buffers: sends and receives must interleave), and what rank 1
+    reads once rank 0 closes its end."""
+    waiting.set_polling(spin)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        link = TokenLink.open(dist.group.WORLD)
+        shapes = [(2, 3 + r) for r in range(world)]
+        uneven = link.exchange(torch.full(shapes[rank], float(rank)), shapes)
+        big = link.exchange(torch.arange(1 << 20, dtype=torch.float32) + rank)     # 4 MB
+        dist.barrier()
+        if rank == 0:
+            link.close()
+            return uneven, big, None
+        try:
+            link.exchange(torch.zeros(4))
+            return uneven, big, "no error"
+        except RuntimeError as e:
+            return uneven, big, f"{type(e).__name__}: {e}"
+    finally:
+        waiting.set_polling(False)
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_a_token_link_exchanges_any_shapes_and_sizes_and_names_a_lost_peer(dist_pool, spin):
+    """galaxy.distributed.token_link: every rank gets every rank's tensor in rank order, whatever
+    their shapes and however large (no deadlock past the socket buffers), spinning or sleeping in
+    select; a peer that closes its end is a RuntimeError naming the lost connection (the entry
+    scripts' one-line exit 1), not a hang."""
+    results = dist_pool(2).run(token_link_on_rank, spin)
+    for uneven, big, _ in results:
+        assert [t.shape for t in uneven] == [(2, 3), (2, 4)]
+        assert [t.unique().tolist() for t in uneven] == [[0.0], [1.0]]
+        for r, t in enumerate(big):
+            assert torch.equal(t, torch.arange(1 << 20, dtype=torch.float32) + r)
+    assert results[1][2].startswith("TokenLinkError") and "connection lost" in results[1][2]
 
 
 def polled_waits_on_rank():

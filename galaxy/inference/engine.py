@@ -19,7 +19,9 @@ One batch of rows (Requests) at a time, every rank of the replica in lockstep:
             one-token partial output is summed by `token_sum`'s primitive. The gather gives every
             rank of the group the same logits, so each rank chooses the tokens itself and the
             [b, 2] broadcast of the sampler's choice is skipped (one collective a token less):
-            greedy rows by the argmax; sampled rows (without a pipeline) by the same draw, each
+            greedy rows by the argmax (a batch of greedy rows only: no logits gathered, each rank
+            sends its vocabulary rows' best logit and its index, [b, 2], and every rank takes the
+            first largest, the gathered argmax); sampled rows (without a pipeline) by the same draw, each
             rank's row generators set once, after the prefill, to the sampler's states (one
             broadcast a batch): a draw depends only on the logits and the generator's state.
             Beam search, and sampling under a pipeline, keep the sampler's broadcast.
@@ -41,20 +43,23 @@ import torch
 import torch.distributed as dist
 
 from galaxy.distributed import waiting
+from galaxy.distributed.token_link import TokenLink
 from galaxy.inference.beam_search import BeamProgress
 from galaxy.inference.chunked_prefill import ChunkedPrefill, chunk_spans
 from galaxy.inference.requests import FINISH_CODE, RUNNING, Completion, Progress, Request
 from galaxy.inference.split_head import SplitHead
 from galaxy.layers.kv_cache import STEP_KEY, CacheStep, open_caches
-from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, decode_layouts
+from galaxy.parallel.decode_layout import SOCKET, decode_layouts, default_token_sum
 from galaxy.pipeline.stage import carry_dtype, carry_shapes, carry_slots, pack_carry, unpack_carry
 from galaxy.plan import Layout
 
 
 class Engine:
-    def __init__(self, model, plan, mesh, tokenizer, *, eos_ids, device="cpu", token_sum=DEFAULT_TOKEN_SUM):
+    def __init__(self, model, plan, mesh, tokenizer, *, eos_ids, device="cpu", token_sum=None):
         """model: this rank's part, built under `plan` on `mesh` (galaxy.runtime.assemble);
-        token_sum: how a decode step sums a TP sub-block's output (galaxy.parallel.decode_layout)."""
+        token_sum: how a decode step sums a TP sub-block's output (galaxy.parallel.decode_layout;
+        None: default_token_sum). Collective over the Galaxy group under "socket" (the default on
+        CPU): its ranks connect their TokenLink."""
         self.model, self.plan, self.mesh, self.tokenizer = model, plan, mesh, tokenizer
         self.group, self.device = mesh.galaxy, torch.device(device)
         self.eos = frozenset(eos_ids)
@@ -62,9 +67,11 @@ class Engine:
         self.pad = pad if pad is not None else min(self.eos, default=0)
         self.split_tokens = plan.splits_prompt()
         self.is_sampler = mesh.is_last_stage and self.group.rank == self.group.size - 1
-        self.token_sum = token_sum
-        self.split_head = SplitHead(model, self.group) if SplitHead.applies(model, self.group, mesh.is_last_stage) \
-            else None
+        self.token_sum = token_sum or default_token_sum(self.device)
+        # the group's own sockets for a decode step's small messages: its sums and the LM head's pick
+        self.link = TokenLink.open(self.group.pg) if self.token_sum == SOCKET and self.group.size > 1 else None
+        self.split_head = SplitHead(model, self.group, self.link) \
+            if SplitHead.applies(model, self.group, mesh.is_last_stage) else None
         self.cache_bytes = 0                 # this rank's KV cache of the last batch
         self.prefill_parts = None            # a chunked prefill's seconds on this rank (ChunkedPrefill.seconds)
         model.eval()
@@ -86,20 +93,26 @@ class Engine:
         caches = open_caches(self.model, rows, length, new, carry_dtype(self.model), self.device)
         self.cache_bytes = caches.nbytes
         everywhere = self._chooses_everywhere(progress)
+        # every rank of the group picks greedy rows' tokens itself from the head's shares' best
+        # logits (SplitHead.greedy_tokens): no logits gathered
+        greedy = everywhere and all(r.sampling.greedy for r in progress.rows)
         try:
             logits = self._prefill(ids, mask, positions)
+            caches.skip_padding()            # decode steps read no slot that is padding in every row
             self._advance(progress, logits, on_token, caches)
             if everywhere:
                 self._share_generators(progress)
             ones = torch.ones(rows, 1, dtype=torch.long, device=self.device)
-            with decode_layouts(self.model, self.token_sum):
+            keep = ones.bool()
+            with decode_layouts(self.model, self.token_sum, self.link):
                 step = 0
                 while not progress.done:
                     tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]
                     positions = self._reordered(progress, positions)[:, -1:] + 1        # [b, 1]
                     owner = step % self.group.size
-                    logits = self._forward(tokens, ones, positions, CacheStep(True, ones.bool(), owner), everywhere)
-                    self._advance(progress, logits, on_token, caches, everywhere)
+                    step_info = CacheStep(True, keep, owner, self.link)
+                    scores = self._forward(tokens, ones, positions, step_info, everywhere, greedy)
+                    self._advance(progress, scores, on_token, caches, everywhere, greedy)
                     step += 1
         finally:
             caches.close()
@@ -158,15 +171,18 @@ class Engine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)        # Hugging Face's, pad slots aside
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
-    def _forward(self, ids, mask, positions, step: CacheStep, everywhere: bool = False):
+    def _forward(self, ids, mask, positions, step: CacheStep, everywhere: bool = False, greedy: bool = False):
         """One pass of this stage; on the sampler (on every rank of its group where `everywhere`,
-        decoding), the last position's logits [b, vocab] (fp32)."""
+        decoding), the last position's logits [b, vocab] (fp32), or with `greedy` (decoding,
+        everywhere) every row's greedy token [b]."""
         m = self.model
         context = {**m.layer_context(mask, positions), STEP_KEY: step}
         layout = Layout.R if step.decoding else self.plan.con_layout
         slots = carry_slots(m)
         carry = self._through_stage(lambda: m.embed(ids, positions=positions), slots, slots,
                                     carry_shapes(m, layout, *ids.shape), context, m.layers)
+        if step.decoding and greedy and self.split_head is not None:
+            return self.split_head.greedy_tokens(carry)                         # [b], every rank
         if step.decoding and self.split_head is not None:
             logits = self.split_head.logits(carry)                              # [b, vocab], every rank
             return logits if self.is_sampler or everywhere else None
@@ -189,11 +205,15 @@ class Engine:
         logits, _ = self.model.head(tuple(t[:, -1:] for t in carry))            # [b, 1, vocab]
         return logits[:, -1].float()
 
-    def _advance(self, progress, logits, on_token, caches, everywhere: bool = False) -> None:
-        """The sampler chooses (or, `everywhere`, each rank of its group alike); every rank takes
-        the choice (under beam search, every cache's rows follow the beams chosen)."""
-        chooses = self.is_sampler or (everywhere and logits is not None)
-        packed = progress.choose(logits) if chooses else torch.empty(progress.packed_shape, dtype=torch.long)
+    def _advance(self, progress, scores, on_token, caches, everywhere: bool = False, greedy: bool = False) -> None:
+        """The sampler chooses from the logits `scores` (or, `everywhere`, each rank of its group
+        alike; `greedy`: scores are the rows' tokens already); every rank takes the choice (under
+        beam search, every cache's rows follow the beams chosen)."""
+        chooses = self.is_sampler or (everywhere and scores is not None)
+        if greedy and scores is not None:
+            packed = progress.take(scores.tolist())
+        else:
+            packed = progress.choose(scores) if chooses else torch.empty(progress.packed_shape, dtype=torch.long)
         packed = self._from_sampler(packed.to(self.device), group=not everywhere)
         for row, token, status in progress.record(packed.cpu()):
             if on_token is not None:

@@ -87,13 +87,18 @@ class Progress:
         """The sampler's pick for every row from logits [b, vocab] (fp32) -> [b, 2] (token, status);
         finished rows get the pad token and keep their status."""
         self._make_generators(logits.device)
+        return self.take([choose(logits[i], r.sampling, g) if self.status[i] == RUNNING else None
+                          for i, (r, g) in enumerate(zip(self.requests, self.generators))])
+
+    def take(self, tokens: list) -> torch.Tensor:
+        """Every row's next token chosen elsewhere (tokens[i]; a finished row's is ignored) ->
+        [b, 2] (token, status) as choose gives it."""
         out = torch.empty(len(self.requests), 2, dtype=torch.long)
-        for i, (r, g) in enumerate(zip(self.requests, self.generators)):
+        for i, token in enumerate(tokens):
             if self.status[i] != RUNNING:
                 out[i] = torch.tensor([self.pad, self.status[i]])
-                continue
-            token = choose(logits[i], r.sampling, g)
-            out[i] = torch.tensor([token, self._status_after(i, token)])
+            else:
+                out[i] = torch.tensor([token, self._status_after(i, token)])
         return out
 
     def _make_generators(self, device) -> None:

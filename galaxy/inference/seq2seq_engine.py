@@ -53,7 +53,7 @@ class Seq2SeqEngine(Engine):
         caches = open_caches(m, *ids.shape, max(r.max_new_tokens for r in requests), carry_dtype(m), self.device)
         self.cache_bytes = caches.nbytes
         try:
-            with decode_layouts(m, self.token_sum):
+            with decode_layouts(m, self.token_sum, self.link):
                 source = self._first_pass(ids, mask, progress, on_token, caches)
                 position = 1
                 while not progress.done:
@@ -73,7 +73,7 @@ class Seq2SeqEngine(Engine):
         m = self.model
         rows, length = ids.shape
         start = torch.full((rows, 1), m.config.decoder_start_token_id, dtype=torch.long, device=self.device)
-        context = m.decoding_context(mask, 0, CacheStep(True, self._every_row(rows), 0))
+        context = m.decoding_context(mask, 0, CacheStep(True, self._every_row(rows), 0, self.link))
         received, sent = stage_slots(m)
         shapes = carry_shapes(m, self.plan.con_layout, rows, length, 1, self._stage_start(),
                               target_layout=Layout.R)
@@ -87,7 +87,7 @@ class Seq2SeqEngine(Engine):
         owner of the step is position mod N (round-robin)."""
         m = self.model
         tokens = torch.tensor(progress.last_tokens(), device=self.device)[:, None]               # [b, 1]
-        step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size)
+        step = CacheStep(True, self._every_row(len(tokens)), position % self.group.size, self.link)
         decoder = [layer for layer in m.layers if layer.sequence == "target"]
         received, sent = (decoding_slots(slots) for slots in stage_slots(m))
         shapes = carry_shapes(m, Layout.R, len(tokens), 1, 1, slots=received)

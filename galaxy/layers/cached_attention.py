@@ -18,7 +18,8 @@ a decode step projects one token per row and attends to the cache:
                     rank projects q, k, v for all heads, the step's owner rank (round-robin) stores
                     k, v, and every rank attends q to its own cached keys only, giving a partial
                     output o_r and its log-sum-exp lse_r; one all-gather of [o_r, lse_r]
-                    ([b, 1, heads, d + 1], a few KB) and the exact merge
+                    ([b, 1, heads, d + 1], a few KB; over the group's TokenLink where the
+                    engine has one, CacheStep.link) and the exact merge
                         lse = logaddexp_r lse_r,   o = sum_r exp(lse_r - lse) o_r
                     give every rank the attention over all keys (flash-decoding's merge across
                     ranks), so no cached key ever travels.
@@ -90,8 +91,9 @@ def _every_token(att, x, context: dict, step):
         # in training (8 layers' cores over 512 tokens: 106 ms against 114 under the mask)
         return attention(q, k, v, context.get("mask"), dropout_p=0.0, scale=att.scale, enable_gqa=att.group > 1,
                          causal=first and bool(context.get(CAUSAL)))
-    k, v, keep = att.kv_cache.filled()                                   # [b, kv_heads, T, d], [b, T]
-    mask = decode_mask(keep, context.get(KEY_BIAS), slice(0, keep.shape[1]), q.dtype)
+    cache = att.kv_cache
+    k, v, keep = cache.filled()                                          # [b, kv_heads, T, d], [b, T]
+    mask = decode_mask(keep, context.get(KEY_BIAS), slice(cache.start, cache.length), q.dtype)
     ctx = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                          scale=att.scale, enable_gqa=att.group > 1)    # [b, heads, 1, d]
     return ctx.transpose(1, 2).flatten(2)
@@ -115,17 +117,22 @@ def _decode_across_ranks(att, x, context: dict, step):
     k, v, keep = att.kv_cache.filled()
     bias = context.get(KEY_BIAS)
     if bias is not None:       # no prefill: this rank's slot j holds decoded token rank + N * j
-        bias = bias[..., g.rank + g.size * torch.arange(keep.shape[1], device=keep.device)]
+        slots = torch.arange(att.kv_cache.start, att.kv_cache.length, device=keep.device)
+        bias = bias[..., g.rank + g.size * slots]
     o, lse = partial_attention(q.transpose(1, 2), k, v, keep, att.scale, bias)   # [b, heads, 1, d], [b, heads, 1]
-    return merge_across_ranks(o, lse, g).to(q.dtype)
+    return merge_across_ranks(o, lse, g, step.link).to(q.dtype)
 
 
-def merge_across_ranks(o, lse, group):
+def merge_across_ranks(o, lse, group, link=None):
     """One query per row attended by every rank of `group` to its own keys, o [b, heads, 1, d] and
     lse [b, heads, 1] (fp32, partial_attention's) -> the attention over all their keys, [b, 1,
-    heads*d] on every rank: one all-gather of [b, 1, heads, d + 1] and the exact merge."""
-    parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2)       # [b, 1, heads, d + 1]
-    every = all_gather_sequence(parts.contiguous(), (1,) * group.size, group.pg)   # [b, N, heads, d + 1]
+    heads*d] on every rank: one all-gather of [b, 1, heads, d + 1] (over the group's TokenLink
+    `link` where the engine has one) and the exact merge."""
+    parts = torch.cat((o, lse.unsqueeze(-1)), dim=-1).transpose(1, 2).contiguous()   # [b, 1, heads, d + 1]
+    if link is not None:
+        every = torch.cat(link.exchange(parts), dim=1)                      # [b, N, heads, d + 1]
+    else:
+        every = all_gather_sequence(parts, (1,) * group.size, group.pg)    # [b, N, heads, d + 1]
     o_all, lse_all = every[..., :-1], every[..., -1]
     total = torch.logsumexp(lse_all, dim=1, keepdim=True)                  # [b, 1, heads]
     merged = (torch.exp(lse_all - total).unsqueeze(-1) * o_all).sum(dim=1)  # [b, heads, d]

@@ -40,19 +40,23 @@ class CacheStep:
     decoding: bool           # False: the prompt (prefill), all of it; True: one new token per row
     keep: torch.Tensor       # [b, s] bool: the tokens of this pass that are real (prompt: not padding)
     owner: int = 0           # decoding under SP: the Galaxy rank whose cache stores the new token's K/V
+    link: object = None      # decoding: the group's TokenLink (galaxy.distributed.token_link), if any:
+                             # an SP ATT's merge exchanges its partial outputs over it
 
 
 class KVCache:
     """Preallocated keys and values of one attention on this rank.
 
     k, v: [b, kv_heads, slots, d] (the layout scaled_dot_product_attention reads); keep: [b, slots]
-    bool, True where a slot holds a real key of that row; the first `length` slots are filled."""
+    bool, True where a slot holds a real key of that row; the first `length` slots are filled, and
+    attention reads them from `start` on (skip_padding: the slots before it hold no row's key)."""
 
     def __init__(self, rows: int, kv_heads: int, slots: int, head_dim: int, dtype, device):
         self.k = torch.zeros(rows, kv_heads, slots, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.keep = torch.zeros(rows, slots, dtype=torch.bool, device=device)
         self.length = 0
+        self.start = 0
 
     @property
     def slots(self) -> int:
@@ -69,9 +73,20 @@ class KVCache:
         self.length = start + n
 
     def filled(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(k, v [b, kv_heads, length, d], keep [b, length]): views of the filled slots."""
-        n = self.length
-        return self.k[:, :, :n], self.v[:, :, :n], self.keep[:, :n]
+        """(k, v [b, kv_heads, T, d], keep [b, T]): views of the filled slots from `start`,
+        T = length - start."""
+        a, n = self.start, self.length
+        return self.k[:, :, a:n], self.v[:, :, a:n], self.keep[:, a:n]
+
+    def skip_padding(self) -> None:
+        """After the prefill: later steps attend from the first slot that holds some row's real
+        key. A prompt left-padded to pad_size (a plan that splits tokens) otherwise has every
+        decode step read, and mask, pad_size - prompt keys more than the prompt has (the bench's
+        32-token prompt padded to 512: 16 times its keys). A masked key weighs nothing: only the
+        rounding of the softmax's sums can move. Beam search's reordering keeps it valid (rows
+        only take other rows' slots)."""
+        real = self.keep[:, :self.length].any(0)                          # [length]
+        self.start = int(real.int().argmax()) if bool(real.any()) else self.length
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Beam search: row i takes what row rows[i] holds ([b] indices; in place, so every view
@@ -101,6 +116,12 @@ class Caches:
         for m in self.modules:
             if m.kv_cache is not None:
                 m.kv_cache.reorder(rows)
+
+    def skip_padding(self) -> None:
+        """Every cache's decode steps skip the slots no row fills (KVCache.skip_padding)."""
+        for m in self.modules:
+            if m.kv_cache is not None:
+                m.kv_cache.skip_padding()
 
     def close(self) -> None:
         """Free the caches: the modules compute as in training again."""

@@ -25,10 +25,13 @@ prefill (one all-to-all per generate call), not done.
 
 Decoding runs under no_grad, so the transitions are plain functions, no autograd (an R -> R into
 a TP sub-block, whose backward would all-reduce, is the identity), and
-a TP output's sum is the primitive `token_sum` names (galaxy.distributed.transitions.TOKEN_SUMS):
-a one-token sum of a few KB costs its rounds of messages, not its bytes, and a ring all-reduce
-takes 2 (n - 1) rounds where an all-to-all and a local sum take one ("all_to_all", the default;
-"exchange": a paired send and receive, groups of two only; "all_reduce": gloo's ring).
+a TP output's sum is the primitive `token_sum` names: a one-token sum of a few KB costs its
+rounds of messages, not its bytes, and a ring all-reduce takes 2 (n - 1) rounds where an
+all-to-all and a local sum take one. "socket" (the default on CPU): the same all-to-all's
+arithmetic over the group's own TCP connections (galaxy.distributed.token_link, made by the
+engine), without gloo's thread hand-offs; gloo's primitives (galaxy.distributed.transitions.
+TOKEN_SUMS): "all_to_all" (the default elsewhere), "exchange" (a paired send and receive, groups of
+two only), "all_reduce" (gloo's ring).
 
 An encoder-decoder (a model with `enter_decoder`) decodes only with its decoder: the encoder runs
 once, at the first pass, under the plan's layouts (its entry, its layers and the memory's
@@ -40,19 +43,32 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
 from galaxy.distributed.transitions import TOKEN_SUMS, Transition
 
-DEFAULT_TOKEN_SUM = "all_to_all"
+DEFAULT_TOKEN_SUM = "socket"
+SOCKET = "socket"
+TOKEN_SUM_NAMES = (SOCKET, *sorted(TOKEN_SUMS))
+
+
+def default_token_sum(device) -> str:
+    """The token sum an engine takes unless told: the group's own sockets on CPU (gloo's
+    devices), gloo's or NCCL's all-to-all on an accelerator."""
+    return SOCKET if torch.device(device).type == "cpu" else "all_to_all"
 
 
 @contextmanager
-def decode_layouts(model, token_sum: str = DEFAULT_TOKEN_SUM):
+def decode_layouts(model, token_sum: str = "all_to_all", link=None):
     """Inside: the model's transitions as the decode phase wants them (under no_grad); the plan's
-    again after. token_sum: the primitive of a TP sub-block's P -> R (TOKEN_SUMS)."""
+    again after. token_sum: the primitive of a TP sub-block's P -> R (TOKEN_SUMS, or "socket" over
+    `link`, the group's TokenLink)."""
     saved = [(t, t.fn, t.label) for t in model.modules() if isinstance(t, Transition)]
     plan, group = model.attached.plan, model.attached.group
     encoder_decoder = hasattr(model, "enter_decoder")
-    summed = TOKEN_SUMS[token_sum]
+    if token_sum == SOCKET and link is None and group.size > 1:
+        raise ValueError("token_sum 'socket' needs the group's TokenLink (galaxy.distributed.token_link)")
+    summed = (link and link.sum_over) if token_sum == SOCKET else TOKEN_SUMS[token_sum]
     try:
         (model.enter_decoder if encoder_decoder else model.enter).use(None, "R->R", group)
         for layer in model.layers:

@@ -17,6 +17,10 @@ from galaxy.planner.device_compute import _interp as _line
 from galaxy.planner.link_model import _interpolate
 from galaxy.planner.profiles import ProfileError
 
+# a greedy row's pick of the split LM head (galaxy.inference.split_head.greedy_tokens): its best
+# logit and index, [1, 2] float64, exchanged as a one-token call
+PICK_BYTES = 16
+
 
 class DecodeTimes:
     """One device's decode pieces: att_line(heads_r) -> (seconds at no keys, seconds per key),

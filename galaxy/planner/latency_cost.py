@@ -28,11 +28,13 @@ come from galaxy.planner.decode_time: the device profile's measured one-token st
 profile-devices --objective latency took them (ATT at its heads, a line in the keys it attends
 to; the MLP at its columns; each CON; the layer's glue beyond its sub-blocks; the embedding; the
 LM head at its vocabulary rows; the sampler), else matrix FLOPs over the one-token rate. Per
-layer: one one-token sum of [1, h] per TP sub-block and SP MLP (an all-to-all: "token_sum", at its
-measured time where the link profile has it, else priced as an all-reduce), one all-gather of
-[1, heads, head_dim + 1] (output and log-sum-exp) per SP ATT. The last stage's group splits the LM
-head by vocabulary rows (in proportion to the decode step's MLP columns) and all-gathers the logits [1, vocab_r] to the
-sampler (galaxy.inference.split_head). The prefill ends with the sampler's [1, 2] broadcast over
+layer: one one-token sum of [1, h] per TP sub-block and SP MLP ("token_sum": the engine's default
+primitive, on CPU the group's own sockets; at its measured time where the link profile has it,
+else priced as an all-reduce), one all-gather of [1, heads, head_dim + 1] (output and log-sum-exp)
+per SP ATT (over the same token link: priced as a one-token sum of its bytes where measured).
+The last stage's group splits the LM head by vocabulary rows (in proportion to the
+decode step's MLP columns) and exchanges each rank's best logit and index (a greedy row's pick,
+galaxy.inference.split_head; a measured 16-byte "token_sum"). The prefill ends with the sampler's [1, 2] broadcast over
 the group and the pipeline (its measured "broadcast", else a one-call all-gather of 16 bytes), a
 decode step with the pipeline's alone: every rank of the group chooses from the same logits.
 
@@ -53,7 +55,7 @@ from galaxy.models.shape import with_shape_keys
 from galaxy.plan import Plan
 from galaxy.planner.chunked_prefill import ChunkedPrefillCost
 from galaxy.planner.cost import SUB_BLOCKS, Estimate
-from galaxy.planner.decode_time import DecodeTimes, token_call_time, vocab_split
+from galaxy.planner.decode_time import PICK_BYTES, DecodeTimes, token_call_time, vocab_split
 from galaxy.planner.link_model import link_time
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 from galaxy.planner.profiles import ProfileError
@@ -214,16 +216,24 @@ class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
 
     def _decode_head(self, plan: Plan, out: _Pass, ranks, steps: int) -> None:
         """The last stage's LM head on each decoded token: a group splits it by vocabulary rows
-        (galaxy.inference.split_head) and all-gathers the logits [1, vocab_r] to the sampler; a
-        rank alone runs it whole. Then the sampler chooses."""
+        (galaxy.inference.split_head) and, greedy, exchanges each rank's best logit and index
+        (PICK_BYTES; sampling gathers the logits, not priced here: the latency objective is the
+        greedy request's); a rank alone runs it whole. Then the sampler chooses."""
         times = [self.decode[r] for r in ranks]
         if plan.group == 1:
             self._charge(out, ranks, "HEAD", [steps * (times[0].head(self.vocab) + times[0].sampler())])
             return
         rows = vocab_split(self.vocab, plan.decode_mlp_columns())
         self._charge(out, ranks, "HEAD", [steps * d.head(v) for d, v in zip(times, rows)])
-        wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
-        t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
+        # a greedy row's pick (split_head.greedy_tokens): one exchange of its best logit and index,
+        # at the measured one-token call; else (older profiles) the gather of the logits
+        pick = token_call_time(self.link, "token_sum", plan.group, PICK_BYTES)
+        if pick is not None:
+            wire = ring_bytes("all_gather", PICK_BYTES // FP32, FP32, plan.group)
+            t = steps * pick
+        else:
+            wire = ring_bytes("all_gather", max(rows), FP32, plan.group)
+            t = steps * link_time(self.link, "all_gather", plan.group, wire, 1, len(set(rows)) > 1, tuple(ranks))
         for r in ranks:
             out.comm[r] += t
             out.sent[r] += steps * wire
@@ -297,22 +307,23 @@ class LatencyCostModel(ChunkedPrefillCost, ModelTerms):
     def decode_calls(self, plan: Plan) -> list[tuple[str, int]]:
         """(kind, elements per rank) of one layer's collectives in a decode step: a TP sub-block's
         and the MLP's (TP or SP, each on its columns) one-token sum ("token_sum":
-        galaxy.parallel.decode_layout's default, an all-to-all), an SP ATT's all-gather of
-        [1, heads, head_dim + 1]."""
+        galaxy.parallel.decode_layout's default), an SP ATT's exchange of [1, heads, head_dim + 1]
+        ("token_gather": one round of messages as the sum's, over the same token link, so priced
+        as a measured "token_sum" of its bytes; else, older profiles, as the all-gather it was)."""
         if plan.group == 1:
             return []
-        att = ("token_sum", self.hidden) if plan.att == "TP" else ("all_gather", self.heads * (self.head_dim + 1))
+        att = ("token_sum", self.hidden) if plan.att == "TP" else ("token_gather", self.heads * (self.head_dim + 1))
         return [att, ("token_sum", self.hidden)]
 
     def _call_time(self, kind: str, g: int, numel: int, uneven: bool, ranks) -> tuple[float, float]:
         """(seconds, bytes sent) of one call: a one-token sum at its measured time where the link
         profile has it (profile-devices --objective latency), else priced as the all-reduce it
         replaced (older profiles)."""
-        if kind == "token_sum":
-            measured = token_call_time(self.link, kind, g, numel * FP32)
+        if kind in ("token_sum", "token_gather"):
+            measured = token_call_time(self.link, "token_sum", g, numel * FP32)
             if measured is not None:
                 return measured, ring_bytes("all_gather", numel, FP32, g)
-            kind = "all_reduce"
+            kind = "all_reduce" if kind == "token_sum" else "all_gather"
         b = ring_bytes(kind, numel, FP32, g)
         return link_time(self.link, kind, g, b, 1, uneven and kind != "all_reduce", tuple(ranks)), b
 

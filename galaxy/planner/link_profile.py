@@ -8,6 +8,9 @@ import torch
 import torch.distributed as dist
 
 from galaxy.distributed.collectives import all_gather_sequence, all_reduce, reduce_scatter_sequence, sum_by_all_to_all
+from galaxy.distributed.token_link import TokenLink
+from galaxy.parallel.decode_layout import SOCKET, default_token_sum
+from galaxy.planner.decode_time import PICK_BYTES
 from galaxy.planner.profiles import fit_pair
 
 # The link profile (measure_link): batches of calls about LINK_BATCH_S long, at most MAX_CALLS,
@@ -117,16 +120,23 @@ class _LinkTimer:
 def measure_token_calls(env, sizes: list[int], repeats: int) -> list[dict]:
     """The calls a decode step makes, timed as measure_link times the others (after a burst of
     compute; the slowest rank's mean), at the few-KB sizes of one token: a TP sub-block's sum of
-    one token's partial output (galaxy.distributed.collectives.sum_by_all_to_all, the default
-    token_sum: one all-to-all, then a local sum; kind "token_sum", bytes: the summed tensor's) and
-    the sampler's [1, 2] token broadcast from the last rank (kind "broadcast", 16 bytes). A
-    one-token call's cost is its rounds of messages, which a fit to large messages does not give
+    one token's partial output by the engine's default token_sum on this device (kind
+    "token_sum", bytes: the summed tensor's; on CPU the group's own sockets, galaxy.distributed.
+    token_link, else sum_by_all_to_all), also at 16 bytes, a greedy row's pick of the split LM
+    head (galaxy.inference.split_head.greedy_tokens: one exchange of [1, 2] float64), and the
+    sampler's [1, 2] token broadcast from the last rank (kind "broadcast", 16 bytes). A one-token
+    call's cost is its rounds of messages, which a fit to large messages does not give
     (bench/results/latency_cluster.md: 2.5 ms per all-reduce fitted, 0.1-0.2 ms per all-to-all)."""
     timer = _LinkTimer(env, repeats)
-    for size in sizes:
+    if default_token_sum(timer.device) == SOCKET:
+        summed = TokenLink.open(timer.pg).sum
+    else:
+        def summed(x):
+            return sum_by_all_to_all(x, timer.pg)
+    for size in [PICK_BYTES, *sizes]:
         x = torch.randn(1, 1, max(1, size // 4), device=timer.device)          # [b, 1, h]: one token
         dist.barrier()
-        timer.record("token_sum", x.numel() * 4, False, timer.timed(lambda: sum_by_all_to_all(x, timer.pg)))
+        timer.record("token_sum", x.numel() * 4, False, timer.timed(lambda: summed(x)))
     packed = torch.zeros(1, 2, dtype=torch.long, device=timer.device)           # the sampler's (token, status)
     dist.barrier()
     timer.record("broadcast", packed.numel() * 8, False, timer.timed(lambda: dist.broadcast(packed, src=env.world - 1)))
