@@ -156,7 +156,8 @@ class TokenLink:
             writing = [s for r, s in self.peers.items() if sent[r] < len(out)]
             if not reading and not writing:
                 return
-            if moved:
+            if moved:       # the timeout counts silence, not the whole exchange (megabytes may take long)
+                deadline = time.monotonic() + self.timeout
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
