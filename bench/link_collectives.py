@@ -24,7 +24,9 @@ slower direction against the rate of the tbf on the device's eth0 (galaxy.edge).
 
 Under each case, summed over its calls, per rank: TCP retransmitted segments, timeouts (RTO),
 tail-loss probes, the tbf's drops on the device's end and on the host's end (entered through pid
-1's network namespace), the device cgroup's CFS throttling, softirq time on the device's CPUs, and
+1's network namespace), the device cgroup's CFS throttling, softirq time on the device's CPUs (and
+per MB through its eth0, either way), the mean skb eth0 sent and received (galaxy.edge.probe.
+interface_counts: tens of KB where TCP's segments cross the tbfs whole, 1.5 KB where one cut them), and
 `ss -ti` of the gloo connection that carried the bytes (cwnd, smoothed RTT, time limited by the
 receive window or the send buffer, BBR's bandwidth estimate).
 
@@ -56,6 +58,7 @@ import torch.distributed as dist  # noqa: E402
 
 from two_ranks import add_rank_args, run_two  # noqa: E402
 from galaxy.distributed import pair_exchange  # noqa: E402
+from galaxy.edge.probe import interface_counts  # noqa: E402
 
 PRIMITIVES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce", "exchange", "paired_all_gather",
               "paired_reduce_scatter", "one_way")
@@ -201,6 +204,7 @@ def snapshot(iface: str, host_end: str | None) -> dict:
     s = {k: counters.get(key, 0) for k, key in TCP_KEYS.items()}
     s["tbf_drops"] = _qdisc(iface).get("drops", 0)
     s["host_tbf_drops"] = _qdisc(host_end, True).get("drops", 0) if host_end else 0
+    s.update(interface_counts(iface))       # the mean skb each way (galaxy.edge.probe)
     s.update(_cgroup_cpu_stat())
     s["softirq_ms"] = _softirq_ms()
     s["conns"] = _connections()
@@ -330,7 +334,7 @@ def _host_end(rank: int) -> str | None:
 def print_header(link_mbit, per_ms: float) -> None:
     print(f"link (tbf on eth0): {link_mbit:.0f} Mbit/s" if link_mbit else "link: not shaped", f"; {per_ms:.1f} GEMMs/ms")
     print(f"{'cc':>5} {'primitive':>14} {'KB':>5} {'mode':>7} | {'Mbit/s into r0 / r1':>19} {'% link':>6} | "
-          f"{'retr':>5} {'rto':>3} {'tlp':>4} {'drops d/h':>9} {'thr ms':>7} {'sirq ms':>7} | {'cwnd':>7} {'srtt':>11} "
+          f"{'retr':>5} {'rto':>3} {'tlp':>4} {'drops d/h':>9} {'thr ms':>7} {'sirq ms':>7} {'sirq/MB':>9} {'skb out B':>11} {'skb in B':>11} | {'cwnd':>7} {'srtt':>11} "
           f"{'rwnd; sndbuf lim ms':>18}  (r0/r1)", flush=True)
 
 
@@ -351,9 +355,16 @@ def report_row(r0: dict, r1: dict, link) -> dict:
         return "/".join(fmt.format(c.get(k) or 0) if c.get(k) is None or isinstance(c.get(k), (int, float))
                         else str(c.get(k)) for c in (c0, c1))
     drops = f"{c0.get('tbf_drops', 0) + c1.get('tbf_drops', 0)}/{c0.get('host_tbf_drops', 0) + c1.get('host_tbf_drops', 0)}"
+    for c in (c0, c1):
+        # softirq per MB through this device's link, either way; the mean skb each way
+        mb = (c.get("tx_bytes", 0) + c.get("rx_bytes", 0)) / 1e6
+        c["sirq_per_mb"] = c.get("softirq_ms", 0) / mb if mb else float("nan")
+        c["skb_out"] = c.get("tx_bytes", 0) / max(1, c.get("tx_skbs", 0))
+        c["skb_in"] = c.get("rx_bytes", 0) / max(1, c.get("rx_skbs", 0))
     print(f"{r0['cc']:>5} {r0['primitive']:>14} {kb:>5} {r0['mode']:>7} | {rates[0]:>9.0f} / {rates[1]:<7.0f} "
           f"{share:>6.0f} | {pair('retrans'):>5} {pair('rto'):>3} {pair('tlp'):>4} {drops:>9} "
-          f"{pair('throttled_ms'):>7} {pair('softirq_ms'):>7} | {pair('cwnd', '{}'):>7} {pair('srtt_ms', '{}'):>11} "
+          f"{pair('throttled_ms'):>7} {pair('softirq_ms'):>7} {pair('sirq_per_mb', '{:.1f}'):>9} "
+          f"{pair('skb_out'):>11} {pair('skb_in'):>11} | {pair('cwnd', '{}'):>7} {pair('srtt_ms', '{}'):>11} "
           f"{pair('rwnd_limited_ms')}; {pair('sndbuf_limited_ms')}", flush=True)
     return {**{k: r0[k] for k in ("cc", "primitive", "kb", "mode")}, "mbit_into": rates, "seconds": seconds,
             "share_of_link": share, "rank0": r0, "rank1": r1}

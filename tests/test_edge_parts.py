@@ -15,7 +15,7 @@ from galaxy.edge import runs
 from galaxy.edge.cgroups import Layout, find_layout
 from galaxy.edge.network import pick_subnet
 from galaxy.edge.output import Console
-from galaxy.edge.shaping import shape_commands, tbf_sizes
+from galaxy.edge.shaping import gso_bytes, shape_commands, tbf_sizes
 from galaxy.runtime import cgroup
 from galaxy.train import summary
 
@@ -169,6 +169,17 @@ def test_token_bucket_sizes_and_the_delay_line():
                         "limit", "1000"],
                        ["tc", "qdisc", "add", "dev", "gxe-000000-h1", "parent", "1:1", "handle", "10:", "tbf",
                         "rate", "300mbit", "burst", "37500", "limit", "787500"]]
+
+
+def test_gso_skbs_fit_the_smallest_bucket_with_their_headers():
+    assert gso_bytes([300, 300]) == 37500 * 1448 // 1514 == 35865
+    assert gso_bytes([1000, 300, 100]) == 32768 * 1448 // 1514      # the 100 Mbit/s bucket bounds all
+    assert gso_bytes([1000, 1000]) is None                            # 125 KB: the default 64 KB passes
+    for mbit in (100, 300):
+        # TCP fills an skb with whole segments up to gso_max_size; tbf charges each 1448 bytes of
+        # payload with its 66 bytes of Ethernet, IPv4 and TCP headers: 24 x 1514 = 36336 <= 37500
+        segments = gso_bytes([mbit]) // 1448
+        assert segments >= 20 and segments * 1514 <= tbf_sizes(mbit)[0]
 
 
 def test_run_names_and_subnets():

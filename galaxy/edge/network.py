@@ -13,7 +13,7 @@ import json
 import random
 
 from galaxy.edge.cluster import Device
-from galaxy.edge.shaping import shape, shape_commands
+from galaxy.edge.shaping import gso_bytes, shape, shape_commands
 from galaxy.edge.shell import EdgeError, run
 
 DEVICE_IF = "eth0"          # a device's interface, inside its namespace
@@ -84,6 +84,7 @@ class Network:
         return device_address(self.subnet, index)
 
     def up(self) -> None:
+        gso = gso_bytes(d.link_mbit for d in self.devices)
         bridge = bridge_name(self.run_name)
         run("ip", "link", "add", bridge, "type", "bridge")
         self.made.append(("bridge", bridge))
@@ -97,13 +98,17 @@ class Network:
             run("ip", "link", "set", end, "master", bridge, "up")
             run("ip", "-n", ns, "link", "set", "lo", "up")
             run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/{self.subnet.prefixlen}", "dev", DEVICE_IF)
+            if gso is not None:     # the skbs this device's TCP builds pass every tbf whole (shaping.py)
+                run("ip", "-n", ns, "link", "set", DEVICE_IF, "gso_max_size", str(gso))
             run("ip", "-n", ns, "link", "set", DEVICE_IF, "up")
             shape(end, None, device.link_mbit, device.latency_ms)
             shape(DEVICE_IF, ns, device.link_mbit, device.latency_ms)
 
     def describe(self) -> list[str]:
         """What up() builds, one line per device (for `check`)."""
-        lines = [f"bridge {bridge_name(self.run_name)}, subnet {self.subnet} (the host gets no address on it)"]
+        gso = gso_bytes(d.link_mbit for d in self.devices)
+        lines = [f"bridge {bridge_name(self.run_name)}, subnet {self.subnet} (the host gets no address on it)"
+                 + (f"; every {DEVICE_IF} gso_max_size {gso}" if gso else "")]
         for i, d in enumerate(self.devices):
             commands = shape_commands(host_end(self.run_name, i), None, d.link_mbit, d.latency_ms)
             tbf = commands[-1][commands[-1].index("tbf"):]

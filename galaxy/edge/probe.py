@@ -5,7 +5,7 @@
 
   link    rank 0 and every other device in turn send --bytes (4 MiB) each way through gloo, timed by
           the sender up to a one-element reply: the payload rate in Mbit/s (TCP/IP headers cost
-          3-4% of the link)
+          3-4% of the link), and the mean skb the sender's interface passed (bytes)
   gemm    each device in turn, alone, multiplies 256 x 256 matrices for --rounds windows of
           GEMM_WINDOW_S; its best window in GFLOP/s (the window least disturbed by the host's
           other work; a window spans 30 CFS periods, so a device's share shows whole)
@@ -14,12 +14,13 @@
 
 The collectives bind to the interface towards rank 0 as Galaxy's launch does
 (galaxy.distributed.interface). Rank 0 prints a line per figure and, with --out, writes them as
-JSON ({"0->1": Mbit/s, "gemm 1": GFLOP/s, "host 1": its host name, "threads 1": torch threads}).
+JSON ({"0->1": Mbit/s, "skb 0->1": bytes, "gemm 1": GFLOP/s, "host 1": its host name, "threads 1": torch threads}).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import time
 from datetime import timedelta
@@ -45,8 +46,23 @@ def timed_send(peer: int, nbytes: int, sending: bool) -> float:
     return time.perf_counter() - t0
 
 
+def interface_counts(iface: str) -> dict:
+    """{"tx_bytes", "tx_skbs", "rx_bytes", "rx_skbs"} of `iface` in this network namespace
+    (/proc/net/dev). A veth counts an skb once whatever its size, so bytes / skbs is the mean skb:
+    tens of KB where TCP's TSO/GSO segments cross whole (galaxy.edge.shaping), 1.5 KB where a tbf
+    cut them to wire packets."""
+    for line in open("/proc/net/dev", encoding="ascii").read().splitlines()[2:]:
+        name, counts = line.split(":", 1)
+        if name.strip() == iface:
+            f = [int(x) for x in counts.split()]
+            return {"rx_bytes": f[0], "rx_skbs": f[1], "tx_bytes": f[8], "tx_skbs": f[9]}
+    return {}
+
+
 def link(rank: int, world: int, nbytes: int) -> dict:
-    """{"i->0": Mbit/s, "0->i": Mbit/s} for every device i > 0, one pair at a time."""
+    """{"i->0": Mbit/s, "0->i": Mbit/s} for every device i > 0, one pair at a time, and the mean
+    skb the sender's interface passed meanwhile ({"skb i->0": bytes, ...})."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     out = {}
     for peer in range(1, world):
         for src, dst in ((peer, 0), (0, peer)):
@@ -54,9 +70,13 @@ def link(rank: int, world: int, nbytes: int) -> dict:
             if rank in (src, dst):
                 other = dst if rank == src else src
                 timed_send(other, 1 << 16, rank == src)         # the pair's connection is warm
+                before = interface_counts(iface)
                 seconds = timed_send(other, nbytes, rank == src)
                 if rank == src:
+                    after = interface_counts(iface)
                     out[f"{src}->{dst}"] = nbytes * 8 / seconds / 1e6
+                    out[f"skb {src}->{dst}"] = ((after.get("tx_bytes", 0) - before.get("tx_bytes", 0))
+                                                / max(1, after.get("tx_skbs", 0) - before.get("tx_skbs", 0)))
     return out
 
 
@@ -117,7 +137,7 @@ def main(argv=None) -> None:
     figures = {k: v for d in every for k, v in d.items()}
     if args.rank == 0:
         for key, value in figures.items():
-            unit = " Mbit/s" if "->" in key else " GFLOP/s" if key.startswith("gemm") else \
+            unit = " B" if key.startswith("skb") else " Mbit/s" if "->" in key else " GFLOP/s" if key.startswith("gemm") else \
                 " MiB" if key.startswith("allocated") else ""
             print(f"{key}: {value:.1f}{unit}" if isinstance(value, float) else f"{key}: {value}{unit}", flush=True)
         if args.out:

@@ -28,10 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 # Fitted on two one-core devices of the edge testbed, unshaped link, all-MiniLM-L6-v2 at 8 and 4
-# x 128 (bench/overlap_paired.py, 2026-11-26, 4 runs): the Galaxy plan's step with n streams or
-# c chunks against 1 stream and 1 chunk, medians 1.04-1.17 (2 streams), 0.98-1.24 (3), 1.06-1.37
-# (4); 1.11-1.30 (2 chunks), 1.23-1.36 (4): about 7% per extra stream and 12% per extra chunk.
-STREAM_COST = 0.07
+# x 128 (bench/overlap_paired.py, the Galaxy plan's step with n streams or c chunks against 1
+# stream and 1 chunk, paired medians). 2026-11-26, 4 runs beside other work: 1.04-1.17 (2
+# streams), 0.98-1.24 (3), 1.06-1.37 (4); 1.11-1.30 (2 chunks), 1.23-1.36 (4). Refitted the same
+# day on 6 shielded runs (3 at each batch, load 20-130 held off by --shield): 1.12-1.25 (2
+# streams), 1.33-1.51 (4); 1.24-1.36 (4 chunks): least squares over both stream counts 13% per
+# extra stream; chunks 8-12% per extra one, so 12% stays.
+STREAM_COST = 0.13
 CHUNK_COST = 0.12
 
 STREAM_CHOICES = (1, 2, 3, 4)
