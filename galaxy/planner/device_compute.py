@@ -80,9 +80,17 @@ class DeviceCompute:
         t = self.tables[kind]
         out = []
         for grid in (t["fwd_s"], t["bwd_s"]):
-            per_unit = [_interp(self.rows, row, rows) for row in grid]
+            per_unit = [self._at_rows(row, rows) for row in grid]
             out.append(max(0.0, _interp(t["units"], per_unit, units)))
         return tuple(out)
+
+    def _at_rows(self, row: list, rows: float) -> float:
+        """A unit's seconds at `rows` from its measured rows: piecewise linear through two or more;
+        one (a --quick profile, taken at the config's batch) is in proportion to the rows, as the
+        FLOPs are (held constant, a batch-8 profile costed batch 2 at batch 8's compute)."""
+        if len(self.rows) == 1:
+            return row[0] * rows / self.rows[0]
+        return _interp(self.rows, row, rows)
 
     def _flops(self, kind, units, rows):
         name = self.FLOPS_OF[kind]
