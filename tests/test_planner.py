@@ -22,7 +22,7 @@ from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
 from galaxy.planner.profiles import (ProfileError, check_cluster, check_device, check_link, compose, fit_link,
                                      load_devices, write_json)
-from galaxy.planner.overlap_time import STREAM_COST
+from galaxy.planner.overlap_time import HIDE_RATE, STREAM_COST
 from galaxy.planner.search import Searcher, proportional, search
 from galaxy.planner.table import table
 from galaxy.planner.writer import plan_keys
@@ -242,8 +242,8 @@ def test_dp_sharding_is_written_for_replicas_only():
 def test_streams_hide_collectives_behind_the_other_streams_compute_by_hand():
     """galaxy.planner.overlap_time on the Galaxy plan, equal devices, a link whose collectives take
     a little more than a forward's compute: with n streams each pass's compute costs (1 + STREAM_COST
-    (n - 1)) and its collectives are exposed by max(0, comm - (n - 1) compute'), the pass at least
-    its comm."""
+    (n - 1)) and the pass takes the larger of compute' and comm plus 1 / (1 + HIDE_RATE (n - 1)) of
+    the smaller."""
     R, rows = 1e10, 16
     slow = check_link({"latency_s": 0.0, "bytes_per_s": 1e7}, "slow link")
     plan = galaxy_plan((6, 6), (768, 768), (24, 24))
@@ -259,7 +259,8 @@ def test_streams_hide_collectives_behind_the_other_streams_compute_by_hand():
     fwd, bwd = free / 3, 2 * free / 3                      # backward: twice the forward's FLOPs
     for n in (2, 3):
         work = [t * (1 + STREAM_COST * (n - 1)) for t in (fwd, bwd)]
-        want = sum(max(w + max(0.0, comm - (n - 1) * w), comm) for w in work) + once
+        share = 1 / (1 + HIDE_RATE * (n - 1))
+        want = sum(max(w, comm) + share * min(w, comm) for w in work) + once
         assert step(slow, rows, n) == pytest.approx(want, rel=1e-7)      # (the free link: 1e-8)
     assert fwd * (1 + STREAM_COST) < comm < 2 * fwd * (1 + 2 * STREAM_COST)   # a forward link-bound at 2 and 3
 
