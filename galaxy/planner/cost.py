@@ -44,7 +44,7 @@ from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import stage_ends
-from galaxy.planner.link_model import data_parallel_traffic, link_time
+from galaxy.planner.link_model import data_parallel_traffic, link_time, wire_time
 from galaxy.planner.overlap_time import overlapped_pass, pass_overlap
 
 SUB_BLOCKS = ("ATT", "CON", "MLP", "CON")
@@ -96,6 +96,8 @@ class _StageComm:
     step_bytes: float = 0.0
     calls: float = 0.0             # boundary collectives of one micro-batch, and of its forward
     fwd_calls: float = 0.0
+    wire: float = 0.0              # of mb, the link carrying the bytes (link_model.wire_time), and of fwd
+    fwd_wire: float = 0.0
 
 
 class CostModel(MemoryModel):
@@ -144,8 +146,9 @@ class CostModel(MemoryModel):
         # batch streams and chunks hide collectives behind compute (galaxy.planner.overlap_time)
         overlap = pass_overlap(plan, s.rows, [self.devices[r] for r in ranks],
                                runs_streams=self.backbone not in ("forward", "absent"))
-        return (overlapped_pass(fwd, comm.fwd, comm.fwd_calls, overlap),
-                overlapped_pass(bwd, comm.mb - comm.fwd, comm.calls - comm.fwd_calls, overlap), comm.step + extra, path)
+        return (overlapped_pass(fwd, comm.fwd, comm.fwd_calls, overlap, comm.fwd_wire),
+                overlapped_pass(bwd, comm.mb - comm.fwd, comm.calls - comm.fwd_calls, overlap, comm.wire - comm.fwd_wire),
+                comm.step + extra, path)
 
     def _stage_comm(self, s: _Step, p: int, c: int, group: tuple[int, ...]) -> _StageComm:
         """Galaxy collectives of stage p's group `group` (global ranks; c layers recomputed) per
@@ -163,6 +166,8 @@ class CostModel(MemoryModel):
             out.mb_bytes += b + rb
             out.calls += calls + rc
             out.fwd_calls += fwd_share * calls
+            out.wire += wire_time(self.link, kind, g, b + rb, group)
+            out.fwd_wire += fwd_share * wire_time(self.link, kind, g, b, group)
             sb = L * f["s_layer"] + (f["s_fixed"] if last else 0)
             if sb:
                 out.step += link_time(self.link, kind, g, sb, 0, ranks=group)

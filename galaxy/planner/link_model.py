@@ -53,6 +53,16 @@ def link_time(link: dict | None, kind: str, n: int, wire_bytes: float, calls: fl
     return calls * fit["latency_s"] * ring_steps(kind, n) + wire_bytes / fit["bytes_per_s"]
 
 
+def wire_time(link: dict | None, kind: str, n: int, wire_bytes: float, ranks: tuple[int, ...] | None = None) -> float:
+    """The part of link_time that is the link carrying the bytes (the fit's rate, a subgroup's
+    faster where its pairs are): what overlap can hide. The rest, per call, is the ranks' own work
+    (a one-core device's copies and syscalls), which it cannot (galaxy.planner.overlap_time)."""
+    if n <= 1 or link is None or wire_bytes <= 0:
+        return 0.0
+    scale = group_scale(link, ranks) if ranks is not None else 1.0
+    return wire_bytes / (link["fit"][kind]["bytes_per_s"] * max(scale, 1.0))
+
+
 def pair_of(link: dict, a: int, b: int) -> dict | None:
     """The PAIR entry of ranks a and b (either order), or None."""
     for pair in link.get("pairs") or ():

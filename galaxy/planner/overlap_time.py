@@ -12,9 +12,13 @@ are still on the link, and one core both computes and drives the link. What the 
 follow is a pass of the larger of the two plus a share of the smaller left exposed, the share
 falling with h:
 
-    pass = max(compute', comm) + e * min(compute', comm),     e = 1 / (1 + HIDE_RATE * h)
+    pass = cpu + max(compute', wire) + e * min(compute', wire),     e = 1 / (1 + HIDE_RATE * h)
 
-which is compute + comm at h = 0 (nothing overlaps) and tends to max(compute', comm) as h grows.
+where wire is the link carrying the collectives' bytes (the link fit's rate: link_model.wire_time)
+and cpu = comm - wire their per-call rest, the ranks' own copies and syscalls, which a one-core
+device cannot run beside its compute (at 1 Gbit/s batch 8, a full devices profile taken there: the unshaped step is 133 ms over the
+compute tables' 465; hiding it as wire time predicted 2 streams at 0.83 of the measured step, as
+cpu 0.92). At h = 0 the pass is compute + comm (nothing overlaps); as h grows, cpu + the larger.
 compute' is the pass's compute with what streams and chunks cost on the device: half-size GEMMs,
 twice the calls, and on a one-core device the in-flight collectives' copies competing with the
 GEMMs. That is a measured term per extra stream and per extra chunk: `stream_cost` and
@@ -64,14 +68,15 @@ class Overlap:
         return seconds * (1 + self.stream_cost * (self.streams - 1)) * (1 + self.chunk_cost * (self.chunks - 1))
 
 
-def overlapped_pass(compute: float, comm: float, boundaries: float, overlap: Overlap) -> float:
+def overlapped_pass(compute: float, comm: float, boundaries: float, overlap: Overlap, wire: float | None = None) -> float:
     """Seconds of a pass: `compute` seconds of sub-blocks, `comm` seconds of its `boundaries`
-    boundary collectives (module docstring)."""
+    boundary collectives, `wire` of them the link carrying bytes (None: all; module docstring)."""
     if overlap.streams == overlap.chunks == 1 or boundaries <= 0:
         return compute + comm
+    wire = comm if wire is None else min(wire, comm)
     work = overlap.compute(compute)
     exposed_share = 1.0 / (1.0 + HIDE_RATE * overlap.hiding)
-    return max(work, comm) + exposed_share * min(work, comm)
+    return (comm - wire) + max(work, wire) + exposed_share * min(work, wire)
 
 
 def pass_overlap(plan, rows: float, devices: list[dict], runs_streams: bool = True) -> Overlap:
