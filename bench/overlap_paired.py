@@ -14,7 +14,7 @@ Variants (name: plan, comm_chunks, batch_streams, gradient sync started during b
   galaxy-s2, galaxy-s2-c2: the same, each micro-batch's rows in 2 batch streams (plain, and with
       comm_chunks 2 inside each stream's sub-blocks)
   galaxy-s3, galaxy-s4: in 3 and 4 streams, every other stream a step out of phase (streams.
-      stream_delays); galaxy-s3-inphase: 3 streams all in phase (the schedule before the delays)
+      stream_delays); galaxy-s4-c2: 4 streams, comm_chunks 2 in each; galaxy-s3-inphase: 3 streams all in phase (the schedule before the delays)
   galaxy-c1-gloo, galaxy-c4-gloo, galaxy-s4-gloo: galaxy-c1, -c4 and -s4 with gloo's own all-gather
       and all-to-all, as before galaxy.distributed.pair_exchange (every other variant exchanges)
   tp-c1 (baseline of the tp-*), tp-c2, tp-c4:                    ATT TP, MLP TP, CON None
@@ -76,6 +76,7 @@ VARIANTS = {
     "galaxy-s2-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2, batch_streams=2),
     "galaxy-s3": Variant("galaxy", "galaxy-c1", batch_streams=3),
     "galaxy-s4": Variant("galaxy", "galaxy-c1", batch_streams=4),
+    "galaxy-s4-c2": Variant("galaxy", "galaxy-c1", comm_chunks=2, batch_streams=4),
     "galaxy-s3-inphase": Variant("galaxy", "galaxy-c1", batch_streams=3, in_phase=True),
     "galaxy-c1-gloo": Variant("galaxy", "galaxy-c1", paired=False),
     "galaxy-c4-gloo": Variant("galaxy", "galaxy-c1", comm_chunks=4, paired=False),
