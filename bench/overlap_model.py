@@ -32,7 +32,8 @@ from galaxy.planner.profiles import compose                           # noqa: E4
 
 # bench/overlap_paired.py's variants: (batch_streams, comm_chunks)
 SHAPE = {"galaxy-c1": (1, 1), "galaxy-c2": (1, 2), "galaxy-c4": (1, 4),
-         "galaxy-s2": (2, 1), "galaxy-s3": (3, 1), "galaxy-s4": (4, 1)}
+         "galaxy-s2": (2, 1), "galaxy-s3": (3, 1), "galaxy-s4": (4, 1),
+         "galaxy-s2-c2": (2, 2), "galaxy-s4-c2": (4, 2)}
 
 
 def galaxy_plan(layers: int, heads: int, columns: int, tokens: int, streams: int, chunks: int) -> Plan:
