@@ -78,7 +78,11 @@ def lora_mesh_vs_peft(family: str, model_dir, adapter_dir, plan, pp: int, dp: in
     what the export writes (lora_adapter_state). task: the model's (None: the family's primary
     one); optimizer: parity_runners.optimizers' (None: torch's SGD; "sgd": galaxy's, which also
     takes a pipeline stage with nothing to train); dp_batch: rows per replica (None: even)."""
-    ref = peft_reference(family, model_dir, adapter_dir, task)
+    # peft's model in float64: the exact gradients, so that the 1e-5 budget is galaxy's own rounding.
+    # Against peft in fp32 two correct fp32 sums were measured 1.65e-5 apart (an AMD EPYC, the
+    # Galaxy plan at heads 6 / 2, layer 1's q_proj lora_A gradient): peft's own fp32 gradient sits
+    # 7.8e-6 from the exact one, galaxy's 9.2e-6, on opposite sides.
+    ref = peft_reference(family, model_dir, adapter_dir, task).double()
     o = {**DEFAULTS, "pp": pp, "dp": dp, "steps": steps, "lr": lr, "global_batch": global_batch,
          "num_microbatches": num_microbatches, "dp_sharding": dp_sharding, "task": task, "optimizer": optimizer,
          "dp_batch": dp_batch, "adapt": lambda model: apply_peft(model, PeftOptions("lora", lora_path=adapter_dir), seed=0)}
