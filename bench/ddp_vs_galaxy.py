@@ -7,6 +7,8 @@ batch of real sentences (pydoc topics, padded to --pad_size) train in two ways o
           gradients (one bucketed all-reduce of every parameter per step)
   galaxy  dp 1 x Galaxy 2 under --plan (default galaxy: ATT TP, CON SP, MLP TP, even shares): both
           ranks run the whole batch on half the heads / columns / tokens; activations move
+  galaxy-sN  the same plan with batch_streams N (--batch_streams 1 2: both, side by side; one
+          stream's collectives travel while the other's sub-block computes)
 
 for each global batch size (default 1 2 4 8 16; DDP cannot split a batch of 1 over two replicas).
 One step = runner.step (forward, backward, gradient sync) + AdamW + zero_grad. After --warmup
@@ -16,10 +18,12 @@ in the ring convention of galaxy.profiler.comm (all-reduce of E bytes over N ran
 counted by the recorder that every galaxy collective, GradientSync and DDP's comm hook report to;
 the scalar loss reductions for reporting are not counted.
 
-Prints a side-by-side table and draws the two curves (step time, bytes) into --png.
+Prints a side-by-side table and draws the curves (step time, bytes) into --png. --terms adds, per
+batch and mode, one more step broken into its terms on each rank (bench/step_terms.py: kernels,
+Python, blocked in communication or waiting for the peer).
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/ddp_vs_galaxy.py [--batches 1 2 4 8 16] [--steps 6]
-        [--png runs/bench/ddp_vs_galaxy.png] [--json out.json]
+        [--batch_streams 1 2] [--terms] [--png runs/bench/ddp_vs_galaxy.png] [--json out.json]
 """
 from __future__ import annotations
 
@@ -39,10 +43,15 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from step_terms import print_terms  # noqa: E402
 from two_ranks import add_rank_args, run_two  # noqa: E402
 
 NUM_LABELS = 4
-MODES = ("ddp", "galaxy")
+
+
+def modes_of(batch_streams: list[int]) -> list[str]:
+    """ddp, then one Galaxy mode per stream count: galaxy (1 stream), galaxy-s2, ..."""
+    return ["ddp"] + ["galaxy" if s == 1 else f"galaxy-s{s}" for s in batch_streams]
 
 
 def make_batch(model_dir: str, batch_size: int, pad_size: int) -> dict[str, torch.Tensor]:
@@ -64,9 +73,11 @@ def build_runners(args, shape: dict) -> dict:
     from galaxy.plan import Plan, Workload
     from galaxy.runtime.runners import build_runner
     work = Workload.of(shape, args.pad_size)
-    plans = {"ddp": Plan(dp=2).resolve(2, work), "galaxy": Plan.preset(args.plan).resolve(2, work)}
+    plans = {"ddp": Plan(dp=2).resolve(2, work)}
+    for mode, streams in zip(modes_of(args.batch_streams)[1:], args.batch_streams):
+        plans[mode] = Plan.preset(args.plan, batch_streams=streams).resolve(2, work)
     runners = {}
-    for mode in MODES:
+    for mode in plans:
         runner = build_runner(args.model_path, plans[mode], make_mesh(plans[mode]), num_labels=NUM_LABELS, seed=0)
         runner.optimizer = build_optimizer("adamw", runner.parameters(), lr=1e-5)
         runners[mode] = runner
@@ -74,19 +85,23 @@ def build_runners(args, shape: dict) -> dict:
 
 
 def local_rows(mode: str, batch: dict) -> dict:
-    if mode == "galaxy":
+    if mode != "ddp":
         return batch
     half = batch["labels"].shape[0] // 2
     rank = dist.get_rank()
     return {k: v[rank * half:(rank + 1) * half] for k, v in batch.items()}
 
 
-def train_step(runner, batch) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
+def one_step(runner, batch) -> None:
     runner.step(batch)
     runner.optimizer.step()
     runner.optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(runner, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    one_step(runner, batch)
     elapsed = torch.tensor(time.perf_counter() - t0, dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)          # the step ends when the slower rank does
     return elapsed.item()
@@ -104,7 +119,7 @@ def comm_per_step(runner, batch):
 
 def measure(args, runners: dict, batch_size: int) -> dict:
     full = make_batch(args.model_path, batch_size, args.pad_size)
-    modes = [m for m in MODES if not (m == "ddp" and batch_size % 2)]
+    modes = [m for m in runners if not (m == "ddp" and batch_size % 2)]
     out = {m: dict(zip(("bytes", "calls"), comm_per_step(runners[m], local_rows(m, full))), times=[])
            for m in modes}
     for _ in range(args.warmup):
@@ -113,8 +128,16 @@ def measure(args, runners: dict, batch_size: int) -> dict:
     for i in range(args.steps):
         for m in modes if i % 2 == 0 else modes[::-1]:
             out[m]["times"].append(train_step(runners[m], local_rows(m, full)))
-    return {m: {"step_ms": 1e3 * statistics.median(r["times"]), "min_ms": 1e3 * min(r["times"]),
+    rows = {m: {"step_ms": 1e3 * statistics.median(r["times"]), "min_ms": 1e3 * min(r["times"]),
                 "mb_per_step": r["bytes"] / 1e6, "collectives": r["calls"]} for m, r in out.items()}
+    if args.terms:
+        from galaxy.distributed import waiting
+        from step_terms import all_ranks_terms
+        poll = waiting.polling()
+        for m in modes:
+            rows[m]["terms"] = all_ranks_terms(lambda: one_step(runners[m], local_rows(m, full)), waiting.set_polling)
+        waiting.set_polling(poll)
+    return rows
 
 
 def worker(rank: int, args, init_method: str, results) -> None:
@@ -137,10 +160,10 @@ def worker(rank: int, args, init_method: str, results) -> None:
     dist.destroy_process_group()
 
 
-def crossover(rows: dict, key: str) -> str:
-    """Where the Galaxy and DDP curves cross: interpolated between measured batch sizes, or
+def crossover(rows: dict, key: str, mode: str = "galaxy") -> str:
+    """Where the `mode` and DDP curves cross: interpolated between measured batch sizes, or
     extrapolated linearly from the last two when they do not cross in the measured range."""
-    pts = [(b, r["galaxy"][key] - r["ddp"][key]) for b, r in rows.items() if "ddp" in r]
+    pts = [(b, r[mode][key] - r["ddp"][key]) for b, r in rows.items() if "ddp" in r]
     if len(pts) < 2:
         return "needs two batch sizes that DDP can run"
     for (b0, d0), (b1, d1) in zip(pts, pts[1:]):
@@ -157,20 +180,27 @@ def crossover(rows: dict, key: str) -> str:
 
 
 def print_table(rows: dict, plan: str) -> None:
+    """One line per batch and Galaxy mode: its step (median / min) and bytes against DDP's."""
     print(f"\nworld 2, all-MiniLM-L6-v2; DDP (dp 2) vs Galaxy plan '{plan}' (Galaxy group of 2)")
-    print(f"{'batch':>5} | {'DDP ms':>8} {'Galaxy ms':>9} {'G/D':>5} | {'DDP MB/step':>11} {'Galaxy MB/step':>14} {'G/D':>5}")
-    print("-" * 70)
+    print(f"{'batch':>5} {'mode':>10} | {'DDP ms':>15} {'Galaxy ms':>15} {'G/D':>5} | "
+          f"{'DDP MB/step':>11} {'Galaxy MB/step':>14} {'G/D':>5}")
+    print("-" * 92)
+    galaxy_modes = [m for m in next(iter(rows.values())) if m != "ddp"]
     for b, row in rows.items():
-        g = row["galaxy"]
         d = row.get("ddp")
-        if d is None:
-            print(f"{b:>5} | {'n/a':>8} {g['step_ms']:>9.1f} {'':>5} | {'n/a':>11} {g['mb_per_step']:>14.2f} {'':>5}")
-        else:
-            print(f"{b:>5} | {d['step_ms']:>8.1f} {g['step_ms']:>9.1f} {g['step_ms'] / d['step_ms']:>5.2f} | "
+        for m in galaxy_modes:
+            g = row[m]
+            g_ms = f"{g['step_ms']:.1f} / {g['min_ms']:.1f}"
+            if d is None:
+                print(f"{b:>5} {m:>10} | {'n/a':>15} {g_ms:>15} {'':>5} | {'n/a':>11} {g['mb_per_step']:>14.2f}")
+                continue
+            d_ms = f"{d['step_ms']:.1f} / {d['min_ms']:.1f}"
+            print(f"{b:>5} {m:>10} | {d_ms:>15} {g_ms:>15} {g['step_ms'] / d['step_ms']:>5.2f} | "
                   f"{d['mb_per_step']:>11.2f} {g['mb_per_step']:>14.2f} {g['mb_per_step'] / d['mb_per_step']:>5.2f}")
-    print("(n/a: a global batch of 1 cannot be split over 2 data-parallel replicas)")
-    print(f"crossover, step time: {crossover(rows, 'step_ms')}")
-    print(f"crossover, bytes:     {crossover(rows, 'mb_per_step')}")
+    print("(ms: median / min; n/a: a global batch of 1 cannot be split over 2 data-parallel replicas)")
+    for m in galaxy_modes:
+        print(f"crossover with {m}, step time: {crossover(rows, 'step_ms', m)}")
+        print(f"crossover with {m}, bytes:     {crossover(rows, 'mb_per_step', m)}")
 
 
 def draw(rows: dict, path: str, plan: str) -> None:
@@ -180,7 +210,8 @@ def draw(rows: dict, path: str, plan: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((axes[0], "step_ms", "step time (ms, median)"),
                            (axes[1], "mb_per_step", "MB sent per rank per step")):
-        for mode, name in (("ddp", "DDP (dp 2)"), ("galaxy", f"Galaxy '{plan}' (group of 2)")):
+        for mode in dict.fromkeys(m for r in rows.values() for m in r):     # DDP has no batch 1
+            name = "DDP (dp 2)" if mode == "ddp" else f"Galaxy '{plan}' {mode} (group of 2)"
             pts = [(b, r[mode][key]) for b, r in rows.items() if mode in r]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -201,6 +232,9 @@ def main() -> None:
     p.add_argument("--model_path", default=str(ROOT / "models" / "all-MiniLM-L6-v2"))
     p.add_argument("--plan", default="galaxy", choices=("galaxy", "galaxy2", "tp", "sp"))
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--batch_streams", type=int, nargs="+", default=[1],
+                   help="one Galaxy mode per value (plan key batch_streams), measured side by side")
+    p.add_argument("--terms", action="store_true", help="one more step per batch and mode, broken into its terms")
     p.add_argument("--pad_size", type=int, default=128)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
                    help="how ranks wait for collectives (config key comm_wait)")
@@ -211,6 +245,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     add_rank_args(p)
     args = p.parse_args()
+    if any(s < 1 for s in args.batch_streams) or len(set(args.batch_streams)) != len(args.batch_streams):
+        p.exit(2, f"--batch_streams: distinct integers of at least 1 (got {args.batch_streams}); e.g. --batch_streams 1 2\n")
 
     print(f"measuring {args.steps} steps per batch size after {args.warmup} warm-up steps, "
           f"{args.threads} thread(s) per rank ...", flush=True)
@@ -218,6 +254,8 @@ def main() -> None:
     if rows is None:           # a testbed rank other than 0: rank 0 reports
         return
     print_table(rows, args.plan)
+    if args.terms:
+        print_terms({f"b{b} {m}": r["terms"] for b, row in rows.items() for m, r in row.items()})
     if args.png:
         draw(rows, args.png, args.plan)
     if args.json:

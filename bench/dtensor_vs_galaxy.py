@@ -61,6 +61,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ddp_vs_galaxy import NUM_LABELS, make_batch  # noqa: E402
 from dtensor_bert import build_dtensor_bert, check_against_serial, load_bert  # noqa: E402
+from step_terms import print_terms  # noqa: E402
 from two_ranks import add_rank_args, run_two  # noqa: E402
 
 # variant: ("dtensor", sequence parallel) or ("galaxy", preset, batch_streams)
@@ -225,15 +226,6 @@ def print_times(out: dict) -> None:
         sent = "  ".join(f"rank {r}: {b / 1e6:.2f} MB in {calls}" for r, (b, calls) in enumerate(out["sent"][name]))
         print(f"{name:>12}: median {1e3 * statistics.median(ts):8.1f} ms  min {1e3 * min(ts):8.1f} ms  "
               f"(x{statistics.median(ts) / base:.3f} of {names[0]})  sent/step {sent} collectives")
-
-
-def print_terms(terms: dict) -> None:
-    print("one step's terms, ms per rank (waits block; bench/step_terms.py): "
-          "wall = kernels + python + blocked (communication and waits on the peer)")
-    for name, ranks in terms.items():
-        print(f"{name:>12}: " + "   ".join(
-            f"r{r} wall {t['wall_ms']:.0f} kernels {t['kernels_ms']:.0f} python {t['python_ms']:.0f} "
-            f"blocked {t['blocked_ms']:.0f}" for r, t in enumerate(ranks)))
 
 
 def main() -> None:

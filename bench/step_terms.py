@@ -64,3 +64,13 @@ def all_ranks_terms(step, set_polling) -> list[dict]:
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
+
+
+def print_terms(terms: dict) -> None:
+    """{name: all_ranks_terms(...)}, one line per name."""
+    print("one step's terms, ms per rank (waits block; bench/step_terms.py): "
+          "wall = kernels + python + blocked (communication and waits on the peer)")
+    for name, ranks in terms.items():
+        print(f"{name:>12}: " + "   ".join(
+            f"r{r} wall {t['wall_ms']:.0f} kernels {t['kernels_ms']:.0f} python {t['python_ms']:.0f} "
+            f"blocked {t['blocked_ms']:.0f}" for r, t in enumerate(ranks)))
