@@ -116,7 +116,7 @@ def in_phase(n: int) -> list[int]:
 def train_step(runner, batch, v: Variant) -> float:
     waiting.set_polling(v.poll)
     family.stream_delays = in_phase if v.in_phase else streams.stream_delays
-    pair_exchange.enabled = v.paired
+    pair_exchange.enabled = pair_exchange.over_loopback = v.paired      # paired on loopback too
     dist.barrier()
     t0 = time.perf_counter()
     runner.step(batch)

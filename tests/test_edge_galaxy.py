@@ -9,15 +9,17 @@
   and the interface it tried.
 """
 import json
+import os
 import time
 
-from support.edge_launcher import PYTHON, device, edge, leftovers, requires_testbed, run_name, write_cluster
+from support.edge_launcher import PYTHON, ROOT, device, edge, leftovers, requires_testbed, run_name, write_cluster
 from test_entry_scripts import hf_losses, write_config
 from test_entry_scripts import job  # noqa: F401  (the fixture: a tiny BERT and its training data)
 
 from galaxy.train.metrics import read_metrics
 
 pytestmark = requires_testbed
+LAUNCH_TARGET = os.path.join(ROOT, "tests", "support", "launch_target.py")
 
 
 def test_galaxy_plan_on_two_devices_reports_hf_losses(job, tmp_path):  # noqa: F811
@@ -66,14 +68,16 @@ def test_rendezvous_that_cannot_connect_names_address_and_interface(job, tmp_pat
         json.dump({**cfg, "timeout_s": timeout_s}, f)
     cluster = write_cluster(tmp_path / "two.json", device("box0", 1.0), device("box1", 1.0))
     # Rank 0 sleeps instead of serving the rendezvous: rank 1 finds nobody at device 0's address.
-    script = f'if [ "$4" = 0 ]; then exec sleep 30; fi; exec {PYTHON} pretrain_galaxy.py --config_file {config} "$@"'
+    # Rank 1 runs galaxy.launch's rendezvous through its test target, which imports no model code
+    # (pretrain_galaxy.py's rendezvous is the same function, after seconds more of imports).
+    script = f'if [ "$4" = 0 ]; then exec sleep 30; fi; exec {PYTHON} {LAUNCH_TARGET} --config_file {config} "$@"'
     t0 = time.monotonic()
     done = edge("run", "--cluster", cluster, "--grace_s", "1", "--", "sh", "-c", script, "sh")
     elapsed = time.monotonic() - t0
     lines = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "rendezvous at" in line]
     assert len(lines) == 1, done.stdout + done.stderr
     address = lines[0].split("rendezvous at tcp://")[1].split(":")[0]
-    assert f"box1 | pretrain_galaxy.py: rank 1: rendezvous at tcp://{address}:29500 via interface eth0 (" in lines[0]
+    assert f"box1 | launch_target.py: rank 1: rendezvous at tcp://{address}:29500 via interface eth0 (" in lines[0]
     assert "galaxy.edge: device box1 (rank 1): exit 1" in done.stderr
     assert elapsed < timeout_s + 30           # torch's import, the timeout, the grace; not gloo's own minutes
     assert leftovers(run_name(done.stderr)) == []

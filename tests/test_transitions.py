@@ -222,14 +222,14 @@ def exchanged_and_gloos_on_rank(sizes):
     summands = [torch.randn(b, s, h, generator=g) for _ in range(2)]
     out = {}
     for enabled in (True, False):
-        pair_exchange.enabled = enabled
+        pair_exchange.enabled, pair_exchange.over_loopback = enabled, True      # the pool meets on loopback
         try:
             started = [collectives.start_all_gather_sequence(_shard(f, sizes, rank).contiguous(), sizes, dist.group.WORLD)
                        for f in full]
             started.append(collectives.start_reduce_scatter_sequence(summands[rank], sizes, rank, dist.group.WORLD))
             out[enabled] = [p.wait() for p in started]
         finally:
-            pair_exchange.enabled = True
+            pair_exchange.enabled, pair_exchange.over_loopback = True, False
     want = [*full, _shard(summands[0] + summands[1], sizes, rank)]
     return ([torch.equal(a, w) for a, w in zip(out[True], want)],
             [torch.equal(a, w) for a, w in zip(out[False], want)])
@@ -242,3 +242,23 @@ def test_two_rank_gather_and_scatter_by_paired_exchange_match_gloos_bit_for_bit(
     for rank, (exchanged, gloos) in enumerate(dist_pool(2).run(exchanged_and_gloos_on_rank, (7, 3))):
         assert exchanged == [True, True, True], f"rank {rank}: paired exchange {exchanged}"
         assert gloos == [True, True, True], f"rank {rank}: gloo's own {gloos}"
+
+
+def exchange_chosen_on_rank():
+    """Whether the world group's collectives go by the paired exchange, as the pool met
+    (tcp://127.0.0.1) and with the exchange asked for over loopback too."""
+    chosen = [pair_exchange.met_on_loopback(), pair_exchange.applies(dist.group.WORLD)]
+    pair_exchange.over_loopback = True
+    try:
+        return chosen + [pair_exchange.applies(dist.group.WORLD)]
+    finally:
+        pair_exchange.over_loopback = False
+
+
+def test_two_ranks_met_on_loopback_keep_gloos_collectives(dist_pool):
+    """A pair that met at a loopback address takes gloo's own all-gather and all-to-all (faster
+    there at every size: bench/pair_exchange_sizes.py); one that met at any other address (the
+    edge testbed's, a real host's) exchanges, receive first."""
+    assert dist_pool(2).run(exchange_chosen_on_rank) == [[True, False, True]] * 2
+    assert [pair_exchange.is_loopback(h) for h in ("127.0.0.1", "127.0.1.1", "localhost", "::1")] == [True] * 4
+    assert [pair_exchange.is_loopback(h) for h in ("10.171.48.1", "192.168.1.5", "fe80::1")] == [False] * 3

@@ -19,20 +19,56 @@ those of gloo's all-gather and of the all-to-all reduce-scatter (one block each 
 are bit-identical to theirs (one copy of the rank's own block; the reduce-scatter's two blocks
 summed in rank order). gloo's send and receive works report completion only inside wait(), so the
 Pending is not pollable (galaxy.distributed.waiting blocks on it).
+
+Groups that met at a loopback address (every rank on this host, as the test suite runs) keep
+gloo's collectives: there is no link rate to lose, and gloo's own cost less at every size
+(bench/pair_exchange_sizes.py, 1 KB-1 MB each way; figures in bench/README.md). No
+message size divides the two cases: over the testbed's 300 Mbit/s link the exchange was faster
+at every size from 16 KB when the ranks call it idle (16 KB: 0.37 against 1.9 ms), level with
+gloo's at 16-64 KB and faster from 128 KB when they call it in a step (128 KB: 3.0 against 4.1 ms).
 """
 from __future__ import annotations
+
+import functools
+import ipaddress
+import socket
 
 import torch
 import torch.distributed as dist
 
-# False (tests and bench/link_collectives.py only) uses gloo's own all-gather and all-to-all for
-# two-rank groups too.
+# False (tests and benches only): gloo's own all-gather and all-to-all for every two-rank group.
 enabled = True
+# True (tests and benches only): the exchange over loopback too.
+over_loopback = False
 
 
 def applies(pg) -> bool:
-    """Whether pg's collectives go through the paired exchange: a gloo group of two ranks."""
-    return enabled and dist.get_world_size(pg) == 2 and dist.get_backend(pg) == "gloo"
+    """Whether pg's collectives go through the paired exchange: a gloo group of two ranks that
+    did not meet at a loopback address (every rank met at the same one, so all decide alike)."""
+    return (enabled and dist.get_world_size(pg) == 2 and dist.get_backend(pg) == "gloo"
+            and (over_loopback or not met_on_loopback()))
+
+
+def met_on_loopback() -> bool:
+    """Whether the default process group's rendezvous (its TCP store) is at a loopback address;
+    False where it has no TCP store (a file:// rendezvous)."""
+    store = dist.distributed_c10d._get_default_store()
+    while store is not None and not hasattr(store, "host"):      # PrefixStores wrap the TCPStore
+        store = getattr(store, "underlying_store", None)
+    return store is not None and is_loopback(store.host)
+
+
+@functools.lru_cache(maxsize=None)
+def is_loopback(host: str) -> bool:
+    """Whether host (an address or a name) is a loopback address."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except OSError:
+        return False
 
 
 class Exchanged:
