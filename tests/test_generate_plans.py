@@ -8,7 +8,6 @@ serial run's tokens; LoRA from a peft folder (and folded into the weights) gives
 each rank's cache holds its share (heads under TP, tokens under SP). Every decode step splits the
 LM head by vocabulary rows over the group; a TP sub-block's one-token sum is an all-to-all, and
 the paired exchange and the all-reduce give the same tokens."""
-from dataclasses import replace
 
 import pytest
 import torch
