@@ -6,8 +6,9 @@ dp_batch_list); Qwen2 and GPT-2 under several. Prompts of
 different lengths go in one left-padded batch, and alone. Seeded sampling under a plan draws the
 serial run's tokens; LoRA from a peft folder (and folded into the weights) gives peft's tokens;
 each rank's cache holds its share (heads under TP, tokens under SP). Every decode step splits the
-LM head by vocabulary rows over the group; a TP sub-block's one-token sum is an all-to-all, and
-the paired exchange and the all-reduce give the same tokens."""
+LM head by vocabulary rows over the group; a TP sub-block's one-token sum goes over the group's
+token link (the default on CPU), and the all-to-all, the paired exchange and the all-reduce give
+the same tokens."""
 
 import pytest
 import torch
