@@ -36,7 +36,7 @@ from classify_latency import galaxy_runner, request, run_galaxy  # noqa: E402
 from inference_plans import named_plans  # noqa: E402
 from step_terms import all_ranks_terms  # noqa: E402
 from galaxy.models.shape import read_model_shape  # noqa: E402
-from testbed_args import add_rank_arguments, check_plan_arguments, start_ranks  # noqa: E402
+from testbed_args import start_plan_bench  # noqa: E402
 
 PROBABILITY_TOL = 1e-5
 
@@ -67,11 +67,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"))
     p.add_argument("--json")
-    add_rank_arguments(p)
-    args = p.parse_args()
-    check_plan_arguments(p, args)
-    torch.set_num_threads(args.threads)
-    start_ranks(args)
+    args = start_plan_bench(p)
     from galaxy.distributed import waiting
     polling = waiting.polling()
     layers = read_model_shape(args.model_path)["num_hidden_layers"]

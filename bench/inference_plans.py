@@ -52,7 +52,7 @@ from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, TOKEN_SUM_NAMES  # 
 from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.runtime.runners import stage_of  # noqa: E402
-from testbed_args import add_rank_arguments, check_plan_arguments, start_ranks  # noqa: E402
+from testbed_args import start_plan_bench  # noqa: E402
 
 
 def named_plans(names: list[str], files: list[str], world: int, layers: int) -> dict[str, Plan]:
@@ -136,11 +136,7 @@ def main() -> None:
                    help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout); "
                         "several: each plan once with each, named PLAN/SUM, alternating in the same rounds")
     p.add_argument("--json")
-    add_rank_arguments(p)
-    args = p.parse_args()
-    check_plan_arguments(p, args)
-    torch.set_num_threads(args.threads)
-    start_ranks(args)
+    args = start_plan_bench(p)
     from galaxy.distributed import waiting
     print(f"rank {args.rank}: waits {'poll' if waiting.polling() else 'block'}", flush=True)
     with tempfile.TemporaryDirectory() as own:

@@ -37,3 +37,16 @@ def start_ranks(args) -> None:
         from galaxy.distributed import waiting       # a sleeping waiter wakes late
         from galaxy.launch import ranks_and_cores_on_this_host
         waiting.set_polling(waiting.choose_poll(args.comm_wait, "gloo", *ranks_and_cores_on_this_host()))
+
+
+def start_plan_bench(p):
+    """The plan benches' start: the rank arguments added, the command line parsed and its plans
+    checked, torch's threads set (args.threads) and this rank's process group started; -> args."""
+    import torch
+
+    add_rank_arguments(p)
+    args = p.parse_args()
+    check_plan_arguments(p, args)
+    torch.set_num_threads(args.threads)
+    start_ranks(args)
+    return args
