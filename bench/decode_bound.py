@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from inference_latency import SHAPE  # noqa: E402
-from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, TOKEN_SUM_NAMES  # noqa: E402
+from galaxy.parallel.decode_layout import TOKEN_SUM_NAMES, default_token_sum  # noqa: E402
 from testbed_args import add_rank_arguments, start_ranks  # noqa: E402
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product", "aten::baddbmm", "aten::mv")
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=48, help="cached tokens attended (the bench's 32-prompt decode)")
     p.add_argument("--profile", action="store_true", help="also profile Galaxy's tp decode step on every rank")
     p.add_argument("--new", type=int, default=16)
-    p.add_argument("--token_sum", default=DEFAULT_TOKEN_SUM, choices=TOKEN_SUM_NAMES)
+    p.add_argument("--token_sum", default=default_token_sum("cpu"), choices=TOKEN_SUM_NAMES)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"))
     p.add_argument("--json")
     add_rank_arguments(p)

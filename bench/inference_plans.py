@@ -48,7 +48,7 @@ from inference_latency import run_galaxy, write_model  # noqa: E402
 from galaxy.distributed.mesh import make_mesh  # noqa: E402
 from galaxy.inference.engine import Engine  # noqa: E402
 from galaxy.models.shape import read_model_shape  # noqa: E402
-from galaxy.parallel.decode_layout import DEFAULT_TOKEN_SUM, TOKEN_SUM_NAMES  # noqa: E402
+from galaxy.parallel.decode_layout import TOKEN_SUM_NAMES, default_token_sum  # noqa: E402
 from galaxy.plan import Plan, Workload, even_split  # noqa: E402
 from galaxy.runtime.assemble import build_model  # noqa: E402
 from galaxy.runtime.runners import stage_of  # noqa: E402
@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--comm_wait", default="auto", choices=("auto", "poll", "block"),
                    help="how ranks wait for collectives (config key comm_wait; auto polls where each rank has a core)")
-    p.add_argument("--token_sum", nargs="+", default=[DEFAULT_TOKEN_SUM], choices=TOKEN_SUM_NAMES,
+    p.add_argument("--token_sum", nargs="+", default=[default_token_sum("cpu")], choices=TOKEN_SUM_NAMES,
                    help="how a decode step sums a TP sub-block's one-token output (galaxy.parallel.decode_layout); "
                         "several: each plan once with each, named PLAN/SUM, alternating in the same rounds")
     p.add_argument("--json")

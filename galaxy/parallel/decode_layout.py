@@ -47,7 +47,6 @@ import torch
 
 from galaxy.distributed.transitions import TOKEN_SUMS, Transition
 
-DEFAULT_TOKEN_SUM = "socket"
 SOCKET = "socket"
 TOKEN_SUM_NAMES = (SOCKET, *sorted(TOKEN_SUMS))
 
