@@ -17,6 +17,7 @@ from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel
 from galaxy.planner.draw import step_parts
 from galaxy.planner.memory_model import FULL_ACTIVATION_SLACK, KEPT_GRADIENTS_MAX, MIB
+from galaxy.planner.device_compute import DeviceCompute, model_signature
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.link_model import link_time
 from galaxy.planner.pipeline_time import stage_ends, stage_order
@@ -207,30 +208,65 @@ def test_summed_gradients_and_a_fused_step_by_hand():
     assert fused.estimate(tp).memory_mib[1] * MIB == pytest.approx(4 * 6 * n_layer / 2 * 4)   # nothing summed
 
 
-def test_kept_heap_holds_the_embedding_gradients_a_steady_state_splits():
-    """A CPU heap that keeps freed memory (cpu_allocator keep) holds one more dense embedding
-    gradient, on the rank that holds the embeddings, for each backward after the first whose
-    predecessor was followed by a forward (1f1b's steady state, plain accumulation), at most
-    KEPT_GRADIENTS_MAX; none where every backward comes after the last forward (gpipe, 1f1b with
-    m <= its warm-up)."""
-    model = synthetic_model()
-    model["params"]["embed"] = E = 1_000_000
-    plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=24)
-    kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=24)
+def test_kept_heap_holds_the_dense_embedding_gradients_a_steady_state_splits():
+    """Where the lookup stays dense (a head tied to the table on the same stage, FSDP), a CPU heap
+    that keeps freed memory (cpu_allocator keep) holds one more dense embedding gradient, on the
+    rank that holds the embeddings, for each backward after the first whose predecessor was
+    followed by a forward (1f1b's steady state, plain accumulation), at most KEPT_GRADIENTS_MAX;
+    none where every backward comes after the last forward (gpipe, 1f1b with m <= its warm-up).
+    Where the rows accumulate into .grad in place (galaxy.parallel.embedding_grad), none."""
+    def blocks(**keys):
+        plan = P(2 if "schedule" in keys else 1, 1, "TP", "TP", "SP", (12,), (1536,), (48,),
+                 (3, 3) if "schedule" in keys else (6,), **keys)
+        return [CostModel.kept_gradient_blocks(plan, p) for p in range(plan.pp)]
+    # 1f1b over 2 stages: 2 warm-up forwards, then B0 F2 B1 F3 B2 B3: B2 comes after B1's split
+    assert blocks(microbatches=4, schedule="1f1b")[0] == 1
+    assert blocks(microbatches=2, schedule="1f1b")[0] == 0           # B0 B1 after the last forward
+    assert blocks(microbatches=4, schedule="gpipe")[0] == 0
+    assert blocks(microbatches=12, schedule="1f1b")[0] == KEPT_GRADIENTS_MAX    # 9 would grow; capped
 
-    def extra(**keys):
+    def extra(model, **keys):
+        plain = CostModel(model, [device(1e10)] * 2, FREE_LINK, batch_size=24)
+        kept = CostModel(model, [{**device(1e10), "freed_memory_kept": True}] * 2, FREE_LINK, batch_size=24)
         plan = P(2 if "schedule" in keys else 1, 1, "TP", "TP", "SP", (12,), (1536,), (48,),
                  (3, 3) if "schedule" in keys else (6,), **keys)
         return [round((k - p) * MIB / (4 * E), 6) for k, p in zip(kept.estimate(plan).memory_mib,
                                                                    plain.estimate(plan).memory_mib)]
-    # 1f1b over 2 stages: 2 warm-up forwards, then B0 F2 B1 F3 B2 B3: B2 comes after B1's split
-    assert extra(microbatches=4, schedule="1f1b") == [1, 0]
-    assert extra(microbatches=2, schedule="1f1b") == [0, 0]          # B0 B1 after the last forward
-    assert extra(microbatches=4, schedule="gpipe") == [0, 0]
-    assert extra(microbatches=12, schedule="1f1b") == [KEPT_GRADIENTS_MAX, 0]    # 9 would grow; capped
-    assert extra(microbatches=4) == [2]                                # F B F B F B F B: B2 and B3
-    assert extra(microbatches=2) == [0]
-    assert extra() == [0]
+    E = 1_000_000
+    tied = synthetic_model()
+    tied["params"].update(embed=E, head=E, tied=E)                # one table, the head's weight too
+    assert extra(tied, microbatches=4) == [2]                      # F B F B F B F B: B2 and B3
+    assert extra(tied, microbatches=2) == [0]
+    assert extra(tied) == [0]
+    untied = synthetic_model()
+    untied["params"]["embed"] = E
+    assert extra(untied, microbatches=4) == [0]                    # rows in place: no fresh gradient
+    assert extra(untied, microbatches=12, schedule="1f1b") == [0, 0]
+    assert extra(tied, microbatches=12, schedule="1f1b") == [0, 0]   # the first stage's own copy
+
+
+def test_rows_in_place_zero_the_table_once_a_step(monkeypatch):
+    """The word embedding's backward under rows in place: the measured dense backward's intercept
+    at 0 rows (the zeroed block) once a step, the rest per micro-batch; the embedding's parameters
+    leave the m - 1 additions into .grad. A one-row table has no intercept: all per micro-batch."""
+    model = synthetic_model()
+    model["params"]["embed"] = E = 1_000_000
+    table = {"embed": {"units": [48], "fwd_s": [[0.001, 0.002]], "bwd_s": [[0.004, 0.006]]}}
+    dev = {**device(1e10), "grad_accumulate_s_per_param": 1e-9,
+           "compute": {"rows": [1, 3], "kinds": table, "model": model_signature(model)}}
+    embed = DeviceCompute(dev, model, True)
+    assert embed.rows_in_place(48, 1) == pytest.approx((0.003, 0.001))
+    assert embed.rows_in_place(48, 6) == pytest.approx((0.003, 0.006))
+    one = {**dev, "compute": {**dev["compute"], "rows": [3],
+                              "kinds": {"embed": {"units": [48], "fwd_s": [[0.002]], "bwd_s": [[0.006]]}}}}
+    assert DeviceCompute(one, model, True).rows_in_place(48, 3) == pytest.approx((0.0, 0.006))
+    plan = P(1, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (6,), microbatches=4)      # 6 rows a micro-batch
+    rows = CostModel(model, [dev], FREE_LINK, batch_size=24).estimate(plan).compute_s[0]
+    monkeypatch.setattr(CostModel, "rows_accumulate_in_place", lambda self, plan: False)
+    dense = CostModel(model, [dev], FREE_LINK, batch_size=24).estimate(plan).compute_s[0]
+    # dense: 4 backwards at 6 rows (0.009 s each) and 3 additions of E parameters (0.001 s each);
+    # rows in place: one zeroing (0.003 s) and 4 x 6 rows (0.006 s)
+    assert dense - rows == pytest.approx(4 * 0.009 + 3 * E * 1e-9 - (0.003 + 4 * 0.006))
 
 
 def test_dp_sharding_is_written_for_replicas_only():

@@ -16,7 +16,9 @@ neighbouring stage (one send later): galaxy.planner.pipeline_time, which for equ
 work of each stage from its own end (both ends of a tied weight wait for each other): the Galaxy
 "sum" all-reduce, DDP's all-reduce over the data-parallel replicas (not overlapped with backward),
 the all-reduce of a weight tied across the pipeline's ends, the optimizer step of the rank's
-parameters and, with m micro-batches, m - 1 additions of its gradients into .grad; the step ends
+parameters and, with m micro-batches, m - 1 additions of its gradients into .grad (the word
+embedding's, where its rows accumulate in place, replaced by one zeroing of its .grad and each
+micro-batch's rows: DeviceCompute.rows_in_place); the step ends
 with the last stage to finish. Replicas with uneven rows (dp_batch_list) run their own
 micro-batches of rows_d / m: each replica's pipeline is timed on its own rows, and every stage's
 once-per-step work starts when its slowest replica ends (the step = the slowest replica + the DP
@@ -245,14 +247,20 @@ class CostModel(MemoryModel):
             f_max, b_max = max(t[0] for t in times), max(t[1] for t in times)
             fwd += L * f_max
             bwd += L * b_max + c * f_max
+        in_place = self.rows_accumulate_in_place(plan)
         for kind, label, on in (("embed", "EMB", p == 0), ("head", "HEAD", p == plan.pp - 1)):
             if on:
                 times = [self.compute[r](kind, self.seq if kind == "embed" else s.kinds[j][2], s.rows)
                          for j, r in enumerate(ranks)]
+                once = [0.0] * len(ranks)
+                if kind == "embed" and in_place:     # the zeroed .grad once a step (_rank_step), rows per micro-batch
+                    parts = [self.compute[r].rows_in_place(self.seq, s.rows) for r in ranks]
+                    once = [z for z, _ in parts]
+                    times = [(t[0], b) for t, (_, b) in zip(times, parts)]
                 for j, r in enumerate(ranks):
                     per_rank[j][0] += times[j][0]
                     per_rank[j][1] += times[j][1]
-                    s.sub_s[r][label] = s.sub_s[r].get(label, 0.0) + m * sum(times[j])
+                    s.sub_s[r][label] = s.sub_s[r].get(label, 0.0) + m * sum(times[j]) + once[j]
                 fwd += max(t[0] for t in times)
                 bwd += max(t[1] for t in times)
         return fwd, bwd, per_rank
@@ -284,8 +292,15 @@ class CostModel(MemoryModel):
         held = t / self._opt_divisor(plan)
         opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * held
         # every micro-batch after the first adds its gradients into .grad (autograd's
-        # AccumulateGrad): a pass over what the rank's gradients hold
-        acc = (m - 1) * held * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+        # AccumulateGrad): a pass over what the rank's gradients hold, but for a word embedding
+        # whose rows go into .grad in place (galaxy.parallel.embedding_grad; the first stage's
+        # parameters stand for the table, 98% of them in all-MiniLM-L6-v2), which zeroes its .grad
+        # once a step instead
+        acc_held, zero = held, 0.0
+        if first and self.rows_accumulate_in_place(plan):
+            acc_held = max(held - self.trainable.embed, 0.0)
+            zero = self.compute[r].rows_in_place(self.seq, s.rows)[0]
+        acc = (m - 1) * acc_held * self.devices[r].get("grad_accumulate_s_per_param", 0.0) + zero
         s.compute_s[r] = m * sum(own) + opt + acc
         s.comm_s[r] += dp_time
         s.sent[r] = m * (comm.mb_bytes + p2p_bytes(plan.pp, first, last, s.carry_bytes, s.grad_bytes)) + \

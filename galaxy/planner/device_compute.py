@@ -60,6 +60,19 @@ class DeviceCompute:
             hit = self._cache[key] = self._standing_in(kind, *hit)
         return hit
 
+    def rows_in_place(self, units: int, rows: float) -> tuple[float, float]:
+        """The word embedding's backward when its rows accumulate in place (galaxy.parallel.
+        embedding_grad): (seconds once a step, seconds per micro-batch). The table times a fresh
+        dense gradient, a zeroed [vocab, hidden] block plus the rows added into it: its backward
+        at rows -> 0 (extended linearly through the measured rows) stands for the zeroing, paid
+        once for the step's .grad, the rest for the rows each micro-batch adds. A one-row table
+        (proportional in rows) has no such intercept: all of it stays per micro-batch."""
+        _, bwd = self(kind="embed", units=units, rows=rows)
+        if "embed" not in self.tables or len(self.rows) < 2:
+            return 0.0, bwd
+        zero = min(max(self._standing_in("embed", *self._table("embed", units, 0.0))[1], 0.0), bwd)
+        return zero, bwd - zero
+
     def _standing_in(self, kind: str, fwd: float, bwd: float) -> tuple[float, float]:
         """What a full fine-tuning figure standing in for a method's keeps: no backward where the
         method runs none (a backbone without autograd, frozen embeddings)."""

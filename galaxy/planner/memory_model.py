@@ -24,6 +24,13 @@ parameters that train, and the activations are those the method saves (model pro
 projection keeps no input for a weight gradient, LoRA keeps its own; side-tuning's backbone keeps
 nothing (no autograd) but makes each sub-block's intermediates while it runs, and recomputation,
 which only wraps the backbone's layers, changes nothing there.
+
+The word embedding's gradient (galaxy.parallel.embedding_grad): with more than one micro-batch its
+lookups add their rows into one dense .grad in place (rows_accumulate_in_place), so a step makes
+no fresh dense gradient of the table after the first and the heap keeps none beyond .grad. Where
+the dense lookup stays (a head tied to the table on the same stage, FSDP's sharded replicas) each
+backward after the first makes a fresh one, which a heap that keeps freed memory can keep
+(kept_gradient_blocks).
 """
 from __future__ import annotations
 
@@ -62,6 +69,13 @@ KEPT_GRADIENTS_MAX = 4
 
 
 class MemoryModel(ModelTerms):
+    def rows_accumulate_in_place(self, plan: Plan) -> bool:
+        """Whether stage 0's word embedding adds each micro-batch's rows into its .grad in place
+        (galaxy.parallel.embedding_grad's rule): more than one micro-batch, the table trains, no
+        head tied to it on the same stage (pp 1 with a tied pair), replicas not sharded."""
+        return (plan.microbatches > 1 and self.trains_backbone and self.trainable.embed > 0
+                and not (plan.pp == 1 and self.tied > 0) and not (plan.dp_sharding != "none" and plan.dp > 1))
+
     def recomputed(self, plan: Plan, p: int) -> int:
         """Stage p's layers that recompute in backward: none where no backward runs through them
         (galaxy.layers.block checkpoints a layer only while autograd records it)."""
@@ -74,7 +88,8 @@ class MemoryModel(ModelTerms):
     @staticmethod
     def kept_gradient_blocks(plan: Plan, p: int) -> int:
         """Dense embedding gradients a heap that keeps freed memory (galaxy.runtime.cpu_allocator)
-        holds beyond .grad on stage p, which holds the embeddings. Each backward after the first
+        holds beyond .grad on stage p, which holds the embeddings, where the lookup stays dense
+        (not rows_accumulate_in_place). Each backward after the first
         makes a fresh gradient, adds it into .grad and frees it; where a forward comes next, its
         activations split the freed block, and the next backward's gradient extends the heap. So
         a backward grows the heap only if the one before it was followed by a forward: none under
@@ -130,7 +145,7 @@ class MemoryModel(ModelTerms):
         whole = acts if not (c or frozen) else \
             self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last, frozen)[1]
         kept = 0.0
-        if dev.get("freed_memory_kept") and first:
+        if dev.get("freed_memory_kept") and first and not self.rows_accumulate_in_place(plan):
             kept = self.kept_gradient_blocks(plan, p) * self.trainable.embed * FP32
         return dev.get("baseline_mib", 0.0) * MIB + state + acts + slack * whole + temp + kept
 

@@ -13,12 +13,15 @@ keep_freed_memory() turns glibc's mmap path off (M_MMAP_MAX 0: big blocks come f
 small ones) and raises the heap's trim threshold (M_TRIM_THRESHOLD: freed memory at the heap's top
 goes back to the OS only past 2 GiB), so freed blocks stay mapped and the next step reuses them.
 The process then keeps its peak between steps instead of returning part of it, and the peak can
-grow where a big block is freed and smaller allocations split it before the next big one: with
-gradient accumulation, each micro-batch after the first makes a fresh embedding gradient to add
-into .grad, and where a forward runs between two such backwards its activations split the freed
-block: a 1f1b pipeline's first stage peaked up to 3 gradients higher at 12 micro-batches (the
-planner's memory model counts them, MemoryModel.kept_gradient_blocks). The setting is process-wide and lasts as long as the
-process.
+grow where a big block is freed and smaller allocations split it before the next big one. With
+gradient accumulation a dense embedding lookup made such blocks: each micro-batch after the first
+made a fresh 47 MB gradient to add into .grad, and where a forward ran between two such backwards
+its activations split the freed block (a 1f1b pipeline's first stage peaked up to 3 gradients
+higher at 12 micro-batches). The word embedding's rows now go into .grad in place
+(galaxy.parallel.embedding_grad: no fresh block after the first); the blocks remain where the lookup
+stays dense (a head tied to the table on the same stage, FSDP's sharded replicas), and the
+planner's memory model counts them there (MemoryModel.kept_gradient_blocks). The setting is
+process-wide and lasts as long as the process.
 
 Config key cpu_allocator: "keep" (default) applies it to CPU runs, "system" leaves glibc's
 defaults. Not glibc (musl, macOS, Windows): nothing to do, and nothing is done.

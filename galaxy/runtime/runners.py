@@ -8,6 +8,7 @@ from datetime import timedelta
 from galaxy.config import resolved_plan
 from galaxy.distributed.mesh import make_mesh
 from galaxy.parallel.data_parallel import DataParallelRunner
+from galaxy.parallel.embedding_grad import accumulate_rows_in_place
 from galaxy.plan import Plan
 from galaxy.runtime.assemble import build_model
 
@@ -44,8 +45,13 @@ def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = 
     if plan.pp > 1:
         # Imported here: torch.distributed.pipelining's import costs about as much as torch's.
         from galaxy.pipeline.runner import PipelineRunner
-        return PipelineRunner(model, plan, mesh, device=device, autocast=autocast)
+        runner = PipelineRunner(model, plan, mesh, device=device, autocast=autocast)
+        accumulate_rows_in_place(model, plan, runner.sharding != "none")
+        return runner
     runner = DataParallelRunner(model, plan, mesh, device=device, autocast=autocast)
+    # After DDP wraps the model (galaxy.parallel.embedding_grad): micro-batches add the word
+    # embedding's rows into its .grad in place.
+    accumulate_rows_in_place(model, plan, runner.sharding != "none")
     if mesh.dp_pg is not None:
         # DDP writes its average back into .grad after backward, and FSDP replaces .grad with its
         # reduce-scattered shard, so the Galaxy group's sums cannot start during backward
