@@ -64,8 +64,10 @@ def main() -> None:
                 print(f"{name:10s} {engine:6s} rep {rep}: " + (f"step {r['step_s']:.4f} s, peak {r['peak_mib']} MiB"
                       if "step_s" in r else f"FAILED {r['error']}") + f", load {load:.2f}", flush=True)
     for name, by in results.items():
-        med = {e: statistics.median([r["step_s"] for r in rs if "step_s" in r] or [float("nan")]) for e, rs in by.items()}
-        print(f"{name}: galaxy {med['galaxy']:.4f} s, torch {med['torch']:.4f} s, galaxy/torch {med['galaxy'] / med['torch']:.3f}")
+        med = {e: statistics.median([r["step_s"] for r in rs if "step_s" in r] or [float("nan")])
+               for e, rs in by.items()}
+        print(f"{name}: galaxy {med['galaxy']:.4f} s, torch {med['torch']:.4f} s, "
+              f"galaxy/torch {med['galaxy'] / med['torch']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
