@@ -25,8 +25,8 @@ polled), bounded by the process group's timeout as torch's waits are, so a dead 
 this rank with the transport's error.
 
 Measured on the edge testbed's edge4 (MiniLM, micro-batches of [1, 128, 384] fp32, 196 KB each
-way; bench/pp_engines.py): the searched [3, 1, 1, 1] x 12 1f1b plan's step 1.217 s under torch's
-schedule, 1.071 s under this one.
+way; bench/pp_engines.py): the searched [3, 1, 1, 1] x 12 1f1b plan's step 1.259 s under torch's
+schedule, 1.064 s under this one (medians of 3 launches each).
 
 Only gloo: under NCCL a rank's sends and receives to one peer queue on one stream, so a receive
 posted early would hold the gradient send queued behind it, while the peer waits for that

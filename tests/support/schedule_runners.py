@@ -51,7 +51,7 @@ def loss_fn(carry, target):
     return ((h + side).sum(-1) - target).pow(2).mean()
 
 
-def _stage(block, microbatches: int, frozen_first: bool):
+def _stage(block, frozen_first: bool):
     pp, rank = dist.get_world_size(), dist.get_rank()
     received = carry_meta(ROWS, not (frozen_first and rank == 1))
     sent = carry_meta(ROWS, not (frozen_first and rank == 0))
@@ -66,7 +66,7 @@ def run_steps(schedule_cls, microbatches: int, frozen_first: bool, steps: int = 
     blocks = [Block(trains=not (frozen_first and i == 0)) for i in range(pp)]     # equal on every rank
     block = copy.deepcopy(blocks[rank])
     trains = any(p.requires_grad for p in block.parameters())
-    schedule = schedule_cls(_stage(block, microbatches, frozen_first), microbatches,
+    schedule = schedule_cls(_stage(block, frozen_first), microbatches,
                             loss_fn=loss_fn if trains or rank == pp - 1 else None, scale_grads=False)
     out = {"losses": [], "grads": []}
     for step in range(steps):
@@ -142,7 +142,7 @@ def computes_before_its_send_is_received(engine: str, signal_dir: str, patience:
     torch.manual_seed(0)
     rank, signal = dist.get_rank(), os.path.join(signal_dir, "f1")
     block = Block()
-    stage = _stage(block, 3, False)
+    stage = _stage(block, False)
     if rank == 0:
         schedule = LateGradientReceiver(stage, 3, loss_fn=loss_fn, scale_grads=False)
         schedule.signal, schedule.patience, schedule.seen = signal, patience, []
