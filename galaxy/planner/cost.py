@@ -183,9 +183,10 @@ class CostModel(MemoryModel):
 
     def _hop(self, plan: Plan, p: int, carry_bytes: float, d: int) -> float:
         """One micro-batch's send from stage p to stage p + 1 in replica d: every rank sends its
-        counterpart the carry at once, so the slowest pair's time."""
+        counterpart the carry at once, so the slowest pair's wire time (pipeline_time.hop_time)."""
         g, dp = plan.group, plan.dp
-        return hop_time(self.link, carry_bytes, [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j) for j in range(g)])
+        return hop_time(self.link, carry_bytes, [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)
+                                                 for j in range(g)])
 
     def _method_sum(self, plan: Plan, p: int, out: _StageComm, group: tuple[int, ...]) -> None:
         """The Galaxy group's sum of a method's trained "sum" gradients, once per step (stage p)."""

@@ -213,7 +213,7 @@ class EncDecCostModel(EncDecTerms):
 
     def _hop(self, plan: Plan, p: int, sent: float) -> float:
         """One micro-batch's send across the boundary after stage p: every rank sends its
-        counterpart at once, so the slowest pair's time (a link profiled per pair)."""
+        counterpart at once, so the slowest pair's wire time (pipeline_time.hop_time)."""
         g, dp = plan.group, plan.dp
         return hop_time(self.link, sent, [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)
                                           for d in range(dp) for j in range(g)])
