@@ -1,7 +1,13 @@
-"""Pipeline schedules by name, from torch.distributed.pipelining.
+"""Pipeline schedules by name.
 
   gpipe  all forwards, then all backwards (fill-drain): activations of every micro-batch live at once
   1f1b   after a warm-up, one forward then one backward: at most pp micro-batches in flight
+
+Over gloo (CPU) the schedules are Galaxy's (galaxy.pipeline.overlap_schedule): torch's order of
+computation, with receives posted at the step's start and sends waited for at its end, so that
+transfers overlap compute. Over other backends (NCCL) they are torch.distributed.pipelining's.
+GALAXY_PP_ENGINE=torch picks torch's everywhere (benches compare the two engines side by side;
+it is not a user setting).
 
 scale_grads is off: the loss function already scales each micro-batch's loss so that the losses
 add up to the global-batch mean (galaxy.parallel.loss_scale), which dividing the gradients by the
@@ -9,20 +15,28 @@ number of micro-batches would undo.
 """
 from __future__ import annotations
 
+import os
+
+import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
+from galaxy.pipeline.overlap_schedule import Overlapped1F1B, OverlappedGPipe
 from galaxy.plan import SCHEDULES as PIPELINE_SCHEDULES
 
-SCHEDULES = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B), strict=True))
+TORCH = dict(zip(PIPELINE_SCHEDULES, (ScheduleGPipe, Schedule1F1B), strict=True))
+OVERLAPPED = dict(zip(PIPELINE_SCHEDULES, (OverlappedGPipe, Overlapped1F1B), strict=True))
+ENGINE_VARIABLE = "GALAXY_PP_ENGINE"
 
 
-def schedule_class(name: str):
-    """The torch schedule named `name`; ValueError naming the known ones otherwise."""
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ValueError(f"pipeline_schedule {name!r} is unknown; use one of {sorted(SCHEDULES)}") from None
+def schedule_class(name: str, backend: str = "gloo"):
+    """The schedule class named `name` for a pp group on `backend`; ValueError naming the known
+    names otherwise."""
+    if name not in TORCH:
+        raise ValueError(f"pipeline_schedule {name!r} is unknown; use one of {sorted(TORCH)}")
+    overlapped = backend == "gloo" and os.environ.get(ENGINE_VARIABLE, "galaxy") != "torch"
+    return (OVERLAPPED if overlapped else TORCH)[name]
 
 
 def make_schedule(name: str, stage, num_microbatches: int, loss_fn):
-    return schedule_class(name)(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    backend = dist.get_backend(stage.group)
+    return schedule_class(name, backend)(stage, num_microbatches, loss_fn=loss_fn, scale_grads=False)

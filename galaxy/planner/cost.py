@@ -11,8 +11,9 @@ collectives travel behind compute: galaxy.planner.overlap_time (without them all
 Per micro-batch a pipeline stage takes
 F_p = its forward + half its layers' collectives and B_p = its backward + the other half; the
 stages run their m micro-batches in the schedule's order, each op waiting for its input from the
-neighbouring stage (one send later): galaxy.planner.pipeline_time, which for equal stages is
-(m + pp - 1)(F + B) and lets a quick stage's work hide under a slow one's. Then the once-per-step
+neighbouring stage (one send later; the send travels behind the sender's compute, on a link that
+carries one micro-batch at a time each way): galaxy.planner.pipeline_time, which for equal stages
+is (m + pp - 1)(F + B) and lets a quick stage's work hide under a slow one's. Then the once-per-step
 work of each stage from its own end (both ends of a tied weight wait for each other): the Galaxy
 "sum" all-reduce, DDP's all-reduce over the data-parallel replicas (not overlapped with backward),
 the all-reduce of a weight tied across the pipeline's ends, the optimizer step of the rank's
@@ -45,7 +46,7 @@ from galaxy.plan import Plan
 from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
-from galaxy.planner.pipeline_time import stage_ends
+from galaxy.planner.pipeline_time import hop_time, stage_ends
 from galaxy.planner.link_model import data_parallel_traffic, link_time, wire_time
 from galaxy.planner.overlap_time import overlapped_pass, pass_overlap
 
@@ -59,9 +60,9 @@ class Estimate:
     memory_mib: list[float]                  # per global rank
     sent_bytes: list[int]                    # per global rank and step
     compute_s: list[float]                   # per global rank: its own compute in a step
-    comm_s: float                            # collectives and sends on the critical path
-    comm_rank_s: list[float] = field(default_factory=list)   # per global rank: the collectives, sends
-                                             # and DP traffic it takes part in (none overlapped)
+    comm_s: float                            # collectives on the critical path
+    comm_rank_s: list[float] = field(default_factory=list)   # per global rank: the collectives and DP
+                                             # traffic it takes part in (a pipeline's sends overlap)
     sub_block_s: list[dict] = field(default_factory=list)   # per rank: {"ATT", "CON", "MLP", ...} seconds
 
     def fits(self, budgets) -> bool:
@@ -135,14 +136,14 @@ class CostModel(MemoryModel):
         """(forward and backward of one micro-batch of replica d on stage p, its once-per-step
         work, its communication on the critical path), filling in its ranks' figures."""
         plan, m = s.plan, s.plan.microbatches
-        first, last = p == 0, p == plan.pp - 1
         c = self.recomputed(plan, p)
         ranks = [(p * plan.dp + d) * plan.group + j for j in range(plan.group)]
         comm = self._stage_comm(s, p, c, tuple(ranks))
-        p2p = (0 if last else s.hops[p]) + (0 if first else s.hops[p - 1])    # its sends per micro-batch
         fwd, bwd, per_rank = self._replica_compute(s, p, c, ranks)
         extra = max(self._rank_step(s, p, c, j, r, per_rank[j], comm) for j, r in enumerate(ranks))
-        path = m * (comm.mb + p2p) + comm.step
+        # Its sends are not here: they travel behind compute (galaxy.pipeline.overlap_schedule), and
+        # a stage waiting for a neighbour's send idles (pipeline_time counts the wait).
+        path = m * comm.mb + comm.step
         for r in ranks:
             s.comm_s[r] += path
         # batch streams and chunks hide collectives behind compute (galaxy.planner.overlap_time)
@@ -182,10 +183,10 @@ class CostModel(MemoryModel):
 
     def _hop(self, plan: Plan, p: int, carry_bytes: float, d: int) -> float:
         """One micro-batch's send from stage p to stage p + 1 in replica d: every rank sends its
-        counterpart the carry at once, so the slowest pair's time."""
+        counterpart the carry at once, so the slowest pair's wire time (pipeline_time.hop_time)."""
         g, dp = plan.group, plan.dp
-        return max(link_time(self.link, "send_recv", 2, carry_bytes, 1,
-                             ranks=((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)) for j in range(g))
+        return hop_time(self.link, carry_bytes, [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)
+                                                 for j in range(g)])
 
     def _method_sum(self, plan: Plan, p: int, out: _StageComm, group: tuple[int, ...]) -> None:
         """The Galaxy group's sum of a method's trained "sum" gradients, once per step (stage p)."""

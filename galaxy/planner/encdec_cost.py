@@ -44,7 +44,7 @@ from galaxy.planner.encdec_bench import with_layers
 from galaxy.planner.encdec_terms import EncDecTerms
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.link_model import data_parallel_traffic, link_time
-from galaxy.planner.pipeline_time import stage_ends
+from galaxy.planner.pipeline_time import hop_time, stage_ends
 
 ENCODER_SUBS = ("att", "con", "mlp", "con")
 DECODER_SUBS = ("att", "con", "xatt", "con", "mlp", "con")
@@ -200,7 +200,7 @@ class EncDecCostModel(EncDecTerms):
                 fwd, bwd = max(fwd, f), max(bwd, b)
             fwds.append(fwd + mb / 2)
             bwds.append(bwd + mb / 2)
-            path = m * (mb + (hops[p - 1] if p > 0 else 0.0) + (hops[p] if p < pp - 1 else 0.0)) + step
+            path = m * mb + step        # sends travel behind compute (waiting for one: pipeline_time)
             comm_path = max(comm_path, path)
             extras.append(step + max(self._rank_step(plan, p, r, rows, path, m * sends + group_bytes, out)
                                      for r in self.stage_ranks(plan, p)))
@@ -213,10 +213,10 @@ class EncDecCostModel(EncDecTerms):
 
     def _hop(self, plan: Plan, p: int, sent: float) -> float:
         """One micro-batch's send across the boundary after stage p: every rank sends its
-        counterpart at once, so the slowest pair's time (a link profiled per pair)."""
+        counterpart at once, so the slowest pair's wire time (pipeline_time.hop_time)."""
         g, dp = plan.group, plan.dp
-        pairs = [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j) for d in range(dp) for j in range(g)]
-        return max(link_time(self.link, "send_recv", 2, sent, 1, ranks=pair) for pair in pairs)
+        return hop_time(self.link, sent, [((p * dp + d) * g + j, ((p + 1) * dp + d) * g + j)
+                                          for d in range(dp) for j in range(g)])
 
     def _rank_step(self, plan: Plan, p: int, r: int, rows: float, path: float, sent: float, out) -> float:
         """Rank r's once-per-step work (data-parallel traffic, the tied weight's sum between the
