@@ -485,6 +485,98 @@ def test_memory_and_data_parallel_bytes_under_lora_and_fsdp_by_hand(method_profi
     assert full.estimate(serial).sent_bytes == [ring_bytes("all_reduce", doc["params"]["total"], 4, 2)] * 2
 
 
+# --- the shared table's gradient: rows in place (galaxy.parallel.embedding_grad) ---------------------
+
+def _untied(doc):
+    """The profile as an untied T5 v1.1's would count it: no weight held by both ends."""
+    return {**doc, "params": {**doc["params"], "tied": 0}}
+
+
+def test_shared_table_switches_where_the_runtime_switches_it(profiles, method_profiles, tiny_lm_dir):
+    """The rule on the first stage, against galaxy.parallel.embedding_grad's own pick of the
+    tables of the model as built (m > 1): at pp 1 tied BART stays dense, untied T5 v1.1 switches;
+    BART's first stage of two switches (the tied copy lives on the last); never one micro-batch,
+    FSDP's replicas, or a method that freezes the table."""
+    from galaxy.models.build import load_hf_config, model_class, tie_as_checkpoint
+    from galaxy.models.registry import family_of
+    from galaxy.models.weights import LazyCheckpoint
+    from galaxy.parallel.embedding_grad import vocabulary_embeddings
+    from galaxy.pipeline.stage import keep_stage
+    from galaxy.planner.encdec_cost import EncDecCostModel
+
+    def switched(model_path, stage=None):    # the model as galaxy.runtime.assemble builds it
+        hf, family = load_hf_config(model_path), family_of(load_hf_config(model_path).model_type)
+        with LazyCheckpoint(model_path) as checkpoint:
+            hf = tie_as_checkpoint(hf, checkpoint, family)
+        with torch.device("meta"):
+            model = model_class(family, "seq2seq")(hf)
+            return bool(vocabulary_embeddings(keep_stage(model, *stage) if stage else model))
+
+    bart = EncDecCostModel(profiles["bart"][1], [_device(1e9)] * 4, None, batch_size=4)
+    v1_1 = EncDecCostModel(_untied(profiles["t5"][1]), [_device(1e9)] * 4, None, batch_size=4)
+    two = _plan(**{**SERIAL.__dict__, "microbatches": 2})
+    assert bart.rows_accumulate_in_place(two) is switched(profiles["bart"][0]) is False
+    assert v1_1.rows_accumulate_in_place(two) is switched(tiny_lm_dir("t5", v1_1=True)) is True
+    piped = _plan(**{**two.__dict__, "pp": 2, "stages": (1, 3)})
+    assert bart.rows_accumulate_in_place(piped) is switched(profiles["bart"][0], (range(0, 1), True, False)) is True
+    assert not bart.rows_accumulate_in_place(_plan(**{**piped.__dict__, "microbatches": 1}))
+    assert not bart.rows_accumulate_in_place(_plan(**{**piped.__dict__, "dp": 2, "dp_sharding": "full"}))
+    assert bart.rows_accumulate_in_place(_plan(**{**piped.__dict__, "dp": 2}))
+    lora = _method_cost(method_profiles["bart", "lora"], [_device(1e9)] * 4)
+    assert not lora.rows_accumulate_in_place(piped)
+
+
+def test_shared_table_backward_and_accumulation_by_hand(profiles):
+    """One device adding a gradient element in a s (grad_accumulate_s_per_param), m = 2 micro-batches
+    of 2 rows: the table's backward (V x d zeroed, 2 x (S + T) rows of d added) and the additions
+    into .grad, as the rank's compute beyond the same plan at a = 0. Dense (tied BART, pp 1): the
+    block each micro-batch, every parameter added once. Switched (untied, pp 1; BART's stage 0 of
+    two): the block once, the rows each micro-batch, every parameter but the table added once;
+    BART's last stage adds all of its own."""
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.profiles import check_link
+
+    a, free = 1e-9, check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
+    _, doc = profiles["bart"]
+    V, d = doc["hf_config"]["vocab_size"], doc["hf_config"]["d_model"]
+    block, looked_up = V * d * a, 2 * (SOURCE + TARGET) * d * a
+    two = _plan(**{**SERIAL.__dict__, "microbatches": 2})
+    piped = _plan(**{**two.__dict__, "pp": 2, "stages": (1, 3)})
+
+    def extra(doc, plan, world=1):
+        at = [EncDecCostModel(doc, [{**_device(1e9), "grad_accumulate_s_per_param": rate}] * world, free,
+                              batch_size=4) for rate in (a, 0.0)]
+        (with_a, est), (_, none) = ((c, c.estimate(plan)) for c in at)
+        return with_a, [x - y for x, y in zip(est.compute_s, none.compute_s)], est.sub_block_s
+
+    cost, dense, sub_s = extra(doc, two)
+    assert dense[0] == pytest.approx(2 * (block + looked_up) + cost.params_of(two, 0) * a, rel=1e-9)
+    assert sub_s[0]["EMB"] == pytest.approx(2 * (block + looked_up), rel=1e-9)
+    cost, switched, sub_s = extra(_untied(doc), two)
+    assert switched[0] == pytest.approx(block + 2 * looked_up + (cost.params_of(two, 0) - V * d) * a, rel=1e-9)
+    assert sub_s[0]["EMB"] == pytest.approx(block + 2 * looked_up, rel=1e-9)
+    cost, stages, _ = extra(doc, piped, world=2)
+    assert stages[0] == pytest.approx(block + 2 * looked_up + (cost.params_of(piped, 0, p=0) - V * d) * a, rel=1e-9)
+    assert stages[1] == pytest.approx(cost.params_of(piped, 0, p=1) * a, rel=1e-9)
+
+
+def test_kept_dense_table_gradients_only_where_the_lookup_stays_dense(profiles):
+    """A heap that keeps freed memory (freed_memory_kept) keeps memory_model's kept_gradient_blocks
+    of the V x d table on the first stage where the lookup stays dense (tied BART at pp 1, 4
+    micro-batches: min(m - 2, 4) = 2 blocks), none where its rows accumulate in place (pp 2)."""
+    from galaxy.planner.encdec_cost import EncDecCostModel
+    from galaxy.planner.profiles import check_link
+
+    free = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
+    _, doc = profiles["bart"]
+    block = doc["hf_config"]["vocab_size"] * doc["hf_config"]["d_model"] * 4 / 2 ** 20
+    four = _plan(**{**SERIAL.__dict__, "microbatches": 4})
+    for plan, world, blocks in ((four, 1, [2]), (_plan(**{**four.__dict__, "pp": 2, "stages": (1, 3)}), 2, [0, 0])):
+        kept, plain = (EncDecCostModel(doc, [{**_device(1e9), "freed_memory_kept": flag}] * world, free,
+                                       batch_size=4).estimate_memory(plan) for flag in (True, False))
+        assert [k - p for k, p in zip(kept, plain)] == pytest.approx([b * block for b in blocks], rel=1e-9)
+
+
 # --- end to end: profile-model, profile-devices on 2 gloo ranks, search, train -----------------------
 
 def test_searched_t5_config_trains_with_hf_losses(work, tmp_path):              # noqa: F811

@@ -12,7 +12,11 @@ shares (tokens) and the decoder's at the target shares (decoder_tokens), XATT by
            CON), the embeddings and the head; plus the group's collectives of the family's closed
            form (galaxy.models.encdec_forms, bytes per kind, split into per-row and once-per-step
            parts), timed on the link; then the data-parallel traffic, the optimizer step and, with
-           m micro-batches, m - 1 additions into .grad.
+           m micro-batches, m - 1 additions into .grad. The first stage's shared table's backward
+           (table_backward): a zeroed [vocab, d_model] block plus the looked-up rows each
+           micro-batch where the lookup stays dense; where its rows accumulate in place
+           (galaxy.parallel.embedding_grad) the block is zeroed once a step, each micro-batch adds
+           only its rows, and the table leaves the m - 1 additions.
   pipeline each stage's layers as above (its own layers' collectives; the parts outside the
            layers on the last stage; the memory's gather on every stage holding decoder layers),
            the stages played through the schedule (galaxy.planner.pipeline_time), each hop its
@@ -178,6 +182,19 @@ class EncDecCostModel(EncDecTerms):
         p; galaxy.planner.link_model.data_parallel_traffic)."""
         return data_parallel_traffic(self.link, plan, n, t, plan.stages[p], self.backward_through_backbone)
 
+    def table_backward(self, plan: Plan, r: int, rows: float) -> tuple[float, float]:
+        """The shared table's backward on first-stage rank r: (seconds once a step, seconds per
+        micro-batch). No compute table measures an encoder-decoder's embedding, so both parts
+        are passes over their elements at the device's grad_accumulate_s_per_param (a stand-in:
+        zeroing writes where an addition reads two and writes one, so it errs high): the
+        [vocab, d_model] block's zeroing, and the rows x (S + T) looked-up rows of d_model added
+        into it. Dense: both each micro-batch; rows in place: the zeroing once a step."""
+        if not self.table_trains:
+            return 0.0, 0.0
+        rate = self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+        zero, looked_up = self.table * rate, rows * (self.source + self.target) * self.hidden * rate
+        return (zero, looked_up) if self.rows_accumulate_in_place(plan) else (0.0, zero + looked_up)
+
     # --- the step --------------------------------------------------------------------------------------
 
     def estimate(self, plan: Plan) -> Estimate:
@@ -231,7 +248,12 @@ class EncDecCostModel(EncDecTerms):
             dp_time, dp_bytes = dp_time + link_time(self.link, "all_reduce", 2, b, 1), dp_bytes + b
         stepped = t / plan.dp if plan.dp_sharding != "none" and plan.dp > 1 else t
         opt = self.devices[r].get("optimizer_s_per_param", {}).get(self.optimizer, 0.0) * stepped
-        acc = (m - 1) * stepped * self.devices[r].get("grad_accumulate_s_per_param", 0.0)
+        # a table whose rows go into .grad in place adds none of its gradient: its .grad is zeroed
+        # once instead (table_backward)
+        added, zero = stepped, 0.0
+        if p == 0 and self.rows_accumulate_in_place(plan):
+            added, zero = max(stepped - self.table, 0.0), self.table_backward(plan, r, rows)[0]
+        acc = (m - 1) * added * self.devices[r].get("grad_accumulate_s_per_param", 0.0) + zero
         out.memory[r] = self.memory_bytes(plan, j, r, n, t, rows, p) / MIB
         out.sent[r] = sent + dp_bytes
         out.compute[r] = m * sum(out.own[r]) + opt + acc
@@ -245,6 +267,12 @@ class EncDecCostModel(EncDecTerms):
         m = plan.microbatches
         fwd = bwd = 0.0
         kinds = [self.kinds(plan, j) for j in range(len(ranks))]
+        if p == 0 and self.table_trains:          # the table's backward: its per-micro-batch part
+            parts = [self.table_backward(plan, r, rows) for r in ranks]
+            for (once, each), r in zip(parts, ranks):
+                out.own[r][1] += each
+                out.sub_s[r]["EMB"] = m * each + once
+            bwd += max(each for _, each in parts)
         for stack, (layers, c_stack) in self.stage_stacks(plan, p).items():
             for sub in self.subs(stack) if layers else ():
                 runs = [("side", k[stack]["con"][1]) if sub == "side" else k[stack][sub] for k in kinds]

@@ -17,6 +17,11 @@ and memory_model read a version-1 profile and its section:
   stages       a pipeline stage holds a run of the layer list (the encoder's layers, then the
                decoder's: a stage may hold both), the embeddings on the first stage, the head on
                the last (both ends hold a tied weight), what lies beside the layers on every stage
+  vocabulary   the shared [vocab, d_model] table's gradient (galaxy.parallel.embedding_grad): where
+               its rows accumulate in place (rows_accumulate_in_place: BART / T5's `shared` on a
+               pipeline's first stage, untied T5 v1.1 at pp 1, m > 1) a step makes no fresh dense
+               gradient of it; where the lookup stays dense (a head tied on the same stage, FSDP's
+               replicas) a heap that keeps freed memory keeps memory_model's kept_gradient_blocks
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import functools
 from dataclasses import replace
 
 from galaxy.plan import Plan
-from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP
+from galaxy.planner.memory_model import (CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP, MemoryModel,
+                                         embedding_rows_in_place)
 from galaxy.planner.method import BACKBONE, BackboneRole
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
 
@@ -55,6 +61,14 @@ class EncDecTerms(BackboneRole):
         if self.backbone != "trained" and (self.section is None or self.section["signature"] != self.method):
             raise ValueError("the model profile's peft section is not of the method to cost")
         self.side_width = self.section["side_width"] if self.section else 0
+        # the vocabulary table (BART / T5's `shared`), of the first stage's "embed" parameters
+        self.table = model["hf_config"]["vocab_size"] * self.hidden
+        self.table_trains = self.trains_backbone and self.outside_counts(True)["embed"] > 0
+
+    def rows_accumulate_in_place(self, plan: Plan) -> bool:
+        """Whether stage 0's shared table adds each micro-batch's rows into its .grad in place
+        (memory_model.embedding_rows_in_place: the tied head sits on the same stage at pp 1 only)."""
+        return embedding_rows_in_place(plan, self.table_trains, self.outside_counts(True)["tied"] > 0)
 
     # --- what a Galaxy rank runs -----------------------------------------------------------------
 
@@ -233,7 +247,10 @@ class EncDecTerms(BackboneRole):
         frozen = self.backbone == "frozen"
         whole = acts if not (plan.checkpoint or frozen) else \
             rows * (inflight * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest)
-        return base + acts + dev.get("activation_slack", CPU_ACTIVATION_SLACK) * whole + temp
+        kept = 0.0
+        if dev.get("freed_memory_kept") and p == 0 and self.table_trains and not self.rows_accumulate_in_place(plan):
+            kept = MemoryModel.kept_gradient_blocks(plan, p) * self.table * FP32
+        return base + acts + dev.get("activation_slack", CPU_ACTIVATION_SLACK) * whole + temp + kept
 
     def estimate_memory(self, plan: Plan) -> list[float]:
         rows = self.batch / (plan.dp * plan.microbatches)

@@ -68,13 +68,19 @@ FROZEN_ACTIVATION_SLACK = 0.5
 KEPT_GRADIENTS_MAX = 4
 
 
+def embedding_rows_in_place(plan: Plan, table_trains: bool, tied: bool) -> bool:
+    """Whether stage 0's word embedding adds each micro-batch's rows into its .grad in place
+    (galaxy.parallel.embedding_grad's rule): more than one micro-batch, the table trains, no head
+    tied to it on the same stage (pp 1 with a tied pair), replicas not sharded. Every family's
+    cost model asks this with its own counts (here; galaxy.planner.encdec_terms)."""
+    return (plan.microbatches > 1 and table_trains and not (plan.pp == 1 and tied)
+            and not (plan.dp_sharding != "none" and plan.dp > 1))
+
+
 class MemoryModel(ModelTerms):
     def rows_accumulate_in_place(self, plan: Plan) -> bool:
-        """Whether stage 0's word embedding adds each micro-batch's rows into its .grad in place
-        (galaxy.parallel.embedding_grad's rule): more than one micro-batch, the table trains, no
-        head tied to it on the same stage (pp 1 with a tied pair), replicas not sharded."""
-        return (plan.microbatches > 1 and self.trains_backbone and self.trainable.embed > 0
-                and not (plan.pp == 1 and self.tied > 0) and not (plan.dp_sharding != "none" and plan.dp > 1))
+        """embedding_rows_in_place for this model's first stage."""
+        return embedding_rows_in_place(plan, self.trains_backbone and self.trainable.embed > 0, self.tied > 0)
 
     def recomputed(self, plan: Plan, p: int) -> int:
         """Stage p's layers that recompute in backward: none where no backward runs through them
