@@ -390,14 +390,14 @@ def test_unequal_stages_get_layers_by_speed():
 
 @pytest.mark.parametrize("rates, latency", [((2e10, 1e10), 1e-4), ((2e10, 1e10), 3e-2), ((1e10, 3e10), 1e-4)])
 def test_pipeline_search_finds_the_best_stage_split_and_micro_batches(rates, latency):
-    """Every two-stage plan of 6 layers, brute force: the search's best is the fastest of them.
-    On the slow link, 5 : 1 wins, which loads the stage that is already the slower one at the
+    """Every two-stage plan of 6 layers under either schedule, brute force: the search's best is
+    the fastest of them. On the slow link, 5 : 1 wins, which loads the stage that is already the slower one at the
     proportional 4 : 2 (the quick last stage and its hops then hide under the first's forwards)."""
     link = check_link({"latency_s": latency, "bytes_per_s": 1e9}, "link")
     cost = CostModel(synthetic_model(), [device(r) for r in rates], link, batch_size=8)
     found = search(cost, [1e6, 1e6], meshes=[(2, 1)]).ranked[0]
-    every = [cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (a, 6 - a), m,
-                                "1f1b" if m >= 2 else "gpipe")).step_s for a in range(1, 6) for m in (1, 2, 4, 8)]
+    every = [cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (a, 6 - a), m, schedule)).step_s
+             for a in range(1, 6) for m in (1, 2, 4, 8) for schedule in ("1f1b", "gpipe") if m >= 2 or schedule == "gpipe"]
     assert found.step_s == pytest.approx(min(every), rel=1e-12)
 
 

@@ -3,8 +3,8 @@ galaxy.planner.encdec_cost, with the encoder-decoder's two more choices.
 
 Enumerated: pp x dp dividing the world (dp the batch; the Galaxy group the rest), the methods
 ATT TP|SP, MLP TP|SP, CON SP|None and XATT TP|SP (16; one choice for a group of 1), the
-micro-batches (pipeline micro-batches, or gradient accumulation without a pipeline; 1f1b when there
-are at least pp of them, else gpipe) and, with replicas, the dp_sharding choices given. A
+micro-batches (pipeline micro-batches, or gradient accumulation without a pipeline), the schedule
+(galaxy.planner.search.schedules: 1f1b and gpipe from pp micro-batches on, else gpipe) and, with replicas, the dp_sharding choices given. A
 pipeline's stages split the layer list, the encoder's layers then the decoder's (a stage may hold
 both), proportional to the stages' speed to start with, then moved a layer at a time as
 galaxy.planner.search moves them. The fine-tuning method is the cost model's (a PEFT method: what
@@ -20,7 +20,7 @@ import itertools
 from galaxy.plan import METHODS as PLAN_METHODS
 from galaxy.plan import Plan
 from galaxy.planner.encdec_cost import EncDecCostModel
-from galaxy.planner.search import MAX_MICROBATCHES, SearchResult, Searcher, divisors, proportional
+from galaxy.planner.search import MAX_MICROBATCHES, SearchResult, Searcher, divisors, proportional, schedules
 
 METHODS = list(itertools.product(PLAN_METHODS["att"], PLAN_METHODS["mlp"], PLAN_METHODS["con"],
                                  PLAN_METHODS["xatt"]))
@@ -65,7 +65,8 @@ class EncDecSearcher(Searcher):
             mbs = [m for m in divisors(batch // dp) if m <= MAX_MICROBATCHES]
             shardings = [s for s in self.sharding if s == "none" or dp > 1]
             for (att, mlp, con, xatt), m, shard in itertools.product(methods, mbs, shardings):
-                yield pp, dp, g, att, mlp, con, xatt, m, shard
+                for schedule in schedules(pp, m):
+                    yield pp, dp, g, att, mlp, con, xatt, m, shard, schedule
 
     def _feasible(self, methods, g: int) -> bool:
         att, mlp, con, xatt = methods
@@ -75,7 +76,7 @@ class EncDecSearcher(Searcher):
             return False
         return "SP" not in methods or min(self.seq, self.target) >= g
 
-    def initial(self, pp, dp, g, att, mlp, con, xatt, m, shard) -> Plan:
+    def initial(self, pp, dp, g, att, mlp, con, xatt, m, shard, schedule) -> Plan:
         # Galaxy rank j's speed: its slowest device over every group (they all use the same lists)
         pos = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for d in range(dp)) for j in range(g)]
 
@@ -86,7 +87,7 @@ class EncDecSearcher(Searcher):
         stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
         return Plan(att=att, mlp=mlp, con=con, xatt=xatt, pp=pp, dp=dp, heads=split(self.heads),
                     columns=split(self.columns), tokens=split(self.seq), decoder_tokens=split(self.target),
-                    stages=stages, microbatches=m, schedule="1f1b" if m >= pp else "gpipe", checkpoint=(),
+                    stages=stages, microbatches=m, schedule=schedule, checkpoint=(),
                     dp_sharding=shard)
 
     def _vectors(self, plan: Plan):

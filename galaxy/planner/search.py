@@ -2,8 +2,8 @@
 
 Enumerated: the mesh (pp x dp x Galaxy group size dividing the world), the methods (ATT TP|SP,
 MLP TP|SP, CON SP|None; one choice for a group of 1), the micro-batches (divisors of the rows per
-replica: pipeline micro-batches, or grad_accum_steps without a pipeline; 1f1b when there are at
-least pp of them, else gpipe) and sharded data parallelism (with replicas). For each, the integer choices are optimised by local search:
+replica: pipeline micro-batches, or grad_accum_steps without a pipeline), the pipeline schedule (both
+1f1b and gpipe where there are at least pp micro-batches, else gpipe: schedules) and sharded data parallelism (with replicas). For each, the integer choices are optimised by local search:
 
   start    heads / columns / tokens (and, for the latency objective, an SP MLP's decode columns)
            per Galaxy rank proportional to its speed (the slowest device
@@ -51,6 +51,17 @@ class SearchResult:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedules(pp: int, m: int) -> tuple[str, ...]:
+    """The pipeline schedules a search tries for pp stages and m micro-batches. 1f1b keeps fewer
+    micro-batches in flight (less memory), but it is not always the quicker: with unequal stages
+    gpipe's fill-drain can end sooner (home3, [3, 2, 1] x 12: gpipe predicted 982 ms against
+    1f1b's 1058, measured 925-963; bench/results/plan_cluster.md), so both start a local search.
+    1f1b needs m >= pp; without a pipeline the name is only carried (one stage runs no schedule)."""
+    if pp == 1:
+        return ("1f1b",)
+    return ("1f1b", "gpipe") if m >= pp else ("gpipe",)
 
 
 def proportional(total: int, unit: int, weights: list[float]) -> tuple[int, ...]:
@@ -159,7 +170,8 @@ class Searcher:
                 # sharded data parallelism: over dp replicas (pipeline stages included)
                 shardings = [s for s in self.sharding if s == "none" or dp > 1]
                 for (att, mlp, con), m, shard in itertools.product(methods, mbs, shardings):
-                    yield pp, dp, g, att, mlp, con, m, shard
+                    for schedule in schedules(pp, m):
+                        yield pp, dp, g, att, mlp, con, m, shard, schedule
 
     def _feasible(self, methods, g: int) -> bool:
         att, mlp, con = methods
@@ -171,7 +183,7 @@ class Searcher:
             return False
         return True
 
-    def initial(self, pp, dp, g, att, mlp, con, m, shard) -> Plan:
+    def initial(self, pp, dp, g, att, mlp, con, m, shard, schedule) -> Plan:
         # Galaxy rank j's speed: its slowest device over every group (they all use the same shares).
         pos = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for d in range(dp)) for j in range(g)]
         # A split the plan does not use still needs one entry per rank (the writer leaves it out).
@@ -182,7 +194,6 @@ class Searcher:
         stage_speed = [min(self.speed[(p * dp + d) * g + j] for d in range(dp) for j in range(g)) * g
                        for p in range(pp)]
         stages = proportional(self.layers, 1, stage_speed) if pp > 1 else (self.layers,)
-        schedule = "1f1b" if m >= pp else "gpipe"
         replica_speed = [min(self.speed[(p * dp + d) * g + j] for p in range(pp) for j in range(g)) for d in range(dp)]
         rows = proportional(self.cost.batch, m, replica_speed) if dp > 1 else None
         decode = columns if mlp == "SP" and self._decode_columns and g > 1 else None
