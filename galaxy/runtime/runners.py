@@ -46,13 +46,12 @@ def build_runner(model_path: str, plan: Plan, mesh, *, num_labels: int | None = 
         # Imported here: torch.distributed.pipelining's import costs about as much as torch's.
         from galaxy.pipeline.runner import PipelineRunner
         runner = PipelineRunner(model, plan, mesh, device=device, autocast=autocast)
-        accumulate_rows_in_place(model, plan, runner.sharding != "none")
-        return runner
-    runner = DataParallelRunner(model, plan, mesh, device=device, autocast=autocast)
+    else:
+        runner = DataParallelRunner(model, plan, mesh, device=device, autocast=autocast)
     # After DDP wraps the model (galaxy.parallel.embedding_grad): micro-batches add the word
     # embedding's rows into its .grad in place.
     accumulate_rows_in_place(model, plan, runner.sharding != "none")
-    if mesh.dp_pg is not None:
+    if plan.pp == 1 and mesh.dp_pg is not None:
         # DDP writes its average back into .grad after backward, and FSDP replaces .grad with its
         # reduce-scattered shard, so the Galaxy group's sums cannot start during backward
         # (galaxy.parallel.grad_sync would notice and redo them).
