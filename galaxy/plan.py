@@ -10,7 +10,11 @@
                 columns an SP MLP computes while decoding one token (decode_columns)
                 per data-parallel replica: rows of every global batch (replica_rows; None: even)
     pipeline    layers per stage, micro-batches per step (the pipeline's when pp > 1, gradient
-                accumulation's otherwise) and the schedule (gpipe | 1f1b)
+                accumulation's otherwise), the schedule (gpipe | 1f1b) and 1f1b's warm-up forwards
+                per stage (warmup; None: pp - p, torch's)
+    placement   which launched process holds each mesh position (rank_order; None: the launch
+                rank is the position): a slow device can take the first stage, which waits for
+                no other stage's fill and drain
     memory      the layers that recompute in backward (activation checkpointing), and whether the
                 replicas shard parameters, gradients and optimizer state (dp_sharding, FSDP2)
     overlap     comm_chunks: a TP sub-block's collectives in chunks of the sequence; kv_blocks: SP
@@ -32,7 +36,7 @@ from enum import Enum
 from itertools import accumulate
 from typing import NamedTuple
 
-from galaxy.plan_pipeline import pipeline_problems
+from galaxy.plan_pipeline import pipeline_problems, rank_order_problems
 from galaxy.plan_shares import (SHARE_KEYS, even_split, galaxy_shares, microbatch_problems, share_problems,
                                 tokenwise_default)
 
@@ -71,6 +75,7 @@ FIELD_OF_KEY = {
     "prefill_chunks": "prefill_chunks",
     "xatt_parallel_method": "xatt", "decoder_seq_scatter_list": "decoder_tokens", "dp_batch_list": "replica_rows",
     "decode_intermediate_size_list": "decode_columns",
+    "pipeline_warmup_list": "warmup", "mesh_rank_order": "rank_order",
 }
 
 class Workload(NamedTuple):
@@ -116,6 +121,10 @@ class Plan:
     replica_rows: tuple[int, ...] | None = None     # rows of a global batch per DP replica; None: even
     decode_columns: tuple[int, ...] | None = None   # SP MLP columns per rank per decoded token; None: as tokens
     prefill_chunks: int = 1                   # generation: the prompt's token chunks (galaxy.inference.engine)
+    # 1f1b: forwards each stage runs before its first backward; None: pp - p (torch's 1F1B)
+    warmup: tuple[int, ...] | None = None
+    # the launch rank holding each mesh position (rank formula above); None: position = launch rank
+    rank_order: tuple[int, ...] | None = None
 
     # --- the flat keys -----------------------------------------------------------------------
 
@@ -155,6 +164,8 @@ class Plan:
             keys.update(num_microbatches=self.microbatches, pipeline_schedule=self.schedule)
             if self.stages is not None:
                 keys["stage_num_hidden_layers_list"] = list(self.stages)
+            if self.warmup is not None:
+                keys["pipeline_warmup_list"] = list(self.warmup)
         elif self.microbatches > 1:
             keys["grad_accum_steps"] = self.microbatches
         if self.dp > 1:
@@ -167,7 +178,17 @@ class Plan:
             keys["kv_blocks"] = True
         if self.xatt is not None:
             keys["xatt_parallel_method"] = self.xatt
+        if self.rank_order is not None and self.rank_order != tuple(range(len(self.rank_order))):
+            keys["mesh_rank_order"] = list(self.rank_order)
         return keys
+
+    def position_of(self, launch_rank: int) -> int:
+        """The mesh position (the process group's rank) of the process launched as launch_rank."""
+        return launch_rank if self.rank_order is None else self.rank_order.index(launch_rank)
+
+    def launch_rank(self, position: int) -> int:
+        """The launch rank of the process holding mesh position `position`."""
+        return position if self.rank_order is None else self.rank_order[position]
 
     def checkpoint_key(self, layers: int | None = None):
         """activation_checkpointing as a config writes it: "none", "full", a number of leading
@@ -284,6 +305,7 @@ class Plan:
             problems.append(f"batch_size {work.rows} is not divisible by dp_deg {self.dp}; "
                             f"use a multiple of {self.dp}")
         problems += pipeline_problems(self, work)
+        problems += rank_order_problems(self.rank_order, world)
         try:
             recompute_layers(self.checkpoint, work.layers)
         except PlanError as e:

@@ -115,6 +115,16 @@ class PlanKeys:
     num_microbatches: int = key(1, "pipeline micro-batches per step (pp_deg > 1)", at_least=1)
     pipeline_schedule: Literal["gpipe", "1f1b"] = key("1f1b", "pipeline schedule; 1f1b needs num_microbatches "
                                                       ">= pp_deg")
+    pipeline_warmup_list: list[int] | None = key(None, "1f1b: forwards each stage runs before its first "
+                                                 "backward, in stage order, never rising; more than pp_deg - "
+                                                 "stage hides a slower downstream's round trip, holding that "
+                                                 "many micro-batches' activations; null: pp_deg - stage "
+                                                 "(torch's 1F1B); gloo only (Galaxy's pipeline engine)",
+                                                 at_least=1)
+    mesh_rank_order: list[int] | None = key(None, "the launch ranks (--rank, RANK) in mesh order: the process "
+                                            "started as rank mesh_rank_order[i] holds mesh position i "
+                                            "((stage x dp_deg + replica) x group + Galaxy rank); null: "
+                                            "position = launch rank. plan.py search writes it", at_least=0)
     grad_accum_steps: int = key(1, "micro-batches per optimizer step without a pipeline (batch_size stays "
                                 "the global batch)", at_least=1)
     activation_checkpointing: LayerSpec = key("none", "layers that recompute in backward: " + CHECKPOINTS,
