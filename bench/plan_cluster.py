@@ -134,7 +134,8 @@ def candidates(ranked: list[dict], world: int, layers: int, args, predict) -> di
 def neighbour_keys(keys: dict, layers: int, batch: int):
     """Plans one change away from `keys`, then two: a layer moved between neighbouring stages,
     another count of micro-batches, a row per micro-batch moved between two data-parallel replicas
-    (dp_batch_list), the other schedule, a head / 64 MLP columns / 8 tokens moved
+    (dp_batch_list), the other schedule, torch's warm-ups, the devices in launch order or two
+    neighbouring positions swapped (mesh_rank_order), a head / 64 MLP columns / 8 tokens moved
     between two ranks of the Galaxy group, another method for one sub-block, recomputation."""
     singles = list(_single_changes(keys, layers, batch))
     yield from singles
@@ -158,8 +159,11 @@ def _single_changes(keys: dict, layers: int, batch: int):
     rows = keys.get("dp_batch_list") or [batch // keys.get("dp_deg", 1)] * keys.get("dp_deg", 1)
     for m in sorted(range(1, batch + 1), key=lambda m: abs(m - micro)):      # the nearest counts first
         if m != micro and batch % keys.get("dp_deg", 1) == 0 and all(r % m == 0 for r in rows):
-            yield {**keys, micro_key: m} if m > 1 or micro_key == "num_microbatches" else \
+            changed = {**keys, micro_key: m} if m > 1 or micro_key == "num_microbatches" else \
                 {k: v for k, v in keys.items() if k != micro_key}
+            if "pipeline_warmup_list" in keys:       # no more warm-up forwards than micro-batches
+                changed["pipeline_warmup_list"] = [min(w, m) for w in keys["pipeline_warmup_list"]]
+            yield changed
     for i, j in itertools.permutations(range(len(rows)) if len(rows) > 1 else (), 2):
         if rows[i] - micro >= micro:                 # one row per micro-batch from replica i to j
             moved = list(rows)
@@ -168,7 +172,17 @@ def _single_changes(keys: dict, layers: int, batch: int):
             yield {**keys, "dp_batch_list": moved} if len(set(moved)) > 1 else \
                 {k: v for k, v in keys.items() if k != "dp_batch_list"}
     if keys.get("pp_deg", 1) > 1:
-        yield {**keys, "pipeline_schedule": "gpipe" if keys.get("pipeline_schedule") == "1f1b" else "1f1b"}
+        other = "gpipe" if keys.get("pipeline_schedule") == "1f1b" else "1f1b"
+        yield {k: v for k, v in keys.items() if k != "pipeline_warmup_list"} | {"pipeline_schedule": other}
+    if "pipeline_warmup_list" in keys:               # torch's warm-ups
+        yield {k: v for k, v in keys.items() if k != "pipeline_warmup_list"}
+    order = keys.get("mesh_rank_order")
+    if order:                                        # the devices in launch order, or two of them swapped
+        yield {k: v for k, v in keys.items() if k != "mesh_rank_order"}
+        for i in range(len(order) - 1):
+            swapped = list(order)
+            swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+            yield {**keys, "mesh_rank_order": swapped}
     for share, step in (("tp_num_attention_heads_list", 1), ("tp_intermediate_size_list", 64),
                         ("seq_scatter_list", 8)):
         values = keys.get(share)
@@ -228,7 +242,9 @@ def describe(keys: dict) -> str:
         else f" ATT {keys['att_parallel_method']} MLP {keys['mlp_parallel_method']} CON {keys['con_parallel_method']} " \
         f"{shares or 'even'}"
     rows = f" rows {keys['dp_batch_list']}" if keys.get("dp_batch_list") else ""
-    return mesh + rows + group + accumulate + recompute
+    warm = f" warm-up {keys['pipeline_warmup_list']}" if keys.get("pipeline_warmup_list") else ""
+    order = f" ranks {keys['mesh_rank_order']}" if keys.get("mesh_rank_order") else ""
+    return mesh + warm + order + rows + group + accumulate + recompute
 
 
 def chart(results: dict, path: Path, title: str) -> None:

@@ -182,6 +182,14 @@ class Plan:
             keys["mesh_rank_order"] = list(self.rank_order)
         return keys
 
+    def stage_warmup(self, p: int) -> int:
+        """Forwards stage p runs before its first backward: m under gpipe (or without a pipeline),
+        else its pipeline_warmup_list entry or pp - p (torch's 1F1B), at most m."""
+        m = self.microbatches
+        if self.pp == 1 or self.schedule == "gpipe":
+            return m
+        return min(m, self.warmup[p] if self.warmup is not None else self.pp - p)
+
     def position_of(self, launch_rank: int) -> int:
         """The mesh position (the process group's rank) of the process launched as launch_rank."""
         return launch_rank if self.rank_order is None else self.rank_order.index(launch_rank)

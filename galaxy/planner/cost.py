@@ -39,7 +39,7 @@ Memory: galaxy.planner.memory_model.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from galaxy.distributed.comm_bytes import ring_bytes
 from galaxy.plan import Plan
@@ -47,6 +47,7 @@ from galaxy.planner.comm_forms import p2p_bytes
 from galaxy.planner.memory_model import MemoryModel
 from galaxy.planner.model_terms import FP32, MIB
 from galaxy.planner.pipeline_time import hop_time, stage_ends
+from galaxy.planner.placement import is_identity, launched, placed_model
 from galaxy.planner.link_model import data_parallel_traffic, link_time, wire_time
 from galaxy.planner.overlap_time import overlapped_pass, pass_overlap
 
@@ -64,6 +65,8 @@ class Estimate:
     comm_rank_s: list[float] = field(default_factory=list)   # per global rank: the collectives and DP
                                              # traffic it takes part in (a pipeline's sends overlap)
     sub_block_s: list[dict] = field(default_factory=list)   # per rank: {"ATT", "CON", "MLP", ...} seconds
+    # per pipeline stage (its slowest replica): one micro-batch's (forward, backward, send to the next stage)
+    stage_passes: list[tuple[float, float, float]] = field(default_factory=list)
 
     def fits(self, budgets) -> bool:
         return all(m <= b for m, b in zip(self.memory_mib, budgets))
@@ -109,20 +112,27 @@ class CostModel(MemoryModel):
 
     def estimate(self, plan: Plan) -> Estimate:
         """Each replica's pipeline runs its own rows (micro-batches of rows_d / m); every stage's
-        once-per-step work (DP sync, the optimizer) starts when that stage's slowest replica ends."""
+        once-per-step work (DP sync, the optimizer) starts when that stage's slowest replica ends.
+        A placed plan (rank_order) is timed at its positions, its figures per launch rank
+        (galaxy.planner.placement)."""
+        if not is_identity(plan.rank_order):
+            return launched(placed_model(self, plan.rank_order).estimate(replace(plan, rank_order=None)),
+                            plan.rank_order)
         g, pp, dp, m = plan.group, plan.pp, plan.dp, plan.microbatches
         kinds = [self._kinds(plan, j) for j in range(g)]
         world = g * pp * dp
         forms, padded = self._forms(plan) if g > 1 else [], len(set(plan.tokens)) > 1
         figures = ([0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
-        ends, extras, comm_path = [0.0] * pp, [0.0] * pp, 0.0
+        ends, extras, comm_path, passes = [0.0] * pp, [0.0] * pp, 0.0, []
         for d, rows in enumerate(self.replica_rows(plan)):
             carry_bytes, grad_bytes = self._carry_bytes(rows / m * max(k[2] for k in kinds))
             hops = tuple(self._hop(plan, p, carry_bytes, d) for p in range(pp - 1))
             s = _Step(plan, rows / m, forms, padded, kinds, hops, carry_bytes, grad_bytes, *figures)
             stages = [self._stage(s, p, d) for p in range(pp)]
             fwds, bwds, own, paths = (tuple(x) for x in zip(*stages))
-            replica_ends = list(stage_ends(fwds, bwds, hops, m, plan.schedule))
+            replica_ends = list(stage_ends(fwds, bwds, hops, m, plan.schedule, plan.warmup))
+            passes = [tuple(max(a, b) for a, b in zip(old, new)) for old, new in zip(passes, zip(fwds, bwds, hops + (0.0,)))] \
+                if passes else list(zip(fwds, bwds, hops + (0.0,)))
             if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
                 replica_ends[0] = replica_ends[-1] = max(replica_ends[0], replica_ends[-1])
             ends = [max(a, b) for a, b in zip(ends, replica_ends)]
@@ -130,7 +140,7 @@ class CostModel(MemoryModel):
             comm_path = max(comm_path, *paths)
         step = max(e + x for e, x in zip(ends, extras))
         return Estimate(plan, step, [x / MIB for x in s.memory], [int(x) for x in s.sent], s.compute_s, comm_path,
-                        s.comm_s, s.sub_s)
+                        s.comm_s, s.sub_s, passes)
 
     def _stage(self, s: _Step, p: int, d: int) -> tuple[float, float, float, float]:
         """(forward and backward of one micro-batch of replica d on stage p, its once-per-step

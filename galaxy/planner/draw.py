@@ -46,8 +46,9 @@ def draw_plan(est: Estimate, model: dict, devices: list[dict], path: str) -> str
     cmap = fig.colormaps["Blues"] if hasattr(fig, "colormaps") else None
     labels = []
     starts = [sum(plan.stages[:p]) for p in range(plan.pp)]
-    for r in range(world):
-        j, d, p = r % plan.group, (r // plan.group) % plan.dp, r // (plan.group * plan.dp)
+    for r in range(world):          # launch ranks; their mesh positions through plan.rank_order
+        pos = plan.position_of(r)
+        j, d, p = pos % plan.group, (pos // plan.group) % plan.dp, pos // (plan.group * plan.dp)
         first = starts[p]
         labels.append(f"rank {r}: {devices[r].get('name', '')[:18]}\nstage {p} (layers {first}-"
                       f"{first + plan.stages[p] - 1}), replica {d}")
@@ -61,7 +62,8 @@ def draw_plan(est: Estimate, model: dict, devices: list[dict], path: str) -> str
     left.set_yticks([world - 0.5 - r for r in range(world)], labels, fontsize=7)
     ck = ", ".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp)) if plan.checkpoint else "none"
     left.set_title(f"pp {plan.pp} x dp {plan.dp} x group {plan.group}, {plan.microbatches} micro-batch(es)"
-                   f"{' ' + plan.schedule if plan.pp > 1 else ''}, recomputed layers per stage: {ck}", fontsize=9)
+                   f"{' ' + plan.schedule if plan.pp > 1 else ''}"
+                   f"{' warm-up ' + ','.join(map(str, plan.warmup)) if plan.warmup else ''}, recomputed layers per stage: {ck}", fontsize=9)
 
     ys = list(range(world))[::-1]
     busy, comm, idle = step_parts(est)

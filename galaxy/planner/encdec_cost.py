@@ -221,7 +221,7 @@ class EncDecCostModel(EncDecTerms):
             comm_path = max(comm_path, path)
             extras.append(step + max(self._rank_step(plan, p, r, rows, path, m * sends + group_bytes, out)
                                      for r in self.stage_ranks(plan, p)))
-        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule))
+        ends = list(stage_ends(tuple(fwds), tuple(bwds), hops, m, plan.schedule, plan.warmup))
         if pp > 1 and self.outside_counts(True)["tied"]:     # the tied weight's sum waits for both ends
             ends[0] = ends[-1] = max(ends[0], ends[-1])
         step = max(e + x for e, x in zip(ends, extras))

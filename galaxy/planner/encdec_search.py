@@ -35,6 +35,7 @@ class EncDecSearcher(Searcher):
         self.model = cost.model
         self.sharding = dp_sharding
         self.meshes, self.methods, self.max_moves = meshes, None, max_moves
+        self.pipelines_only, self.warmups = False, False     # launch order, torch's warm-ups
         self.tried = 0
         self._seen: dict[Plan, tuple] = {}
         units = cost.stacks["encoder"]["units"]

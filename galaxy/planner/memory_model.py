@@ -35,9 +35,11 @@ backward after the first makes a fresh one, which a heap that keeps freed memory
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from galaxy.plan import Plan
 from galaxy.planner.model_terms import FP32, MIB, ModelTerms
+from galaxy.planner.placement import in_launch_order, is_identity, placed_model
 
 OPT_STATE = {"adamw": 2, "sgd": 0}   # fp32 tensors per parameter the optimizer keeps
 OPT_TEMP = {"adamw": 1, "sgd": 0}    # fp32 temporaries per parameter of an unfused step (AdamW: sqrt(v))
@@ -100,7 +102,7 @@ class MemoryModel(ModelTerms):
         activations split the freed block, and the next backward's gradient extends the heap. So
         a backward grows the heap only if the one before it was followed by a forward: none under
         gpipe or a 1f1b with m <= its warm-up (every backward after the last forward), m - w - 1
-        in 1f1b's steady state (w = min(m, pp - p) warm-up forwards), m - 2 under plain
+        in 1f1b's steady state (w = plan.stage_warmup(p) warm-up forwards), m - 2 under plain
         accumulation (forward, backward in turn); at most KEPT_GRADIENTS_MAX (the testbed's cgroup,
         bench/plan_cluster.py, pad 128: stage 0 above the term-free prediction by 0.3 blocks of
         47 MB at 0 (pp 3, m 4), 1.2 at 1 (pp 4, m 6), 2.3 at 2 (pp 3, m 6), 1.2-5 at 7-8 (m 12),
@@ -111,11 +113,14 @@ class MemoryModel(ModelTerms):
         elif plan.schedule == "gpipe":
             steady = 0
         else:
-            steady = m - min(m, plan.pp - p)
+            steady = m - plan.stage_warmup(p)
         return min(max(steady - 1, 0), KEPT_GRADIENTS_MAX)
 
     def estimate_memory(self, plan: Plan) -> list[float]:
-        """MiB per rank (the memory half of estimate(), cheaper)."""
+        """MiB per rank (the memory half of estimate(), cheaper); a placed plan's per launch rank."""
+        if not is_identity(plan.rank_order):
+            order = plan.rank_order
+            return in_launch_order(placed_model(self, order).estimate_memory(replace(plan, rank_order=None)), order)
         g, pp, m = plan.group, plan.pp, plan.microbatches
         rows = [r / m for r in self.replica_rows(plan)]        # one micro-batch's, per replica
         s_con = [self._kinds(plan, j)[2] for j in range(g)]

@@ -169,12 +169,14 @@ class ModelTerms(BackboneRole):
         return max(full(ak, au), full(mk, mu), full("con", con))
 
     def stage_ranks(self, plan: Plan, p: int) -> list[int]:
+        """The launch ranks holding stage p (its mesh positions, through plan.rank_order)."""
         g, dp = plan.group, plan.dp
-        return [(p * dp + d) * g + j for d in range(dp) for j in range(g)]
+        return [plan.launch_rank((p * dp + d) * g + j) for d in range(dp) for j in range(g)]
 
     @staticmethod
     def in_flight(plan: Plan, p: int) -> int:
-        """Micro-batches whose activations stage p holds at once (1f1b: min(m, pp - p); gpipe: m)."""
+        """Micro-batches whose activations stage p holds at once: its warm-up forwards (gpipe: m;
+        1f1b: min(m, pp - p), or its pipeline_warmup_list entry)."""
         if plan.pp == 1:
             return 1
-        return plan.microbatches if plan.schedule == "gpipe" else min(plan.microbatches, plan.pp - p)
+        return plan.stage_warmup(p)

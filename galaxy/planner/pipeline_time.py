@@ -4,8 +4,9 @@ A stage runs its forwards (F) and backwards (B) one at a time in the order its s
 (torch's order, which galaxy.pipeline.overlap_schedule keeps):
 
   gpipe  F0 .. F(m-1), then B0 .. B(m-1)
-  1f1b   min(m, pp - p) forwards (stage p; the first stage pp, the last one), then one backward
-         and one forward in turn while forwards remain, then the remaining backwards
+  1f1b   w_p = min(m, pp - p) forwards (stage p; the first stage pp, the last one), or the plan's
+         pipeline_warmup_list entry, then one backward and one forward in turn while forwards
+         remain, then the remaining backwards
 
 and an op starts when the stage is free and its input has arrived: F_i on stage p > 0 after F_i
 on stage p - 1 plus one hop (the activation's send), B_i on stage p < pp - 1 after B_i on stage
@@ -27,11 +28,12 @@ import functools
 from galaxy.planner.link_model import link_time
 
 
-def stage_order(schedule: str, p: int, pp: int, m: int) -> list[tuple[str, int]]:
-    """Stage p's ops in the order it runs them: ("F" | "B", micro-batch)."""
+def stage_order(schedule: str, p: int, pp: int, m: int, warmup: int | None = None) -> list[tuple[str, int]]:
+    """Stage p's ops in the order it runs them: ("F" | "B", micro-batch); warmup: 1f1b's forwards
+    before the first backward (None: pp - p)."""
     if schedule == "gpipe" or pp == 1:
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warmup = min(m, pp - p)
+    warmup = min(m, pp - p if warmup is None else warmup)
     order = [("F", i) for i in range(warmup)]
     for i in range(m):
         order.append(("B", i))
@@ -52,13 +54,13 @@ def hop_time(link: dict | None, nbytes: float, pairs) -> float:
 
 @functools.lru_cache(maxsize=65536)       # the search asks for the same stage times many times
 def stage_ends(fwd: tuple[float, ...], bwd: tuple[float, ...], hop: float | tuple[float, ...], m: int,
-               schedule: str) -> tuple[float, ...]:
+               schedule: str, warmup: tuple[int, ...] | None = None) -> tuple[float, ...]:
     """Seconds from the step's start until each stage has run its last op (fwd / bwd: one micro-
     batch's forward / backward on each stage; hop: one send between neighbouring stages, or one
-    per boundary, p to p + 1, where the links differ)."""
+    per boundary, p to p + 1, where the links differ; warmup: 1f1b's per stage, None: pp - p)."""
     pp = len(fwd)
     hops = tuple(hop) if isinstance(hop, tuple) else (hop,) * max(pp - 1, 0)
-    orders = [stage_order(schedule, p, pp, m) for p in range(pp)]
+    orders = [stage_order(schedule, p, pp, m, None if warmup is None else warmup[p]) for p in range(pp)]
     done: dict[tuple[str, int, int], float] = {}       # (op, micro-batch, stage) -> end time
     free = [0.0] * pp
     delivered: dict[tuple[str, int], float] = {}        # (op, boundary) -> its link's last arrival

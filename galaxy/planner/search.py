@@ -35,6 +35,8 @@ from galaxy.plan import METHODS as PLAN_METHODS
 from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel, Estimate
 from galaxy.planner.overlap_time import overlap_choices
+from galaxy.planner.placement import device_orders, launched, placed_model
+from galaxy.planner.warmup import warmup_moves, warmups_searched
 
 METHODS = [(a, m, c) for a in PLAN_METHODS["att"] for m in PLAN_METHODS["mlp"] for c in PLAN_METHODS["con"]]
 MAX_MICROBATCHES = 64
@@ -85,8 +87,13 @@ class Searcher:
     uneven_rows = True      # choose rows per replica (the encoder-decoder search keeps them even)
 
     def __init__(self, cost: CostModel, budgets: list[float], *, dp_sharding: tuple[str, ...] = ("none",),
-                 meshes: list[tuple[int, int]] | None = None, methods=None, max_moves: int = 400):
+                 meshes: list[tuple[int, int]] | None = None, methods=None, max_moves: int = 400,
+                 pipelines_only: bool = False):
+        """pipelines_only: enumerate pp > 1 meshes alone (a placed model's search: elsewhere the
+        order of the devices changes nothing the shares and rows do not already choose)."""
         self.cost, self.budgets = cost, list(budgets)
+        self.pipelines_only = pipelines_only
+        self.warmups = warmups_searched(cost)
         self.model = cost.model
         self.sharding = dp_sharding
         self.meshes = meshes
@@ -153,7 +160,7 @@ class Searcher:
     def candidates(self):
         W, batch = self.cost.world, self.cost.batch
         for pp in divisors(W):
-            if pp > self.layers:
+            if pp > self.layers or (self.pipelines_only and pp == 1):
                 continue
             for dp in divisors(W // pp):
                 if self.meshes is not None and (pp, dp) not in self.meshes:
@@ -233,12 +240,16 @@ class Searcher:
         g = plan.group
         vectors = self._vectors(plan)
         steps = {name: self._steps(sum(getattr(plan, name)), unit, g)[0] for name, unit, _ in vectors}
+        warm = self.warmups and plan.pp > 1 and plan.schedule == "1f1b"
+        fine = False            # one stage's warm-up one up or down: once nothing coarser helps
         for _ in range(self.max_moves):
             candidates = []
             for name, unit, subs in vectors:
                 candidates += self._share_moves(est, name, steps[name], unit, subs)
             if plan.pp > 1:
                 candidates += self._stage_moves(est)
+            if warm:
+                candidates += warmup_moves(est, fine)
             if plan.dp > 1 and self.uneven_rows:
                 candidates += self._row_moves(est)
             best = None
@@ -251,6 +262,9 @@ class Searcher:
                 continue
             coarse = [name for name, unit, _ in vectors if steps[name] > unit]
             if not coarse:
+                if warm and not fine:
+                    fine = True
+                    continue
                 break
             for name, unit, _ in vectors:
                 steps[name] = max(unit, steps[name] // 2 // unit * unit)
@@ -374,8 +388,8 @@ class Searcher:
                 score, est = s, e
         return score, est
 
-    def run(self, top: int = 5) -> SearchResult:
-        start = time.perf_counter()
+    def ranked(self, top: int) -> list[tuple[tuple, Estimate]]:
+        """(score, estimate) of every plan the local searches ended at, best first."""
         results: dict[Plan, tuple] = {}
         for cand in self.candidates():
             score, est = self.optimize(self.initial(*cand))
@@ -383,7 +397,13 @@ class Searcher:
         ordered = sorted(results.values(), key=lambda se: se[0])
         # the overlap settings for the leading plans only (12 estimates a plan): they speed a plan
         # up by a part of its communication, not enough to lift one from far down the ranking
-        ordered = sorted([self.with_overlap(*se) for se in ordered[:2 * top]] + ordered[2 * top:], key=lambda se: se[0])
+        return sorted([self.with_overlap(*se) for se in ordered[:2 * top]] + ordered[2 * top:], key=lambda se: se[0])
+
+    def run(self, top: int = 5, more=(), ranked=None) -> SearchResult:
+        """The search; more: (score, estimate) pairs found elsewhere (placed searches) to rank with;
+        ranked: this searcher's own, when already run."""
+        start = time.perf_counter()
+        ordered = sorted([*(self.ranked(top) if ranked is None else ranked), *more], key=lambda se: se[0])
         fitting = [e for s, e in ordered if s[0] == 0]
         leanest = None if fitting else (ordered[0][1] if ordered else None)
         if not fitting and ordered:      # closest: the least total overflow, then the least worst rank
@@ -398,4 +418,23 @@ def uneven(rows: tuple[int, ...] | None) -> tuple[int, ...] | None:
 
 
 def search(cost: CostModel, budgets: list[float], *, top: int = 5, dp_sharding=("none",), **kw) -> SearchResult:
-    return Searcher(cost, budgets, dp_sharding=dp_sharding, **kw).run(top)
+    """Every plan in launch order, then the pipelines under each other order of the devices
+    (galaxy.planner.placement), ranked together. A placed search tries only the two pipelined
+    meshes (pp x dp) and, for stages split by a Galaxy group, the two method combinations that did
+    best in launch order: which mesh and methods suit the devices and links hardly depends on the
+    order of the stages, and the rest would be most of the search's time (2 x 1 x 2 on 4 devices:
+    8 method combinations; 8 devices: 9 orders of 7 pipelined meshes)."""
+    start = time.perf_counter()
+    first = Searcher(cost, budgets, dp_sharding=dp_sharding, **kw)
+    ranked = first.ranked(top)
+    piped = [e.plan for _, e in ranked if e.plan.pp > 1]
+    meshes = list(dict.fromkeys((p.pp, p.dp) for p in piped))[:2]
+    methods = list(dict.fromkeys((p.att, p.mlp, p.con) for p in piped if p.group > 1))[:2]
+    placed, tried = [], 0
+    for order in device_orders(cost)[1:] if meshes else ():
+        s = Searcher(placed_model(cost, order), [budgets[i] for i in order], dp_sharding=dp_sharding,
+                     pipelines_only=True, **{**kw, "meshes": meshes, "methods": kw.get("methods") or methods or None})
+        placed += [(score, launched(est, order)) for score, est in s.ranked(top)]
+        tried += s.tried
+    result = first.run(top, placed, ranked)
+    return replace(result, tried=result.tried + tried, seconds=time.perf_counter() - start)

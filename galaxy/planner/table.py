@@ -22,15 +22,20 @@ def describe(plan) -> dict:
     if g > 1 and plan.xatt:
         methods += f" X{plan.xatt}"      # an encoder-decoder's XATT
     mb = f"{plan.microbatches}" + (f" {plan.schedule}" if plan.pp > 1 else "")
+    if plan.warmup is not None:         # 1f1b's warm-up forwards per stage (pipeline_warmup_list)
+        mb += " w" + ",".join(map(str, plan.warmup))
     ck = "none" if not plan.checkpoint else ",".join(str(plan.recomputed_in_stage(p)) for p in range(plan.pp))
     extra = f" {plan.dp_sharding}" if plan.dp_sharding != "none" else ""
+    stages = ",".join(map(str, plan.stages))
+    if plan.rank_order is not None:     # the launch ranks in mesh order (mesh_rank_order)
+        stages += " @" + ",".join(map(str, plan.rank_order))
     return {"mesh": f"{plan.pp}x{plan.dp}x{g}{extra}", "methods": methods, "splits": " ".join(splits) or "-",
-            "stages": ",".join(map(str, plan.stages)), "mb": mb, "ckpt": ck,
+            "stages": stages, "mb": mb, "ckpt": ck,
             "overlap": f"{plan.batch_streams} {plan.comm_chunks}"}     # batch_streams, comm_chunks
 
 
 def table(ranked) -> str:
-    head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages':<8} {'micro':<9} "
+    head = (f"{'#':>2} {'step ms':>9}  {'pp x dp x g':<12} {'ATT MLP CON':<12} {'stages @ranks':<8} {'micro':<9} "
             f"{'recompute':<9} {'str chk':<7} {'MB sent/step':>12}  MiB per rank | shares per Galaxy rank (rows per replica)")
     lines = [head]
     for i, est in enumerate(ranked, 1):
