@@ -9,10 +9,10 @@ devices as they were launched.
 
 The order matters for pipelines of unequal devices: stage 0 waits for no other stage's fill or
 drain, the last stage waits for both, so a slow device nearly as loaded as the slowest stage runs
-best first (edge4's phone: 1 layer at 0.3 cpu against the laptop's 3 at 0.8). A search tries every
-order of up to 4 devices (24), and beyond that each device moved to the front of launch order and
-the reversed order; orders that give every position the same profile (identical devices and links)
-are tried once.
+best early and quick ones last (edge4: the laptop, then the phone with 1 layer, then the boards).
+A search tries every order of up to 4 devices (24); beyond that launch order reversed and the
+devices by GEMM speed, slowest first and fastest first. Orders that give every position the same
+profile (identical devices and links) are tried once.
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def device_orders(cost) -> list[tuple[int, ...]]:
         orders = list(itertools.permutations(range(world)))
     else:
         ident = tuple(range(world))
-        orders = [ident] + [(r, *(i for i in ident if i != r)) for r in range(1, world)] + [ident[::-1]]
+        by_speed = tuple(sorted(ident, key=lambda r: cost.devices[r].get("gemm_flops_per_s", 0.0)))
+        orders = [ident, ident[::-1], by_speed, by_speed[::-1]]
     seen, out = set(), []
     for order in orders:
         key = _signature(cost, order)
