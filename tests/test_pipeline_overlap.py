@@ -3,9 +3,9 @@
 It must compute exactly what torch's Schedule1F1B / ScheduleGPipe compute (bit for bit: the same
 computations in the same order, only the sends and receives move), and it must not wait for a
 send before its next compute. Deeper warm-ups per stage (pipeline_warmup_list) move only when
-each computation runs, so they too must match torch's 1F1B bit for bit. The tiny pipeline (support.schedule_runners) carries a trained
-tensor and one without a gradient (side-tuning's frozen stream); one case's first stage trains
-nothing and runs no backward.
+each computation runs, so they too must match torch's 1F1B bit for bit. The tiny pipeline
+(support.schedule_runners) carries a trained tensor and one without a gradient (side-tuning's
+frozen stream); one case's first stage trains nothing and runs no backward.
 """
 import pytest
 
@@ -37,7 +37,8 @@ def test_deeper_warmups_match_torch_bit_for_bit(dist_pool, world, microbatches, 
         ran = report["ran"]
         assert ran.index(("B", 0)) == w, (stage, ran)       # w forwards, then the first backward
         assert ran == one_f_one_b_order(microbatches, world, stage, w)
-        assert [i for kind, i in ran if kind == "F"] == [i for kind, i in ran if kind == "B"] == list(range(microbatches))
+        forwards, backwards = ([i for kind, i in ran if kind == k] for k in "FB")
+        assert forwards == backwards == list(range(microbatches))
 
 
 @pytest.mark.parametrize("engine,expected", [("galaxy", True), ("torch", False)])
