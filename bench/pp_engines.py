@@ -67,7 +67,8 @@ def summary(results: dict) -> list[str]:
             if not ok:
                 continue
             med[label, engine] = statistics.median(r["step_s"] for r in ok)
-            peaks = [statistics.median(r["peak_mib"][i] for r in ok) for i in range(len(ok[0]["peak_mib"] or []))]
+            peaks = ([statistics.median(r["peak_mib"][i] for r in ok) for i in range(len(ok[0]["peak_mib"]))]
+                     if all(r["peak_mib"] for r in ok) else "unknown")
             each = ", ".join(f"{r['step_s']:.3f}" for r in ok)
             lines.append(f"{label} {engine}: {med[label, engine]:.4f} s (launches {each}), "
                          f"peak MiB per rank {peaks}")
@@ -76,7 +77,7 @@ def summary(results: dict) -> list[str]:
             lines.append(f"{label}: galaxy/torch {med[label, 'galaxy'] / t:.3f}")
         base = label.split("+")[0]
         if label != base and (base, "galaxy") in med:
-            lines.append(f"{label}: against {base}'s warm-ups {t / med[base, 'galaxy']:.3f}")
+            lines.append(f"{label}: against {base}'s default warm-ups {t / med[base, 'galaxy']:.3f}")
     return lines
 
 
