@@ -179,6 +179,9 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
     else Disagreement is raised before the process group starts.
     """
     backend = cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if cfg.pipeline_warmup_list is not None and backend != "gloo":   # torch's schedules fix them at pp - p
+        raise ConfigError(f"pipeline_warmup_list runs only on Galaxy's pipeline engine over gloo, but the backend "
+                          f"is {backend!r}; set distributed_backend to 'gloo' or remove pipeline_warmup_list")
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError("distributed_backend is 'nccl' but no CUDA device is visible; "

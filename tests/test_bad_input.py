@@ -332,6 +332,29 @@ def test_uneven_replica_rows_that_do_not_fit(monkeypatch, capsys, ws, case):
     assert wanted in line
 
 
+def test_pipeline_warmups_that_rise_or_need_torchs_schedules(monkeypatch, capsys, ws):
+    """A warm-up list that rises from one stage to the next would deadlock the pipeline: the plan
+    refuses it. NCCL runs torch's schedules, whose warm-ups are fixed: refused before the process
+    group (init_distributed itself runs here, the tripwire taken away)."""
+    keys, real = dict(pp_deg=2, num_microbatches=4, **outputs(ws, "warmup")), launch.init_distributed
+    code, _, line = run_entry(monkeypatch, capsys, write_config(ws, "warmup", pipeline_warmup_list=[1, 2], **keys),
+                              "--world", "2", "--rank", "1", script="pretrain_galaxy.py", preset="galaxy")
+    assert code == 2 and len(line.splitlines()) == 1 and line.startswith("pretrain_galaxy.py: error: "), line
+    assert ("pipeline_warmup_list rises from stage 0 (1) to stage 1 (2); a stage may not wait for more forwards "
+            "than the one before it sends ahead: make the list non-increasing") in line
+    monkeypatch.setattr(launch, "init_distributed", real)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(preset="galaxy", train_fn=train, script="pretrain_galaxy.py", prepare_fn=prepare_classifier,
+                    argv=["--config_file", write_config(ws, "warmup", pipeline_warmup_list=[4, 1],
+                                                        distributed_backend="nccl", **keys),
+                          "--world", "2", "--rank", "1", "--init_method", "tcp://127.0.0.1:1"])
+    line = capsys.readouterr().err
+    assert exit_.value.code == 2 and not dist.is_initialized()
+    assert line == ("pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over "
+                    "gloo, but the backend is 'nccl'; set distributed_backend to 'gloo' or remove "
+                    "pipeline_warmup_list\n")
+
+
 def test_check_names_the_rows_per_replica(monkeypatch, capsys, ws):
     config = write_config(ws, "check-rows", dp_batch_list=[6, 2], grad_accum_steps=2)
     code, out, _ = run_entry(monkeypatch, capsys, config, "--check", "--world", "2", "--rank", "1",

@@ -57,10 +57,12 @@ def test_world2_matches_hf(dist_pool, bert3_dir, schedule, stages):
     assert [r["stage"] for r in reports] == [list(range(stages[0])), list(range(stages[0], 3))]
 
 
-@pytest.mark.parametrize("schedule,stages", [("gpipe", [2, 1, 1]), ("1f1b", [1, 1, 2])])
-def test_world3_matches_hf(dist_pool, bert4_dir, schedule, stages):
+@pytest.mark.parametrize("schedule,stages,warmup", [("gpipe", [2, 1, 1], None), ("1f1b", [1, 1, 2], None),
+                                                    ("1f1b", [2, 1, 1], [4, 2, 2])])
+def test_world3_matches_hf(dist_pool, bert4_dir, schedule, stages, warmup):
+    """warmup: 1f1b's forwards per stage before its first backward (None: torch's 3, 2, 1)."""
     run_case(dist_pool(3), "bert", bert4_dir, GALAXY, 3, SERIAL, tiny_batch, schedule=schedule,
-             stage_layers=stages)
+             stage_layers=stages, warmup=warmup)
 
 
 def test_pp2_x_galaxy2_matches_hf(dist_pool, bert3_dir):

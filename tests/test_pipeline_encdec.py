@@ -75,8 +75,11 @@ def test_t5_v1_1_pp2_matches_hf(dist_pool, tiny_lm_dir):
 
 def test_pp3_stages_holding_both_stacks_match_hf(dist_pool, tiny_lm_dir):
     """T5 [1, 2, 1]: the encoder's bias is on stages 0 and 1, the decoder's on 1 and 2 (a group of
-    two of the three stages each); BART [2, 1, 1]: the encoder's output crosses two decoder stages."""
+    two of the three stages each); BART [2, 1, 1]: the encoder's output crosses two decoder stages.
+    T5 again with 1f1b warm-ups [4, 4, 1] (pipeline_warmup_list) instead of torch's [3, 2, 1]."""
     run(dist_pool(3), [pp_case("t5", tiny_lm_dir("t5"), [1, 2, 1], "1f1b", 4, pp=3),
+                       pp_case("t5", tiny_lm_dir("t5"), [1, 2, 1], "1f1b", 4, pp=3, tag="-warmup441",
+                               warmup=[4, 4, 1]),
                        pp_case("bart", tiny_lm_dir("bart"), [2, 1, 1], "gpipe", 2, pp=3)])
 
 

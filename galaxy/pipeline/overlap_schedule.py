@@ -28,6 +28,18 @@ Measured on the edge testbed's edge4 (MiniLM, micro-batches of [1, 128, 384] fp3
 way; bench/pp_engines.py): the searched [3, 1, 1, 1] x 12 1f1b plan's step 1.259 s under torch's
 schedule, 1.064 s under this one (medians of 3 launches each).
 
+Warm-ups per stage (plan.warmup, pipeline_warmup_list): stage p may run w_p forwards before its
+first backward instead of torch's pp - p, then alternates as torch's does (B0, F(w), B1, F(w+1),
+...). On unequal stages this fills the time a stage would sit idle at its first backward while
+micro-batch 0 travels to a slower downstream and back; each extra forward holds one more
+micro-batch's activations until its backward. Forwards still run in order 0..m-1 and backwards
+in order 0..m-1, and no weight changes within a step, so every number stays bit-identical to
+torch's order; only when each computation runs moves. The counts must not rise from one stage to
+the next (galaxy.plan_pipeline.warmup_problems): stage p + 1 would wait for a forward stage p
+holds back until it gets a gradient from p + 1. Measured on edge4 placed laptop, phone, board,
+board ([3, 1, 1, 1] x 12, bench/pp_engines.py --warmup): 1.188 s a step with torch's warm-ups,
+1.051 s with [10, 6, 3, 1] (medians of 3 launches).
+
 Only gloo: under NCCL a rank's sends and receives to one peer queue on one stream, so a receive
 posted early would hold the gradient send queued behind it, while the peer waits for that
 gradient before it sends what the receive expects. CUDA pipelines keep torch's schedules.
@@ -47,10 +59,12 @@ def gpipe_order(microbatches: int, stages: int, index: int) -> list[tuple[str, i
     return [(FORWARD, i) for i in range(microbatches)] + [(BACKWARD, i) for i in range(microbatches)]
 
 
-def one_f_one_b_order(microbatches: int, stages: int, index: int) -> list[tuple[str, int]]:
-    """Torch's Schedule1F1B order for stage `index` of `stages`: stages - index warm-up forwards,
-    then one backward and one forward until the forwards run out, then the remaining backwards."""
-    warmup = min(microbatches, stages - index)
+def one_f_one_b_order(microbatches: int, stages: int, index: int,
+                      warmup: int | None = None) -> list[tuple[str, int]]:
+    """Torch's Schedule1F1B order for stage `index` of `stages`: `warmup` forwards (None: stages -
+    index, torch's), then one backward and one forward until the forwards run out, then the
+    remaining backwards."""
+    warmup = min(microbatches, stages - index if warmup is None else warmup)
     order = [(FORWARD, i) for i in range(warmup)]
     for b in range(microbatches):
         order.append((BACKWARD, b))
@@ -82,7 +96,7 @@ class OverlappedSchedule(PipelineScheduleSingle):
         stage, m = self._stage, self._n_microbatches
         fwd_recvs, bwd_recvs = self._post_receives()
         sends: list[dist.Work] = []
-        for kind, i in self.order(m, self._num_stages, stage.stage_index):
+        for kind, i in self._order():
             if kind == FORWARD:
                 _finish(fwd_recvs[i])
                 output = stage.forward_one_chunk(i, arg_mbs[i], kwarg_mbs[i], save_forward_output=return_outputs)
@@ -95,6 +109,9 @@ class OverlappedSchedule(PipelineScheduleSingle):
         _finish(sends)
         self._update_losses(stage, losses)
         stage.perform_reduce_grad(m if self.scale_grads else 1)
+
+    def _order(self) -> list[tuple[str, int]]:
+        return self.order(self._n_microbatches, self._num_stages, self._stage.stage_index)
 
     def _post_receives(self) -> tuple[list, list]:
         """Every receive of the step, started: (activations, gradients), one list of works per
@@ -111,8 +128,17 @@ class OverlappedGPipe(OverlappedSchedule):
 class Overlapped1F1B(OverlappedSchedule):
     order = staticmethod(one_f_one_b_order)
 
-    def __init__(self, stage, n_microbatches: int, **kwargs):
+    def __init__(self, stage, n_microbatches: int, *, warmups: tuple[int, ...] | None = None, **kwargs):
+        """warmups: every stage's forwards before its first backward, in stage order (plan.warmup,
+        checked by the plan); None: pp - p, torch's."""
         if n_microbatches < stage.num_stages:
             raise ValueError(f"1f1b needs num_microbatches ({n_microbatches}) >= the number of stages "
                              f"({stage.num_stages})")
+        if warmups is not None and (len(warmups) != stage.num_stages or list(warmups) != sorted(warmups)[::-1]):
+            raise ValueError(f"1f1b warm-ups {list(warmups)} must give one count per stage ({stage.num_stages}), "
+                             f"never rising from one stage to the next")
         super().__init__(stage, n_microbatches, **kwargs)
+        self.warmup = None if warmups is None else warmups[stage.stage_index]
+
+    def _order(self) -> list[tuple[str, int]]:
+        return self.order(self._n_microbatches, self._num_stages, self._stage.stage_index, self.warmup)

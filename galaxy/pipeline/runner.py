@@ -48,7 +48,7 @@ from galaxy.pipeline.tied import TiedWeightSync
 
 class PipelineRunner(Runner):
     def __init__(self, model, plan, mesh, *, device=None, autocast=nullcontext):
-        """plan: its micro-batches, schedule and dp_sharding apply here."""
+        """plan: its micro-batches, schedule (with its warm-ups) and dp_sharding apply here."""
         super().__init__(model, mesh, autocast)
         self.plan, self.n, self.schedule_name = plan, plan.microbatches, plan.schedule
         self.device = torch.device(device or "cpu")
@@ -72,7 +72,8 @@ class PipelineRunner(Runner):
         self.tied = TiedWeightSync(model, mesh, plan.stage_layers())     # weights on several stages
         self._schedules: dict[tuple[int, int], object] = {}
         self._total_units = None
-        schedule_class(plan.schedule)     # an unknown name fails here, not at the first step
+        # An unknown name, or warm-ups a schedule cannot run, fail here, not at the first step.
+        schedule_class(plan.schedule, dist.get_backend(mesh.pp_pg), plan.warmup)
 
     # --- training -----------------------------------------------------------------------------
 
@@ -125,7 +126,7 @@ class PipelineRunner(Runner):
             stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp_size, self.device,
                                   input_args=inputs, output_args=sent, group=mesh.pp_pg)
             self._schedules[key] = make_schedule(self.schedule_name, stage, self.n,
-                                                 self._loss if self.backward else None)
+                                                 self._loss if self.backward else None, self.plan.warmup)
         return self._schedules[key]
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from galaxy.train.optim import OPTIMIZERS, build_optimizer
 DEFAULTS = {"pp": 1, "dp": 1, "global_batch": 8, "stage_layers": None, "num_microbatches": 1, "schedule": "1f1b",
             "grad_accum_steps": 1, "steps": 5, "lr": None, "activation_checkpointing": "none", "task": None,
             "adapt": None, "dp_sharding": "none", "comm_chunks": 1, "kv_blocks": False, "optimizer": None,
-            "dp_batch": None, "batch_streams": None}
+            "dp_batch": None, "batch_streams": None, "warmup": None}
 # SGD's learning rate when a test names none: the largest at which the family's test model trains
 # 5 steps without amplifying rounding. At 0.5 the tiny causal LMs' loss climbs (4.91 -> 5.28 on the
 # tied tiny Llama), and HF's own model, its gradients perturbed by 1e-7 relative, ends 8.7e-6 away
@@ -76,7 +76,8 @@ def run_plan(model_dir, plan: Plan, shares, o: dict) -> Plan:
                    checkpoint=o["activation_checkpointing"], dp_sharding=o["dp_sharding"],
                    comm_chunks=o["comm_chunks"], kv_blocks=o["kv_blocks"],
                    batch_streams=o["batch_streams"] or plan.batch_streams,
-                   replica_rows=None if o["dp_batch"] is None else tuple(o["dp_batch"]))
+                   replica_rows=None if o["dp_batch"] is None else tuple(o["dp_batch"]),
+                   warmup=None if o["warmup"] is None else tuple(o["warmup"]))
 
 
 def optimizers(o: dict, params, ref_params) -> tuple:

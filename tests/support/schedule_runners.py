@@ -58,17 +58,19 @@ def _stage(block, frozen_first: bool):
     return PipelineStage(block, rank, pp, torch.device("cpu"), input_args=received, output_args=sent)
 
 
-def run_steps(schedule_cls, microbatches: int, frozen_first: bool, steps: int = 2) -> dict:
-    """`steps` SGD steps of the tiny pipeline under schedule_cls: this stage's losses per step,
-    the gradients after each step and the final weights."""
+def run_steps(schedule_cls, microbatches: int, frozen_first: bool, steps: int = 2, **schedule_kwargs) -> dict:
+    """`steps` SGD steps of the tiny pipeline under schedule_cls (schedule_kwargs: its own, e.g.
+    warmups): this stage's losses per step, the gradients after each step, the final weights and
+    the stage's computations in the order they ran (("F" | "B", micro-batch), every step's)."""
     torch.manual_seed(0)
     pp, rank = dist.get_world_size(), dist.get_rank()
     blocks = [Block(trains=not (frozen_first and i == 0)) for i in range(pp)]     # equal on every rank
     block = copy.deepcopy(blocks[rank])
     trains = any(p.requires_grad for p in block.parameters())
-    schedule = schedule_cls(_stage(block, frozen_first), microbatches,
-                            loss_fn=loss_fn if trains or rank == pp - 1 else None, scale_grads=False)
-    out = {"losses": [], "grads": []}
+    stage = _stage(block, frozen_first)
+    schedule = schedule_cls(stage, microbatches, loss_fn=loss_fn if trains or rank == pp - 1 else None,
+                            scale_grads=False, **schedule_kwargs)
+    out = {"losses": [], "grads": [], "ran": _record_computations(stage)}
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(ROWS * microbatches, SEQ, WIDTH, generator=g)
@@ -85,6 +87,18 @@ def run_steps(schedule_cls, microbatches: int, frozen_first: bool, steps: int = 
                     p.grad = None
     out["weights"] = [p.detach().clone() for p in block.parameters()]
     return out
+
+
+def _record_computations(stage) -> list:
+    """A list that the stage's forward_one_chunk and backward_one_chunk append their (kind,
+    micro-batch) to, as they start."""
+    ran = []
+    for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+        def logged(i, *args, _run=getattr(stage, name), _kind=kind, **kwargs):
+            ran.append((_kind, i))
+            return _run(i, *args, **kwargs)
+        setattr(stage, name, logged)
+    return ran
 
 
 def _same(a, b) -> bool:
@@ -105,6 +119,18 @@ def engines_agree(schedule: str, microbatches: int, frozen_first: bool = False) 
     return {"equal": _same(ours, torch_), "losses": len(ours["losses"][-1]),
             "grads": [g is not None for g in ours["grads"][-1]],
             "moved": not _same(ours["weights"], run_steps(TORCH[schedule], microbatches, frozen_first, 0)["weights"])}
+
+
+def warmups_agree(microbatches: int, warmups: list[int], frozen_first: bool = False) -> dict:
+    """Whether Galaxy's 1f1b with these warm-ups per stage gives bit-identical losses, gradients
+    and weights to torch's Schedule1F1B (warm-ups pp - p); with the order this stage ran its last
+    step in."""
+    ours = run_steps(OVERLAPPED["1f1b"], microbatches, frozen_first, warmups=tuple(warmups))
+    torch_ = run_steps(TORCH["1f1b"], microbatches, frozen_first)
+    ran = ours.pop("ran")
+    torch_.pop("ran")
+    step = len(ran) // 2
+    return {"equal": _same(ours, torch_), "losses": len(ours["losses"][-1]), "ran": ran[step:]}
 
 
 class _LateReceives(list):
