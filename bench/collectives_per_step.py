@@ -123,7 +123,7 @@ def _count_on_rank(rank: int, port: int, src: str, plan: str, args, out) -> None
         cfg = apply_preset(load_config(path), preset, world=2)
         validate_for_world(cfg, 2, rank, read_model_shape(cfg.model_path))
         env = DistEnv(rank=rank, world=2, backend="gloo", device=torch.device("cpu"), timeout_s=cfg.timeout_s,
-                      local_rank=rank)
+                      local_rank=rank, launch_rank=rank)
         trainer = ClassifierTrainer(prepare_classifier(cfg), env)
         steps = []
         batches = iter(trainer.batches)

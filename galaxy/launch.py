@@ -74,12 +74,17 @@ _COMM_FAILURE = re.compile(r"gloo|nccl|connection|peer|timed out|timeout|socket|
 
 @dataclass
 class DistEnv:
+    """rank: the mesh position, the default group's rank (what addresses the mesh: stages,
+    replicas, Galaxy ranks, the lead at 0); launch_rank: the process as the user started it
+    (--rank, RANK), what a user reads about a device (error lines, per-device figures).
+    They differ only under mesh_rank_order (rank = its index of launch_rank)."""
     rank: int
     world: int
     backend: str
     device: torch.device  # cuda:{local_rank} under nccl, else cpu
     timeout_s: float
     local_rank: int
+    launch_rank: int
 
 
 class _Parser(argparse.ArgumentParser):
@@ -177,6 +182,10 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
 
     settings: this rank's fingerprint (galaxy.distributed.agreement); every rank's must be equal,
     else Disagreement is raised before the process group starts.
+
+    The store and the agreement go by launch rank (launch rank 0 hosts the store, at the address
+    users give); the process group's rank is the mesh position cfg's mesh_rank_order gives that
+    launch rank, so every group built on it (mesh, pipeline peers, DP, data shards) follows.
     """
     backend = cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if cfg.pipeline_warmup_list is not None and backend != "gloo":   # torch's schedules fix them at pp - p
@@ -204,14 +213,14 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
         store = open_store(args.init_method, args.rank, args.world, timeout)
         agree(store, args.rank, args.world, settings or {"--world": args.world}, cfg.timeout_s)
         # The prefix init_process_group itself puts on a store it creates.
-        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=args.rank,
-                                world_size=args.world, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                rank=cfg.plan.position_of(args.rank), world_size=args.world, timeout=timeout)
     # Every rank has the same comm_wait and backend, so all or none join the all-gather.
     on_host = ranks_and_cores_on_this_host() if backend == "gloo" and cfg.comm_wait == "auto" else (1, 1)
     waiting.set_polling(waiting.choose_poll(cfg.comm_wait, backend, *on_host))
     cpu_allocator.apply(cfg.cpu_allocator, device.type)
-    return DistEnv(rank=args.rank, world=args.world, backend=backend, device=device,
-                   timeout_s=cfg.timeout_s, local_rank=local_rank)
+    return DistEnv(rank=dist.get_rank(), world=args.world, backend=backend, device=device,
+                   timeout_s=cfg.timeout_s, local_rank=local_rank, launch_rank=args.rank)
 
 
 def ranks_and_cores_on_this_host() -> tuple[int, int]:
@@ -355,11 +364,11 @@ def _run(train_fn, job, env: DistEnv, script: str) -> None:
     except KeyboardInterrupt:
         _hard_exit(130)
     except FloatingPointError as e:   # the loss diverged: what happened and the step, not a bug
-        _hard_exit(1, f"{script}: rank {env.rank}: training stopped: {_first_line(e)}")
+        _hard_exit(1, f"{script}: rank {env.launch_rank}: training stopped: {_first_line(e)}")
     except Exception as e:
         if isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and _COMM_FAILURE.search(str(e))):
-            _hard_exit(1, f"{script}: rank {env.rank}: a collective failed or timed out "
+            _hard_exit(1, f"{script}: rank {env.launch_rank}: a collective failed or timed out "
                           f"(a peer may have died): {_first_line(e)}")
         traceback.print_exc()
-        _hard_exit(1, f"{script}: rank {env.rank}: training failed: {_first_line(e)}")
+        _hard_exit(1, f"{script}: rank {env.launch_rank}: training failed: {_first_line(e)}")
     dist.destroy_process_group()

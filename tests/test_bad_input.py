@@ -355,6 +355,16 @@ def test_pipeline_warmups_that_rise_or_need_torchs_schedules(monkeypatch, capsys
                     "pipeline_warmup_list\n")
 
 
+def test_a_mesh_rank_order_that_is_no_permutation(monkeypatch, capsys, ws):
+    config = write_config(ws, "order", **outputs(ws, "order"), mesh_rank_order=[1, 1])
+    code, _, line = run_entry(monkeypatch, capsys, config, "--world", "2", "--rank", "0",
+                              script="pretrain_dp_bert.py", preset="dp")
+    assert code == 2 and len(line.splitlines()) == 1, line
+    assert line.strip() == ("pretrain_dp_bert.py: error: mesh_rank_order [1, 1] must hold every launch rank 0..1 "
+                            "once (mesh position i is held by the process started as rank mesh_rank_order[i]); fix "
+                            "the list or remove the key")
+
+
 def test_check_names_the_rows_per_replica(monkeypatch, capsys, ws):
     config = write_config(ws, "check-rows", dp_batch_list=[6, 2], grad_accum_steps=2)
     code, out, _ = run_entry(monkeypatch, capsys, config, "--check", "--world", "2", "--rank", "1",

@@ -108,6 +108,11 @@ def test_pipelines_and_replicas(dist_pool, lm, family, world, mesh, chunked):
             assert [[t for t, _ in case] for case in got] == expected, f"rank {rank}, {plan.prefill_chunks} chunks"
 
 
+def test_a_pipeline_placed_by_mesh_rank_order(dist_pool, lm):
+    """mesh_rank_order [1, 0]: launch rank 1 runs stage 0, launch rank 0 the last stage (the sampler)."""
+    check(dist_pool(2, (1, 0)), "llama", lm, plan_of("llama", 2, pp=2, stages=(3, 1)))
+
+
 @pytest.mark.parametrize("world,methods", [(1, ()), (2, ()), (2, ("TP", "SP", "SP"))])
 def test_a_single_prompt(dist_pool, lm, world, methods):
     check(dist_pool(world), "llama", lm, plan_of("llama", world, *methods), prompts=PROMPTS[2:])

@@ -117,12 +117,14 @@ def test_two_ranks_over_tcp(config):
 
 
 def test_torchrun_env(config):
-    cfg = config()
+    """RANK is the launch rank; mesh_rank_order [1, 0] puts it at the other mesh position (the
+    default group's rank), while launch rank 0 still hosts the rendezvous at MASTER_ADDR."""
+    cfg = config(mesh_rank_order=[1, 0])
     outcome = on_drivers(*[[f"RANK={r}", "WORLD_SIZE=2", f"LOCAL_RANK={r}", "MASTER_ADDR=127.0.0.1",
                             "MASTER_PORT={port}", "--config_file", cfg] for r in range(2)])
     for r, (code, out, err) in enumerate(outcome):
         assert code == 0, err
-        assert f"rank {r}/2 ok" in out
+        assert f"rank {r}/2 ok" in out and f"position={1 - r} group_rank={1 - r}" in out, out
 
 
 def test_torchrun_env_disagreeing_with_flags(monkeypatch):

@@ -309,7 +309,7 @@ def first_step_dropout_masks(config_path):
     cfg = apply_preset(load_config(config_path), "tp")
     validate_for_world(cfg, dist.get_world_size(), dist.get_rank(), read_model_shape(cfg.model_path))
     env = DistEnv(rank=dist.get_rank(), world=dist.get_world_size(), backend="gloo", device=torch.device("cpu"),
-                  timeout_s=cfg.timeout_s, local_rank=dist.get_rank())
+                  timeout_s=cfg.timeout_s, local_rank=dist.get_rank(), launch_rank=dist.get_rank())
     trainer = Trainer(prepare_classifier(cfg), env)
     masks, original = [], F.dropout
 

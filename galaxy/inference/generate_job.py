@@ -95,7 +95,7 @@ def run_generate(job: GenerateJob, env) -> list[Completion]:
     start = time.perf_counter()
     done = generate_all(engine, job.requests, replica_batch(cfg, plan))
     seconds = time.perf_counter() - start
-    cache = cache_mib_per_rank(engine)
+    cache = cache_mib_per_rank(engine, env.launch_rank)
     if env.rank == 0:
         report(job, done, seconds, cache)
     return done

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from galaxy.distributed.per_device import gather_by_launch_rank
 from galaxy.inference.requests import Completion, Request
 
 
@@ -50,11 +51,6 @@ def generate_all(engine, requests: list[Request], rows_per_batch, on_token=None)
     return [done[i] for i in range(len(requests))]
 
 
-def cache_mib_per_rank(engine) -> list[float]:
-    """Every rank's KV cache (MiB, the largest batch's), in global rank order (collective)."""
-    mine = engine.cache_bytes / 2 ** 20
-    if dist.get_world_size() == 1:
-        return [mine]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return every
+def cache_mib_per_rank(engine, launch_rank: int) -> list[float]:
+    """Every rank's KV cache (MiB, the largest batch's), in launch-rank order (collective)."""
+    return gather_by_launch_rank(engine.cache_bytes / 2 ** 20, launch_rank)

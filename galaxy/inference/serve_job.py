@@ -12,7 +12,8 @@ can never disagree on which request a collective belongs to. While idle, rank 0 
 every min(5 s, timeout_s / 4): the others would otherwise wait out timeout_s, and a rank that died
 is noticed then. A failed collective (a dead rank) makes the waiting and every later request a
 503; rank 0 stops within timeout_s of noticing (the others stop on their own failed collective),
-exit status 1. Ctrl-C or SIGTERM on rank 0 stops every rank, status 0.
+exit status 1. Ctrl-C or SIGTERM on rank 0 stops every rank, status 0. Rank 0 is the mesh's position
+0: under mesh_rank_order, the process started as rank mesh_rank_order[0].
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class ServeJob(FromSetup):
 def prepare_serve(cfg, args) -> ServeJob:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be 1..65535, got {args.port}")
-    if args.rank == 0 and not args.check:
+    if cfg.plan.position_of(args.rank) == 0 and not args.check:     # the process that will serve
         _check_port(args.host, args.port)
     name = args.model_name or os.path.basename(os.path.normpath(cfg.model_path))
     return ServeJob(prepare_inference(cfg, args.world), args.host, args.port, name)

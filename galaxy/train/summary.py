@@ -5,8 +5,8 @@ import resource
 import sys
 
 import torch
-import torch.distributed as dist
 
+from galaxy.distributed.per_device import gather_by_launch_rank
 from galaxy.runtime import cgroup
 from galaxy.runtime.host_memory import peak_rss_mib
 
@@ -27,11 +27,11 @@ def peak_memory_mib(device: torch.device) -> tuple[float, str]:
     return (peak / 2**20 if sys.platform == "darwin" else peak / 2**10), "RSS"   # bytes on macOS, KiB elsewhere
 
 
-def gather_peak_memory(device: torch.device) -> tuple[list[float], list[str]]:
-    """Collective over the default group: ([MiB of rank 0, rank 1, ...], [what each measured]) on every rank."""
-    every = [None] * dist.get_world_size()
+def gather_peak_memory(device: torch.device, launch_rank: int) -> tuple[list[float], list[str]]:
+    """Collective over the default group: ([MiB of launch rank 0, 1, ...], [what each measured]) on
+    every rank: per device, as the user started them (galaxy.distributed.per_device)."""
     mib, source = peak_memory_mib(device)
-    dist.all_gather_object(every, (round(mib, 1), source))
+    every = gather_by_launch_rank((round(mib, 1), source), launch_rank)
     return [m for m, _ in every], [s for _, s in every]
 
 

@@ -281,7 +281,7 @@ class Trainer:
                       tokenizer=job.tokenizer, lead=self.lead, mesh=self.mesh)
             self._note(f"export: {cfg.export_dir}")
         summary["wall_s"] = round(time.perf_counter() - start, 3)
-        summary["peak_memory_mib"], summary["peak_memory_of"] = gather_peak_memory(env.device)
+        summary["peak_memory_mib"], summary["peak_memory_of"] = gather_peak_memory(env.device, env.launch_rank)
         metrics.log_event("done", **summary)
         metrics.close()
         counts = parameter_counts(self.model, self.mesh.pp_pg)    # collective: every stage's own

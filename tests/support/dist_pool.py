@@ -73,13 +73,16 @@ def _ephemeral_low() -> int:
         return 49152
 
 
-def _worker(rank, world, port, tasks, results, path):
+def _worker(rank, world, port, tasks, results, path, order=None):
     sys.path[:] = path
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if order is None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:
+        _init_as_launched(rank, world, port, order)
     while True:
         task = tasks.get()
         if task is None:
@@ -93,9 +96,26 @@ def _worker(rank, world, port, tasks, results, path):
     dist.destroy_process_group()
 
 
+def _init_as_launched(rank, world, port, order):
+    """Join the group as an entry script does (galaxy.launch.init_distributed) with mesh_rank_order
+    `order`: `rank` is the launch rank, the group's rank the mesh position the order gives it."""
+    import argparse
+
+    from galaxy.config import GalaxyConfig
+    from galaxy.launch import init_distributed
+    cfg = GalaxyConfig(mesh_rank_order=list(order), distributed_backend="gloo", comm_wait="block",
+                       cpu_allocator="system")
+    args = argparse.Namespace(rank=rank, world=world, init_method=f"tcp://127.0.0.1:{port}", local_rank=None)
+    env = init_distributed(cfg, args)
+    assert (env.launch_rank, env.rank) == (rank, order.index(rank)), (env.launch_rank, env.rank)
+
+
 class DistPool:
-    def __init__(self, world: int):
-        self.world = world
+    """Workers report by launch rank: run() returns their values in launch-rank order. With
+    `order` (a mesh_rank_order), the worker started as rank R holds mesh position order.index(R)."""
+
+    def __init__(self, world: int, order: tuple[int, ...] | None = None):
+        self.world, self.order = world, order
         self.procs = []
         self._start()
 
@@ -106,7 +126,8 @@ class DistPool:
         self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, daemon=True,
-                                  args=(r, self.world, port, self.tasks[r], self.results, list(sys.path)))
+                                  args=(r, self.world, port, self.tasks[r], self.results, list(sys.path),
+                                        self.order))
                       for r in range(self.world)]
         for p in self.procs:
             p.start()
@@ -146,14 +167,16 @@ class DistPool:
                 p.kill()
 
 
-_POOLS: dict[int, DistPool] = {}
+_POOLS: dict = {}
 
 
-def pool_of(world: int) -> DistPool:
-    """The session's pool of that size (conftest's dist_pool fixture), started when first asked."""
-    if world not in _POOLS:
-        _POOLS[world] = DistPool(world)
-    return _POOLS[world]
+def pool_of(world: int, order: tuple[int, ...] | None = None) -> DistPool:
+    """The session's pool of that size (conftest's dist_pool fixture), started when first asked;
+    order: its workers placed by that mesh_rank_order (a pool of its own)."""
+    key = world if order is None else (world, tuple(order))
+    if key not in _POOLS:
+        _POOLS[key] = DistPool(world, order)
+    return _POOLS[key]
 
 
 def close_pools() -> None:

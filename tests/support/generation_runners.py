@@ -34,7 +34,7 @@ def galaxy_generate(model_dir, plan: Plan, requests, rows_per_batch=8, lora=None
     (galaxy.parallel.decode_layout) instead of the default."""
     engine = galaxy_engine(model_dir, plan, lora, fold, eos, token_sum)
     out = generate_all(engine, requests, rows_per_batch)
-    return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine)
+    return [(c.tokens, c.finish_reason) for c in out], cache_mib_per_rank(engine, torch.distributed.get_rank())
 
 
 def galaxy_engine(model_dir, plan: Plan, lora=None, fold=False, eos=None, token_sum=None):
@@ -71,7 +71,7 @@ def galaxy_generate_cache_shapes(model_dir, plans, requests):
         decoder = [layer for layer in m.layers if layer.sequence == "target"]
         shapes = {kind: [tuple(getattr(layer, kind).kv_cache.k.shape) for layer in decoder] for kind in ("att", "xatt")}
         caches.close()
-        out.append(((result, cache_mib_per_rank(engine)), shapes))
+        out.append(((result, cache_mib_per_rank(engine, torch.distributed.get_rank())), shapes))
     return out
 
 

@@ -5,7 +5,7 @@ stand in for a peer that crashes or is killed mid-training. LAUNCH_TARGET_BAR=1 
 bar on rank 0 (as the trainer does) while that happens. LAUNCH_TARGET_HOLD=<file> keeps every
 rank after the rendezvous until that file exists, to stand in for a job that is running (each
 rank prints "rank R joined" once past the rendezvous, so a test acts while the job surely holds
-its port). Each rank prints
+its port). Each rank prints, by its launch rank, its mesh position (mesh_rank_order), and
 how it waits for collectives (config key comm_wait, galaxy.distributed.waiting) and whether memory
 it frees stays mapped (config key cpu_allocator, galaxy.runtime.cpu_allocator).
 """
@@ -39,18 +39,18 @@ def train(cfg, env):
     t = torch.full((1,), float(env.rank + 1))
     dist.all_reduce(t)
     assert t.item() == env.world * (env.world + 1) / 2, t
-    print(f"rank {env.rank} joined", flush=True)
+    print(f"rank {env.launch_rank} joined", flush=True)
     hold = os.environ.get("LAUNCH_TARGET_HOLD")
     deadline = time.monotonic() + 120         # a test that died without releasing: do not linger
     while hold and not os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if os.environ.get("LAUNCH_TARGET_DIE_RANK") == str(env.rank):
+    if os.environ.get("LAUNCH_TARGET_DIE_RANK") == str(env.launch_rank):
         os._exit(9)
     dist.all_reduce(t)
     bar.close()
     waits = "poll" if waiting.polling() else "block"
-    print(f"rank {env.rank}/{env.world} ok backend={env.backend} device={env.device} waits={waits} "
-          f"freed_memory_stays={freed_memory_stays()}", flush=True)
+    print(f"rank {env.launch_rank}/{env.world} ok backend={env.backend} device={env.device} waits={waits} "
+          f"freed_memory_stays={freed_memory_stays()} position={env.rank} group_rank={dist.get_rank()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     prepare = {"classification": prepare_classifier, "causal_lm": prepare_causal_lm, "seq2seq": prepare_seq2seq}
     job = prepare[task](cfg)
     env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
-                  timeout_s=cfg.timeout_s, local_rank=rank)
+                  timeout_s=cfg.timeout_s, local_rank=rank, launch_rank=rank)
     trainer = ClassifierTrainer(job, env)
     early = before(trainer) if before is not None else None
     with matplotlib_hidden():
