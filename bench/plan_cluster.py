@@ -16,7 +16,9 @@ device, its CPU share, memory limit and shaped link), on all-MiniLM-L6-v2 classi
      alternating; each counts its least disturbed run (a shared host's spells slow whole runs).
 
 It prints every plan's predicted and measured step time and peak memory per device (the memory
-cgroup's peak, as the testbed reports it), the searched plan's speed-up over each user plan and
+cgroup's peak, as the testbed reports it: device i is launch rank i, whatever mesh position a plan's
+mesh_rank_order gives it; the prediction is read per device too, predicted_memory_mib[i] for launch
+rank i, so a cost model that lists memory by mesh position misreads ordered plans), the searched plan's speed-up over each user plan and
 over the device alone, searched / best measured, and writes results.json and plans.png (predicted
 against measured, and the user plans' bars) to --out.
 
@@ -301,7 +303,8 @@ def accuracy(results: dict, predict=None) -> list[str]:
 def memory_agreement(results: dict, predict=None, alone=None) -> list[str]:
     """Each device of each run against its plan's predicted peak (predict / alone: keys ->
     prediction, to cost them again; alone for the device-alone plan): how many within 10%, and
-    the ones outside (plan [rank] measured / predicted MiB)."""
+    the ones outside (plan [rank] measured / predicted MiB). [rank] is the launch rank, the device:
+    both lists are per device (module docstring)."""
     inside, outside = 0, []
     for name, r in results.items():
         got = (alone if name.endswith("alone") else predict) or (lambda keys: r)

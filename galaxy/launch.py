@@ -17,6 +17,8 @@ and is started either once per rank by hand,
     python pretrain_tp_bert.py --config_file c.json --world 2 --rank 0 --init_method tcp://HOST:PORT
 
 or by torchrun (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT in the environment: env://).
+--rank (RANK) is the launch rank; the process group's rank is the mesh position the config's
+mesh_rank_order gives it (DistEnv).
 By hand, --init_method defaults to tcp://127.0.0.1:29500, i.e. all ranks on this machine;
 give the address of rank 0's host to span machines: each rank then binds its collectives to the
 interface that routes there unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name one

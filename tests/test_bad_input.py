@@ -365,6 +365,13 @@ def test_a_mesh_rank_order_that_is_no_permutation(monkeypatch, capsys, ws):
                             "the list or remove the key")
 
 
+def test_check_names_the_mesh_position(monkeypatch, capsys, ws):
+    config = write_config(ws, "check-order", mesh_rank_order=[1, 0])
+    code, out, _ = run_entry(monkeypatch, capsys, config, "--check", "--world", "2", "--rank", "0",
+                             script="pretrain_dp_bert.py", preset="dp")
+    assert code == 0 and "pretrain_dp_bert.py (rank 0 of 2, mesh position 1) would train" in out, out
+
+
 def test_check_names_the_rows_per_replica(monkeypatch, capsys, ws):
     config = write_config(ws, "check-rows", dp_batch_list=[6, 2], grad_accum_steps=2)
     code, out, _ = run_entry(monkeypatch, capsys, config, "--check", "--world", "2", "--rank", "1",

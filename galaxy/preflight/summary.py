@@ -27,7 +27,8 @@ def _model(report) -> str:
 
 def summary(cfg, job, report, script: str, rank: int, world: int) -> str:
     """One paragraph; ends by saying that nothing ran."""
-    who = f"{script} (rank {rank} of {world})" if world > 1 else script
+    placed = "" if cfg.mesh_rank_order is None else f", mesh position {cfg.plan.position_of(rank)}"
+    who = f"{script} (rank {rank} of {world}{placed})" if world > 1 else script
     parts = []
     if report.model is None:                       # a script that builds no model (tests' launch target)
         parts.append(f"{who} would start {_plan(cfg, world)} with model_path {cfg.model_path}")
