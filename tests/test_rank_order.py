@@ -5,13 +5,18 @@ The pools here join the group through galaxy.launch.init_distributed, as an entr
 (support.dist_pool, `order`), and report by launch rank. Each case is the pipeline parity case of
 tests/test_pipeline.py (5 SGD steps, global batch 8 in 4 micro-batches, fp32, 1e-5 relative) with
 the stages placed out of launch order; each launch rank's report names the layers its stage ran.
+Ranks started with different orders disagree before any process group starts.
 """
+import argparse
+
 import pytest
 
 from support.parity import check_report
 from support.parity_runners import train_runner_and_compare
 from support.tiny_models import TINY_SEQ, make_tiny_bert, tiny_batch
 
+from galaxy.config import GalaxyConfig
+from galaxy.distributed.agreement import compare, fingerprint
 from galaxy.plan import Plan
 
 SERIAL = ((6,), (96,), (TINY_SEQ,))          # tiny BERT: 6 heads, 96 columns, 12 tokens
@@ -56,3 +61,13 @@ def _where():
     mesh = make_mesh(Plan(pp=2, heads=UNEVEN_2[0], columns=UNEVEN_2[1], tokens=UNEVEN_2[2]))
     return (dist.get_rank(), mesh.pp_rank, mesh.galaxy.rank, dist.get_process_group_ranks(mesh.galaxy.pg),
             dist.get_process_group_ranks(mesh.pp_pg))
+
+
+def test_ranks_started_with_different_orders_disagree():
+    """The agreement check (before any process group) names the key."""
+    def settings(rank, order):
+        cfg = GalaxyConfig(model_path="no-model", mesh_rank_order=order)
+        return fingerprint(cfg, None, argparse.Namespace(world=2, rank=rank), "pretrain_galaxy.py")
+    assert compare(settings(0, [0, 1]), settings(1, [1, 0]), 1) == (
+        "rank 1's settings differ from rank 0's at mesh_rank_order: [0, 1] on rank 0, [1, 0] on rank 1; start "
+        "every rank with the same config and arguments")
