@@ -9,6 +9,7 @@ boundary after step 5), then resumes from step 3:
     checkpoint resumes under pp2: losses within 1e-5 of the uninterrupted run, and the sliced
     optimizer state gathers back to exactly the saved tensors;
   - a pp2 checkpoint folder holds the files, tensor names and shapes of a serial one.
+A pp2 x Galaxy 2 checkpoint resumes exactly under mesh_rank_order [2, 0, 3, 1] (streams by position).
 Exports under pp2 load in transformers (full weights, merged LoRA) and peft (LoRA adapter) and
 give the trained pipeline's logits; adapter / side exports equal a serial run's. Llama (untied
 embeddings) and Qwen2 (q/k/v biases, tied embeddings) as pipelines resume exactly and export HF
@@ -87,7 +88,7 @@ def test_world4_pipeline_meshes_resume_exactly_with_dropout(dist_pool, ws, mesh)
     one's tensors (names and shapes; dropout makes the values differ)."""
     pool, tag = dist_pool(4), f"w4-{mesh}"
     keys = {**PP2, **MESHES_W4[mesh], "dropout": 0.1}
-    full, _ = run(pool, ws, f"{tag}-full", save_dir=save_dir(ws, f"{tag}-full"), **EXACT, **keys)
+    full = w4_full(pool, ws, mesh)
     resumed, _ = run(pool, ws, f"{tag}-resumed", resume=checkpoint(ws, f"{tag}-full"), **RESUMED, **keys)
     assert sorted(resumed) == [4, 5, 6]
     assert max_diff(full, resumed) == 0.0
@@ -97,6 +98,30 @@ def test_world4_pipeline_meshes_resume_exactly_with_dropout(dist_pool, ws, mesh)
         assert ours.keys() == theirs.keys() and all(ours[k].shape == theirs[k].shape for k in theirs), name
     rng = sorted(load_file(os.path.join(checkpoint(ws, f"{tag}-full"), "rng.safetensors")))
     assert rng == ["cpu", "cpu.stage1"] + ([f"sharded.{r}" for r in range(4)] if "galaxy" in mesh else [])
+
+
+_w4_full: dict = {}
+
+
+def w4_full(pool, ws, mesh: str) -> dict:
+    """The losses of MESHES_W4[mesh]'s uninterrupted run with dropout, saving at step 3 (once a session)."""
+    if mesh not in _w4_full:
+        tag = f"w4-{mesh}"
+        _w4_full[mesh] = run(pool, ws, f"{tag}-full", save_dir=save_dir(ws, f"{tag}-full"), **EXACT, **PP2,
+                             **MESHES_W4[mesh], dropout=0.1)[0]
+    return _w4_full[mesh]
+
+
+def test_a_checkpoint_resumes_exactly_under_another_rank_order(dist_pool, ws):
+    """mesh_rank_order [2, 0, 3, 1]: the processes started as ranks 2 and 0 resume stage 0's Galaxy
+    ranks 0 and 1, whoever held them when saving. The checkpoint is the whole model and each sharded
+    dropout stream is saved by mesh position (sharded.{position}), so losses repeat bit for bit."""
+    order = [2, 0, 3, 1]
+    full = w4_full(dist_pool(4), ws, "pp2-x-galaxy2")
+    resumed, _ = run(dist_pool(4, tuple(order)), ws, "w4-placed-resumed", mesh_rank_order=order, dropout=0.1,
+                     resume=checkpoint(ws, "w4-pp2-x-galaxy2-full"), **RESUMED, **PP2, **MESHES_W4["pp2-x-galaxy2"])
+    assert sorted(resumed) == [4, 5, 6]
+    assert max_diff(full, resumed) == 0.0
 
 
 def probe_optimizer_state(trainer):

@@ -38,6 +38,13 @@ PRELOAD = ["torch", "torch.distributed", "transformers", "peft",
 
 
 _HANDED_OUT: set[int] = set()     # ports free_port has returned in this process
+LAUNCH_RANK: int | None = None    # in a worker: the rank it was started as (launch_rank())
+
+
+def launch_rank() -> int:
+    """In a pool worker: the rank it was started as, which a pool with an order places at another
+    mesh position (the group's rank)."""
+    return LAUNCH_RANK
 
 
 def free_port() -> int:
@@ -79,6 +86,8 @@ def _worker(rank, world, port, tasks, results, path, order=None):
     import torch
     import torch.distributed as dist
     torch.set_num_threads(1)
+    global LAUNCH_RANK
+    LAUNCH_RANK = rank
     if order is None:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     else:

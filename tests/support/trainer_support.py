@@ -54,7 +54,7 @@ def write_config(ws: dict, name: str, **keys) -> str:
 
 
 def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=None, task: str = "classification"):
-    """What an entry script does, on this pool rank.
+    """What an entry script does, on this pool rank (its launch rank: support.dist_pool).
 
     before / after: optional module-level functions of the trainer, called before and after fit.
     task: "classification" (the BERT scripts), "causal_lm" (the Llama scripts) or "seq2seq" (BART, T5).
@@ -65,12 +65,15 @@ def train_on_rank(config_path: str, preset: str = "galaxy", before=None, after=N
     from galaxy.models.shape import read_model_shape
     from galaxy.launch import DistEnv
     from galaxy.train.trainer import ClassifierTrainer, prepare_causal_lm, prepare_classifier, prepare_seq2seq
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from support.dist_pool import launch_rank
+    rank, world = launch_rank(), dist.get_world_size()
     cfg = apply_preset(load_config(config_path), preset)
     validate_for_world(cfg, world, rank, read_model_shape(cfg.model_path))
+    # a pool placed by another order (or none) than the config's would train another mesh
+    assert cfg.plan.position_of(rank) == dist.get_rank(), (rank, dist.get_rank(), cfg.mesh_rank_order)
     prepare = {"classification": prepare_classifier, "causal_lm": prepare_causal_lm, "seq2seq": prepare_seq2seq}
     job = prepare[task](cfg)
-    env = DistEnv(rank=rank, world=world, backend="gloo", device=torch.device("cpu"),
+    env = DistEnv(rank=dist.get_rank(), world=world, backend="gloo", device=torch.device("cpu"),
                   timeout_s=cfg.timeout_s, local_rank=rank, launch_rank=rank)
     trainer = ClassifierTrainer(job, env)
     early = before(trainer) if before is not None else None
