@@ -16,11 +16,11 @@ device, its CPU share, memory limit and shaped link), on all-MiniLM-L6-v2 classi
      alternating; each counts its least disturbed run (a shared host's spells slow whole runs).
 
 It prints every plan's predicted and measured step time and peak memory per device (the memory
-cgroup's peak, as the testbed reports it: device i is launch rank i, whatever mesh position a plan's
-mesh_rank_order gives it; the prediction is read per device too, predicted_memory_mib[i] for launch
-rank i, so a cost model that lists memory by mesh position misreads ordered plans), the searched plan's speed-up over each user plan and
-over the device alone, searched / best measured, and writes results.json and plans.png (predicted
-against measured, and the user plans' bars) to --out.
+cgroup's peak, as the testbed reports it: device i is launch rank i, whatever mesh position a
+plan's mesh_rank_order gives it, and so is the cost model's predicted_memory_mib[i]:
+galaxy.planner.placement), the searched plan's speed-up over each user plan and over the device
+alone, searched / best measured, and writes results.json and plans.png (predicted against
+measured, and the user plans' bars) to --out.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/plan_cluster.py --cluster clusters/home3.json
         [--method full|lora] [--batch_size 12] [--pad_size 128] [--steps 5] [--neighbours 20]
