@@ -5,7 +5,8 @@ The pools here join the group through galaxy.launch.init_distributed, as an entr
 (support.dist_pool, `order`), and report by launch rank. Each case is the pipeline parity case of
 tests/test_pipeline.py (5 SGD steps, global batch 8 in 4 micro-batches, fp32, 1e-5 relative) with
 the stages placed out of launch order; each launch rank's report names the layers its stage ran.
-Ranks started with different orders disagree before any process group starts.
+Per-device figures come back by launch rank; ranks started with different orders disagree before
+any process group starts.
 """
 import argparse
 
@@ -61,6 +62,26 @@ def _where():
     mesh = make_mesh(Plan(pp=2, heads=UNEVEN_2[0], columns=UNEVEN_2[1], tokens=UNEVEN_2[2]))
     return (dist.get_rank(), mesh.pp_rank, mesh.galaxy.rank, dist.get_process_group_ranks(mesh.galaxy.pg),
             dist.get_process_group_ranks(mesh.pp_pg))
+
+
+def test_per_device_figures_are_listed_by_launch_rank(dist_pool):
+    """The summary's peak memory and generate.py's KV cache list the process started as rank R at
+    index R (galaxy.distributed.per_device), where a plain all-gather lists mesh positions."""
+    got = dist_pool(4, (2, 0, 3, 1)).run(_gathered)
+    assert got == [(["device 0", "device 1", "device 2", "device 3"],
+                    ["device 2", "device 0", "device 3", "device 1"])] * 4
+
+
+def _gathered():
+    import torch.distributed as dist
+
+    from support.dist_pool import launch_rank
+
+    from galaxy.distributed.per_device import gather_by_launch_rank
+    mine = f"device {launch_rank()}"
+    by_position = [None] * dist.get_world_size()
+    dist.all_gather_object(by_position, mine)
+    return gather_by_launch_rank(mine, launch_rank()), by_position
 
 
 def test_ranks_started_with_different_orders_disagree():
