@@ -38,6 +38,19 @@ def test_rank_order(dist_pool, pp, dp, size):
         assert (got["first"], got["last"]) == (p == 0, p == pp - 1)
 
 
+def test_a_placed_mesh(dist_pool):
+    """mesh_rank_order [2, 0, 3, 1] (a pool joined through galaxy.launch.init_distributed): the
+    process started as rank R holds position order.index(R) on pp 2 x group 2; groups hold positions."""
+    order = (2, 0, 3, 1)
+    placed = dist_pool(4, order).run(_describe, 2, 1, 2)
+    assert [got["coords"] for got in placed] == [(0, 0, 1), (1, 0, 1), (0, 0, 0), (1, 0, 0)]
+    for launch, got in enumerate(placed):
+        p, d, g = got["coords"]
+        assert global_rank(p, d, g, 1, 2) == order.index(launch)
+        assert got["galaxy"] == [global_rank(p, 0, i, 1, 2) for i in range(2)]
+        assert got["pp"] == [global_rank(i, 0, g, 1, 2) for i in range(2)]
+
+
 def test_documented_example():
     """pp 2 x dp 2 x group 2: stage 1, replica 0, Galaxy rank 1 is rank 5."""
     assert global_rank(1, 0, 1, dp=2, group_size=2) == 5

@@ -7,8 +7,8 @@ serial Hugging Face model within 1e-5 relative (fp32, dropout 0): world 2 and 3 
 stages under both schedules, pp 2 x Galaxy 2 (world 4), Llama (token-weighted loss over
 micro-batches of very different token counts) at world 2 (and Qwen2, Llama with q/k/v biases),
 and Llama at pp 2 x dp 2 (world 4); Llama with tied embeddings split across the ends (pp 2,
-pp 2 x dp 2, pp 3), and GPT-2 (its LM head always tied to wte) at pp 2. The stage split and
-pruning are checked alone.
+pp 2 x dp 2, pp 3), and GPT-2 (its LM head always tied to wte) at pp 2; pp 2 and pp 2 x Galaxy 2
+placed out of launch order (mesh_rank_order). The stage split and pruning are checked alone.
 """
 import pytest
 import torch
@@ -71,6 +71,21 @@ def test_pp2_x_galaxy2_matches_hf(dist_pool, bert3_dir):
     reports = run_case(dist_pool(4), "bert", bert3_dir, GALAXY, 2, UNEVEN_2, tiny_batch, stage_layers=[2, 1],
                        batch_streams=2)
     assert [r["stage"] for r in reports] == [[0, 1], [0, 1], [2], [2]]
+
+
+def test_pp2_placed_in_reverse_matches_hf(dist_pool, bert3_dir):
+    """mesh_rank_order [1, 0] (a pool joined through galaxy.launch.init_distributed, reporting by
+    launch rank): launch rank 1 holds stage 0 (layers 0-1), launch rank 0 stage 1 (layer 2)."""
+    reports = run_case(dist_pool(2, (1, 0)), "bert", bert3_dir, GALAXY, 2, SERIAL, tiny_batch, stage_layers=[2, 1])
+    assert [r["stage"] for r in reports] == [[2], [0, 1]]
+
+
+def test_pp2_x_galaxy2_placed_matches_hf(dist_pool, bert3_dir):
+    """mesh_rank_order [2, 0, 3, 1]: stage 0's Galaxy ranks 0, 1 are launch ranks 2, 0; stage 1's
+    launch ranks 3, 1 (uneven shares, gpipe)."""
+    reports = run_case(dist_pool(4, (2, 0, 3, 1)), "bert", bert3_dir, GALAXY, 2, UNEVEN_2, tiny_batch,
+                       stage_layers=[1, 2], schedule="gpipe")
+    assert [r["stage"] for r in reports] == [[0], [1, 2], [0], [1, 2]]
 
 
 @pytest.mark.parametrize("family,schedule", [("llama", "gpipe"), ("llama", "1f1b"), ("qwen2", "1f1b")])
