@@ -92,7 +92,8 @@ def test_step_time_of_a_balanced_split_by_hand():
 
 def test_pipeline_bubble_and_memory_in_flight_by_hand():
     """pp 2 on equal devices, 3 layers a stage, m micro-batches: (m + pp - 1) stage times; 1f1b keeps
-    pp - stage micro-batches of activations in flight, gpipe all m."""
+    pp - stage micro-batches of activations in flight, gpipe all m; each stage keeps the boundary's
+    carry [48, 384] fp32 and its gradient of the m - in flight others until the step ends."""
     R, rows, m = 1e10, 16, 4
     model = synthetic_model(act_per_token=1000.0)
     cost = CostModel(model, [device(R), device(R)], FREE_LINK, batch_size=rows)
@@ -102,11 +103,38 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
     act = lambda inflight: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
     weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
+    held = lambda past: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * past * 2 * 48 * 384 * 4   # noqa: E731
     mem = cost.estimate(plan).memory_mib
-    assert mem[0] * MIB == pytest.approx(weights + act(2), rel=1e-9)
-    assert mem[1] * MIB == pytest.approx(weights + act(1), rel=1e-9)
+    assert mem[0] * MIB == pytest.approx(weights + act(2) + held(m - 2), rel=1e-9)
+    assert mem[1] * MIB == pytest.approx(weights + act(1) + held(m - 1), rel=1e-9)
     gpipe = cost.estimate(P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "gpipe")).memory_mib
     assert gpipe[1] * MIB == pytest.approx(weights + act(m), rel=1e-9)
+
+
+def test_pipeline_boundary_tensors_grow_with_micro_batches_by_hand():
+    """What a stage keeps per micro-batch past its backward (model_terms.boundary_ends): a middle
+    stage two carries and two gradients ([rows / m, tokens, 384] fp32 each, at its Galaxy rank's
+    CON tokens), an end stage one of each, x (1 + slack) on CPU; nothing under gpipe (all in flight)
+    or without a pipeline. Free of activations (act_per_token 0) and weights' dependence on m."""
+    rows, m = 24, 12
+    model = synthetic_model(act_per_token=0.0)
+    cost = CostModel(model, [device(1e10)] * 6, FREE_LINK, batch_size=rows)
+    carry = (rows / m) * 384 * 4 * (1 + FULL_ACTIVATION_SLACK)    # bytes per token of one micro-batch's carry
+    weights = lambda layers: 20 * layers * (6 * PER_HEAD + 768 * PER_COLUMN)   # noqa: E731  (half the heads)
+
+    def mem(pp, schedule, micro=m):
+        stages = (6 // pp,) * pp
+        plan = P(pp, 1, "TP", "TP", "SP", (6, 6), (768, 768), (40, 8), stages, micro, schedule)
+        return [x * MIB - weights(6 // pp) for x in cost.estimate_memory(plan)]
+
+    # stages 0, 1, 2 (Galaxy ranks 0, 1: 40 and 8 CON tokens); 1f1b in flight 3, 2, 1
+    want = [(m - 3) * 2, (m - 2) * 4, (m - 1) * 2]
+    got = mem(3, "1f1b")
+    for p in range(3):
+        for j, tokens in enumerate((40, 8)):
+            assert got[2 * p + j] == pytest.approx(want[p] * tokens * carry, rel=1e-9)
+    assert mem(3, "gpipe") == pytest.approx([0.0] * 6, abs=1e-6)
+    assert mem(1, "1f1b", 1) == pytest.approx([0.0] * 2, abs=1e-6)
 
 
 def test_step_splits_into_compute_communication_and_idle_per_rank():

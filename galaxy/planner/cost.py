@@ -125,7 +125,7 @@ class CostModel(MemoryModel):
         figures = ([0.0] * world, [0.0] * world, [dict() for _ in range(world)], [0.0] * world, [0.0] * world)
         ends, extras, comm_path, passes = [0.0] * pp, [0.0] * pp, 0.0, []
         for d, rows in enumerate(self.replica_rows(plan)):
-            carry_bytes, grad_bytes = self._carry_bytes(rows / m * max(k[2] for k in kinds))
+            carry_bytes, grad_bytes = self.carry_bytes(rows / m * max(k[2] for k in kinds))
             hops = tuple(self._hop(plan, p, carry_bytes, d) for p in range(pp - 1))
             s = _Step(plan, rows / m, forms, padded, kinds, hops, carry_bytes, grad_bytes, *figures)
             stages = [self._stage(s, p, d) for p in range(pp)]
@@ -227,16 +227,6 @@ class CostModel(MemoryModel):
             side = dict(a_layer=kv, a_fixed=0.0, s_layer=0.0, s_fixed=0.0, c_layer=1, c_fixed=0)
             out += [("all_gather", side, 1.0), ("reduce_scatter", side, 0.0)]
         return out
-
-    def _carry_bytes(self, row_tokens: float) -> tuple[float, float]:
-        """Bytes a stage sends forward and back per micro-batch (row_tokens: rows x CON tokens): the
-        carry and its gradient; a backbone without autograd sends no gradient, side-only no
-        backbone carry; the side state travels both ways."""
-        backbone = self.carry * row_tokens * self.hidden * FP32 if self.backbone != "absent" else 0.0
-        side = row_tokens * self.side_width * FP32
-        if self.backward_through_backbone:
-            return backbone, backbone
-        return backbone + side, side
 
     def _replica_compute(self, s: _Step, p: int, c: int, ranks: list[int]) -> tuple[float, float, list]:
         """One micro-batch on one replica's Galaxy group of stage p (c layers recomputed): (forward,

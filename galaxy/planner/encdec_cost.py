@@ -162,21 +162,6 @@ class EncDecCostModel(EncDecTerms):
     def _hf_with(self, encoder: int, decoder: int):
         return with_layers(self._hf, encoder, decoder)
 
-    def boundary_bytes(self, plan: Plan, after: int, rows: float) -> tuple[float, float]:
-        """(bytes sent forward, bytes of the gradient sent back) at the stage boundary with
-        `after` layers before it, one micro-batch (galaxy.pipeline.carry): inside the encoder its
-        carry and the decoder's entered embeddings; past it the encoder's output (which crosses
-        every decoder boundary) and the decoder's carry; the side states beside them."""
-        con_sp = plan.con == "SP" and plan.group > 1
-        s_src = max(plan.tokens) if con_sp else self.source
-        s_tgt = max(plan.decoder_tokens) if con_sp else self.target
-        n = self.carry
-        backbone = (n * s_src if after < self.enc_layers else s_src) + n * s_tgt
-        backbone = 0 if self.backbone == "absent" else backbone * self.hidden
-        side = (s_src + s_tgt) * self.side_width
-        back = (backbone if self.backward_through_backbone else 0) + side
-        return rows * FP32 * (backbone + side), rows * FP32 * back
-
     def _dp(self, plan: Plan, n: float, t: float, p: int = 0) -> tuple[float, float]:
         """Seconds and bytes of a rank's data-parallel traffic a step (n held, t trained on stage
         p; galaxy.planner.link_model.data_parallel_traffic)."""

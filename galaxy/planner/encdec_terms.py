@@ -32,7 +32,7 @@ from galaxy.plan import Plan
 from galaxy.planner.memory_model import (CPU_ACTIVATION_SLACK, OPT_STATE, OPT_TEMP, MemoryModel,
                                          embedding_rows_in_place)
 from galaxy.planner.method import BACKBONE, BackboneRole
-from galaxy.planner.model_terms import FP32, MIB, ModelTerms
+from galaxy.planner.model_terms import FP32, MIB, ModelTerms, boundary_ends
 
 STACKS = ("encoder", "decoder")
 
@@ -214,6 +214,32 @@ class EncDecTerms(BackboneRole):
             (count(ends["head"], k["decoder"]["con"][1]) if p == plan.pp - 1 else 0)
         return total, biggest, rebuilt
 
+    def boundary_bytes(self, plan: Plan, after: int, rows: float, j: int | None = None) -> tuple[float, float]:
+        """(bytes sent forward, bytes of the gradient sent back) at the stage boundary with
+        `after` layers before it, one micro-batch (galaxy.pipeline.carry): inside the encoder its
+        carry and the decoder's entered embeddings; past it the encoder's output (which crosses
+        every decoder boundary) and the decoder's carry; the side states beside them. At Galaxy
+        rank j's CON tokens, or (None) the group's largest share, which every rank's send is
+        padded to."""
+        con_sp = plan.con == "SP" and plan.group > 1
+        pick = max if j is None else (lambda tokens: tokens[j])     # noqa: E731
+        s_src = pick(plan.tokens) if con_sp else self.source
+        s_tgt = pick(plan.decoder_tokens) if con_sp else self.target
+        n = self.carry
+        backbone = (n * s_src if after < self.enc_layers else s_src) + n * s_tgt
+        backbone = 0 if self.backbone == "absent" else backbone * self.hidden
+        side = (s_src + s_tgt) * self.side_width
+        back = (backbone if self.backward_through_backbone else 0) + side
+        return rows * FP32 * (backbone + side), rows * FP32 * back
+
+    def boundary_per_row(self, plan: Plan, p: int, j: int) -> float:
+        """Bytes per row of one micro-batch's tensors at stage p's boundaries that rank j keeps
+        until its step ends (model_terms.boundary_ends: the carry and its gradient at each end it
+        has)."""
+        layers = plan.stage_layers()[p]
+        return sum(sum(self.boundary_bytes(plan, after, 1.0, j))
+                   for held, after in zip(boundary_ends(plan, p), (layers.start, layers.stop)) if held)
+
     # --- memory --------------------------------------------------------------------------------------
 
     def state_bytes(self, plan: Plan, j: int, n: float, t: float, p: int = 0) -> tuple[float, float]:
@@ -237,7 +263,9 @@ class EncDecTerms(BackboneRole):
         state, held = self.state_bytes(plan, j, n, t, p)
         total, biggest, recomputed = self.acts_per_row(plan, j, p=p)
         inflight = ModelTerms.in_flight(plan, p)
-        acts = rows * (inflight * total + recomputed + biggest)
+        # memory_model's boundary tensors of the micro-batches past their backward
+        boundary = ModelTerms.past_backward(plan, p) * self.boundary_per_row(plan, p, j)
+        acts = rows * (inflight * total + recomputed + biggest + boundary)
         temp = 0.0 if dev.get("optimizer_fused") else OPT_TEMP.get(self.optimizer, 0) * held * FP32
         base = dev.get("baseline_mib", 0.0) * MIB + state
         if dev.get("device", "cpu") == "cuda":
@@ -246,7 +274,7 @@ class EncDecTerms(BackboneRole):
         # backbone's as full fine-tuning saves them (its backward makes every activation's gradient)
         frozen = self.backbone == "frozen"
         whole = acts if not (plan.checkpoint or frozen) else \
-            rows * (inflight * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest)
+            rows * (inflight * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest + boundary)
         kept = 0.0
         if dev.get("freed_memory_kept") and p == 0 and self.table_trains and not self.rows_accumulate_in_place(plan):
             kept = MemoryModel.kept_gradient_blocks(plan, p) * self.table * FP32

@@ -5,7 +5,8 @@ state of what the rank holds (its stage, its shares; AdamW keeps two fp32 moment
 gradient buckets (a second copy of the gradients, dp > 1) + the Galaxy group's buckets (a second
 copy of the gradients it sums: the sequence-parallel sub-blocks' weights) + the activations saved
 for backward (model profile, at the rank's shares, per row) of the micro-batches in flight (1 without a
-pipeline; 1f1b: min(m, pp - stage); gpipe: m), a checkpointed layer keeping only its input carry,
+pipeline; 1f1b: min(m, pp - stage); gpipe: m) and a stage's boundary tensors of the other m - in
+flight micro-batches (model_terms.boundary_ends), a checkpointed layer keeping only its input carry,
 plus one layer's activations while it is recomputed, plus the largest sub-block's activations again
 as backward's working space + an unfused optimizer step's temporaries (AdamW: one fp32 tensor per
 parameter; a fused step, the device profile's optimizer_fused, has none). On CPU the peak is
@@ -194,6 +195,15 @@ class MemoryModel(ModelTerms):
             per_mb += self._act("embed", self.seq)
         if last:
             per_mb += self._act("head", s_con)
-        acts = rows * (inflight * per_mb + (layer if c else 0) + biggest)
+        # The boundary tensors of the micro-batches past their backward (model_terms.boundary_ends;
+        # none without a pipeline): the slack counts them as activations, the heap's freed blocks
+        # around them included. Those of the micro-batches in flight are taken as inside the
+        # activations' slack: gpipe, all in flight, grew 7.9 MiB a micro-batch on a two-layer
+        # stage (loopback, pp 3, one row, m 4 to 36) against the activations' 17.4 with the
+        # slack, and its edge4 runs measured 3-11% under the prediction at m 9-18 (batch 36).
+        # edge4 at batch 36 (bench/plan_cluster.py --repredict): 118 of 133 device-runs within
+        # 10% with the term, 98 without (the 1f1b plans' later stages 7-18% over at m 18-36).
+        boundary = self.past_backward(plan, p) * self.boundary_per_row(plan, p, s_con)
+        acts = rows * (inflight * per_mb + (layer if c else 0) + biggest + boundary)
         temp = OPT_TEMP.get(self.optimizer, 0) * held * FP32
         return FP32 * (weights + held + opt + buckets), acts, temp

@@ -19,6 +19,23 @@ MIB = 2 ** 20
 FP32 = 4
 
 
+def boundary_ends(plan: Plan, p: int) -> tuple[bool, bool]:
+    """(at its input, at its output): whether stage p keeps, at that boundary, one activation-sized
+    and one gradient-sized tensor per micro-batch until its step ends (torch's PipelineStage and
+    galaxy.pipeline.overlap_schedule, whose sends are waited for when the step ends). At its input
+    (p > 0): the receive buffer (args_recv_info[i], kept across steps) and the gradient sent back;
+    at its output (p < pp - 1): the gradient's receive buffer (grad_recv_info[i], kept across
+    steps) and the output sent on. After a step the stages held m such buffers at each end
+    (loopback: 2.25 MiB at m 12, 6.75 at 36), the sent tensors gone. Measured on loopback
+    (all-MiniLM-L6-v2, pp 3, 1f1b, one row of [128, 384] fp32 = 0.19 MiB a micro-batch, m 4 to 36):
+    with glibc unmapping freed blocks at once, peak RSS grew 2.2, 4.3 and 2.5 of them a
+    micro-batch on stages 0, 1, 2 (least squares over m 4, 12, 24, 36: these 2, 4, 2 and a little
+    Python); with the heap keeping freed memory (cpu_allocator keep, as the testbed runs) 3.9,
+    5.6 and 4.2, where the memory model's 1 + slack times 2, 4, 2 gives 3.1, 6.2, 3.1. Nothing
+    else grew with m: the batch's input chunks and each micro-batch's loss are a few KB."""
+    return p > 0, p < plan.pp - 1
+
+
 class Counts:
     """Parameters per part of the model, as a model profile lists them: "embed" (first stage),
     "head" (last stage), "tied" (held by both ends), "other" (every stage), and per layer, by
@@ -180,3 +197,26 @@ class ModelTerms(BackboneRole):
         if plan.pp == 1:
             return 1
         return plan.stage_warmup(p)
+
+    @staticmethod
+    def past_backward(plan: Plan, p: int) -> int:
+        """Micro-batches whose boundary tensors (boundary_ends) stage p holds beyond those in flight:
+        m - in_flight under a pipeline (1f1b: the steady state's and cool-down's; gpipe: none), none
+        without one."""
+        return 0 if plan.pp == 1 else plan.microbatches - ModelTerms.in_flight(plan, p)
+
+    def carry_bytes(self, row_tokens: float) -> tuple[float, float]:
+        """Bytes a stage sends forward and back per micro-batch (row_tokens: rows x CON tokens): the
+        carry and its gradient; a backbone without autograd sends no gradient, side-only no
+        backbone carry; the side state travels both ways."""
+        backbone = self.carry * row_tokens * self.hidden * FP32 if self.backbone != "absent" else 0.0
+        side = row_tokens * self.side_width * FP32
+        if self.backward_through_backbone:
+            return backbone, backbone
+        return backbone + side, side
+
+    def boundary_per_row(self, plan: Plan, p: int, s_con: int) -> float:
+        """Bytes per row of one micro-batch's tensors at stage p's boundaries that the stage keeps
+        until its step ends (boundary_ends: the carry and its gradient at each end it has; s_con:
+        the CON tokens of a rank's carry)."""
+        return sum(boundary_ends(plan, p)) * sum(self.carry_bytes(s_con))
