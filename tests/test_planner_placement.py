@@ -30,7 +30,7 @@ def test_warmups_are_made_non_increasing_and_torchs_is_none():
     # the round trip below stage 0: stage 1's F + B (3 s) and two hops of 0.5 s, over its own 2 s (F + B)
     # in the steady state (1 + 4 / 2 = 3), over its forward of 0.5 s before the first backward (1 + 4 / 0.5 = 9)
     passes = [(0.5, 1.5, 0.5), (1.0, 2.0, 0.0)]
-    assert cover(passes, 16, True) == [3, 1] and cover(passes, 16, False) == [9, 1]
+    assert cover(passes, True) == [3, 1] and cover(passes, False) == [9, 1]
 
 
 def test_a_placed_plan_is_the_plan_on_devices_listed_in_that_order():

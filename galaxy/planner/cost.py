@@ -131,8 +131,8 @@ class CostModel(MemoryModel):
             stages = [self._stage(s, p, d) for p in range(pp)]
             fwds, bwds, own, paths = (tuple(x) for x in zip(*stages))
             replica_ends = list(stage_ends(fwds, bwds, hops, m, plan.schedule, plan.warmup))
-            passes = [tuple(max(a, b) for a, b in zip(old, new)) for old, new in zip(passes, zip(fwds, bwds, hops + (0.0,)))] \
-                if passes else list(zip(fwds, bwds, hops + (0.0,)))
+            mine = list(zip(fwds, bwds, hops + (0.0,)))         # the slowest replica's, stage by stage
+            passes = [tuple(map(max, a, b)) for a, b in zip(passes or mine, mine)]
             if pp > 1 and self.tied:        # the tied weight's all-reduce waits for both of its ends
                 replica_ends[0] = replica_ends[-1] = max(replica_ends[0], replica_ends[-1])
             ends = [max(a, b) for a, b in zip(ends, replica_ends)]

@@ -45,8 +45,8 @@ def normal(warmup, pp: int, m: int) -> tuple[int, ...] | None:
     return None if w == defaults(pp, m) else w
 
 
-def cover(passes, m: int, steady: bool) -> list[int]:
-    """Each stage's warm-up covering its downstream round trip (module docstring)."""
+def cover(passes, steady: bool) -> list[int]:
+    """Each stage's warm-up covering its downstream round trip (module docstring; normal caps it at m)."""
     pp = len(passes)
     out = []
     for p, (f, b, _) in enumerate(passes):
@@ -63,7 +63,7 @@ def warmup_moves(est, fine: bool) -> list:
     plan, passes = est.plan, est.stage_passes
     pp, m = plan.pp, plan.microbatches
     current = list(plan.warmup or defaults(pp, m))
-    trials = [defaults(pp, m)] + ([cover(passes, m, True), cover(passes, m, False)] if passes else [])
+    trials = [defaults(pp, m)] + ([cover(passes, True), cover(passes, False)] if passes else [])
     for p in range(pp if fine else 0):
         for d in (1, -1):
             w = list(current)
