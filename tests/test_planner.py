@@ -17,6 +17,7 @@ from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel
 from galaxy.planner.draw import step_parts
 from galaxy.planner.memory_model import FULL_ACTIVATION_SLACK, KEPT_GRADIENTS_MAX, MIB
+from galaxy.planner.model_terms import FRAGMENT_SHARE, FRAGMENTED_MICROBATCHES
 from galaxy.planner.device_compute import DeviceCompute, model_signature
 from galaxy.planner.device_profile import MEAN_WINDOW_S, measure_compute
 from galaxy.planner.link_model import link_time
@@ -100,10 +101,18 @@ def test_pipeline_bubble_and_memory_in_flight_by_hand():
     plan = P(2, 1, "TP", "TP", "SP", (12,), (1536,), (48,), (3, 3), m, "1f1b")
     t_stage = 3 * (rows / m) * 3 * (ATT_F + MLP_F) / R
     assert cost.estimate(plan).step_s == pytest.approx((m + 1) * t_stage, rel=1e-9)
-    # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost)
-    act = lambda inflight: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * 48 * 1000.0 * (3 * 4 * inflight + 1)   # noqa: E731
+    # saved bytes (+ backward's working space), x (1 + slack) on CPU (the allocator's, galaxy.planner.cost);
+    # the slack also over the heap's fragments: FRAGMENT_SHARE of the micro-batches short of
+    # min(FRAGMENTED_MICROBATCHES, m) (model_terms.fragmented)
+    per_mb = lambda n: (rows / m) * 48 * 1000.0 * (3 * 4 * n + 1)    # noqa: E731
+
+    def act(inflight):
+        spread = inflight + FRAGMENT_SHARE * max(0, min(FRAGMENTED_MICROBATCHES, m) - inflight)
+        return per_mb(inflight) + FULL_ACTIVATION_SLACK * per_mb(spread)
     weights = 20 * 3 * (12 * PER_HEAD + 1536 * PER_COLUMN)   # fp32 weight, grad, 2 AdamW moments, AdamW's temporary
     held = lambda past: (1 + FULL_ACTIVATION_SLACK) * (rows / m) * past * 2 * 48 * 384 * 4   # noqa: E731
+    assert act(m) == pytest.approx((1 + FULL_ACTIVATION_SLACK) * per_mb(m))       # gpipe: all in flight
+    assert act(1) > (1 + FULL_ACTIVATION_SLACK) * per_mb(1)
     mem = cost.estimate(plan).memory_mib
     assert mem[0] * MIB == pytest.approx(weights + act(2) + held(m - 2), rel=1e-9)
     assert mem[1] * MIB == pytest.approx(weights + act(1) + held(m - 1), rel=1e-9)

@@ -368,9 +368,11 @@ def test_boundary_tensors_per_micro_batch_by_hand(profiles):
     1f1b pipeline split inside the encoder (stages 1 | 3) keeps, for each micro-batch past the ones
     in flight, the carry (n source and n target tensors [rows, tokens, d_model] fp32) and its
     gradient, at each rank's CON tokens (9 and 3 source, 3 target), x (1 + slack) on CPU. Going from
-    4 to 8 micro-batches of one row each adds 4 of them on both stages and nothing else."""
+    FRAGMENTED_MICROBATCHES to 4 more micro-batches of one row each adds 4 of them on both stages
+    and nothing else (from there on the heap's fragments, model_terms.fragmented, stay)."""
     from galaxy.planner.encdec_cost import EncDecCostModel
     from galaxy.planner.memory_model import CPU_ACTIVATION_SLACK
+    from galaxy.planner.model_terms import FRAGMENTED_MICROBATCHES
     from galaxy.planner.profiles import check_link
 
     free = check_link({"latency_s": 0.0, "bytes_per_s": 1e15}, "free")
@@ -381,7 +383,7 @@ def test_boundary_tensors_per_micro_batch_by_hand(profiles):
         cost = EncDecCostModel(doc, [_device(1e9)] * 4, free, batch_size=m)
         return cost.estimate_memory(_plan(pp=2, stages=(1, 3), microbatches=m, schedule="1f1b"))
 
-    grown = [b - a for a, b in zip(memory(4), memory(8))]
+    grown = [b - a for a, b in zip(memory(FRAGMENTED_MICROBATCHES), memory(FRAGMENTED_MICROBATCHES + 4))]
     carry = [2 * 4 * n * (source + 3) * h for source in (9, 3)]     # forward + gradient, per row
     want = [4 * (1 + CPU_ACTIVATION_SLACK) * c / 2 ** 20 for c in carry] * 2      # ranks (stage, j)
     assert grown == pytest.approx(want, rel=1e-9)

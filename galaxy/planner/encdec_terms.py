@@ -272,9 +272,10 @@ class EncDecTerms(BackboneRole):
             return base + max(acts, temp)
         # memory_model's slack: over the activations as if none were recomputed, and a frozen
         # backbone's as full fine-tuning saves them (its backward makes every activation's gradient)
-        frozen = self.backbone == "frozen"
-        whole = acts if not (plan.checkpoint or frozen) else \
-            rows * (inflight * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest + boundary)
+        # and memory_model's fragmented heap of a stage with few micro-batches in flight
+        frozen, spread = self.backbone == "frozen", inflight + ModelTerms.fragmented(plan, p)
+        whole = acts if not (plan.checkpoint or frozen or spread > inflight) else \
+            rows * (spread * self.acts_per_row(replace(plan, checkpoint=()), j, frozen, p)[0] + biggest + boundary)
         kept = 0.0
         if dev.get("freed_memory_kept") and p == 0 and self.table_trains and not self.rows_accumulate_in_place(plan):
             kept = MemoryModel.kept_gradient_blocks(plan, p) * self.table * FP32

@@ -153,9 +153,11 @@ class MemoryModel(ModelTerms):
         # A frozen backbone's backward still makes every activation's gradient, as full fine-tuning's
         # does, though it saved less (bench/plan_accuracy.py --peft lora: 16 plans' ranks within
         # 2.6% (median) with full fine-tuning's activations here, 4.9% under with LoRA's own).
-        frozen = self.backbone == "frozen"
-        whole = acts if not (c or frozen) else \
-            self._memory_parts(plan, p, j, n, rows, 0, inflight, L, s_con, first, last, frozen)[1]
+        # The heap's split free blocks of a stage with few micro-batches in flight (fragmented)
+        # count among those activations too.
+        frozen, spread = self.backbone == "frozen", inflight + self.fragmented(plan, p)
+        whole = acts if not (c or frozen or spread > inflight) else \
+            self._memory_parts(plan, p, j, n, rows, 0, spread, L, s_con, first, last, frozen)[1]
         kept = 0.0
         if dev.get("freed_memory_kept") and first and not self.rows_accumulate_in_place(plan):
             kept = self.kept_gradient_blocks(plan, p) * self.trainable.embed * FP32

@@ -17,6 +17,10 @@ from galaxy.planner.method import BACKBONE, BackboneRole
 
 MIB = 2 ** 20
 FP32 = 4
+# A pipeline stage's heap holds the freed activations of at least this many micro-batches (of its
+# m), each at this share of the activation slack (ModelTerms.fragmented).
+FRAGMENTED_MICROBATCHES = 6
+FRAGMENT_SHARE = 0.4
 
 
 def boundary_ends(plan: Plan, p: int) -> tuple[bool, bool]:
@@ -197,6 +201,25 @@ class ModelTerms(BackboneRole):
         if plan.pp == 1:
             return 1
         return plan.stage_warmup(p)
+
+    @staticmethod
+    def fragmented(plan: Plan, p: int) -> float:
+        """Micro-batches of activations, beyond those in flight, whose freed blocks stage p's heap
+        holds at its peak, for the activation slack to count (FRAGMENT_SHARE of each; none without
+        a pipeline: not measured there). A stage that alternates one forward and one backward
+        frees each micro-batch's activations before the next one's, yet glibc's heap (kept by
+        cpu_allocator keep) still grows step over step: the freed blocks come back split by what
+        a backward allocated among them, so the next forward extends the heap. Traced on loopback
+        (home3's searched pipeline, mallinfo2 around every pass): the last stage, 3 layers, 1 in
+        flight, held 17 MiB of activations at a time and 80-110 MiB free in its heap by step 3;
+        the first stage, 8 in flight, hardly more than its slack. Fitted on the testbed's cgroup
+        peaks (bench/plan_cluster.py --repredict over 7 full fine-tuning runs of home3 and edge4,
+        batch 12 and 36): FRAGMENTED_MICROBATCHES 6 at FRAGMENT_SHARE 0.4 put 755 of 795
+        device-runs within 10% against 740 without (home3's stop-44 run 95 of 100 against 84;
+        any of 5-8 at 0.3-0.5 gave 750-757); the LoRA runs (DP, one micro-batch) are unchanged."""
+        if plan.pp == 1:
+            return 0.0
+        return FRAGMENT_SHARE * max(0, min(FRAGMENTED_MICROBATCHES, plan.microbatches) - ModelTerms.in_flight(plan, p))
 
     @staticmethod
     def past_backward(plan: Plan, p: int) -> int:
