@@ -63,6 +63,7 @@ from galaxy.distributed.failures import first_line as _first_line
 from galaxy.distributed.interface import bind_to_rendezvous
 from galaxy.models.build import CheckpointError
 from galaxy.models.shape import read_model_shape
+from galaxy.pipeline.schedule import ENGINE_VARIABLE, overlapped_engine
 from galaxy.preflight.summary import summary as preflight_summary
 from galaxy.runtime import cpu_allocator
 
@@ -190,9 +191,11 @@ def init_distributed(cfg, args, settings: dict | None = None) -> DistEnv:
     launch rank, so every group built on it (mesh, pipeline peers, DP, data shards) follows.
     """
     backend = cfg.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if cfg.pipeline_warmup_list is not None and backend != "gloo":   # torch's schedules fix them at pp - p
-        raise ConfigError(f"pipeline_warmup_list runs only on Galaxy's pipeline engine over gloo, but the backend "
-                          f"is {backend!r}; set distributed_backend to 'gloo' or remove pipeline_warmup_list")
+    if cfg.pipeline_warmup_list is not None and not overlapped_engine(backend):   # torch's fix them at pp - p
+        why, fix = ((f"the backend is {backend!r}", "set distributed_backend to 'gloo'") if backend != "gloo" else
+                    (f"{ENGINE_VARIABLE}=torch picks torch's schedules", f"unset {ENGINE_VARIABLE}"))
+        raise ConfigError(f"pipeline_warmup_list runs only on Galaxy's pipeline engine over gloo, but {why}; "
+                          f"{fix} or remove pipeline_warmup_list")
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ConfigError("distributed_backend is 'nccl' but no CUDA device is visible; "

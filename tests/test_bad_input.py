@@ -334,8 +334,9 @@ def test_uneven_replica_rows_that_do_not_fit(monkeypatch, capsys, ws, case):
 
 def test_pipeline_warmups_that_rise_or_need_torchs_schedules(monkeypatch, capsys, ws):
     """A warm-up list that rises from one stage to the next would deadlock the pipeline: the plan
-    refuses it. NCCL runs torch's schedules, whose warm-ups are fixed: refused before the process
-    group (init_distributed itself runs here, the tripwire taken away)."""
+    refuses it. NCCL runs torch's schedules, whose warm-ups are fixed, and so does gloo under the
+    benches' GALAXY_PP_ENGINE=torch: both refused before the process group (init_distributed itself
+    runs here, the tripwire taken away)."""
     keys, real = dict(pp_deg=2, num_microbatches=4, **outputs(ws, "warmup")), launch.init_distributed
     code, _, line = run_entry(monkeypatch, capsys, write_config(ws, "warmup", pipeline_warmup_list=[1, 2], **keys),
                               "--world", "2", "--rank", "1", script="pretrain_galaxy.py", preset="galaxy")
@@ -352,6 +353,16 @@ def test_pipeline_warmups_that_rise_or_need_torchs_schedules(monkeypatch, capsys
     assert exit_.value.code == 2 and not dist.is_initialized()
     assert line == ("pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over "
                     "gloo, but the backend is 'nccl'; set distributed_backend to 'gloo' or remove "
+                    "pipeline_warmup_list\n")
+    monkeypatch.setenv("GALAXY_PP_ENGINE", "torch")     # the benches' switch to torch's schedules
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(preset="galaxy", train_fn=train, script="pretrain_galaxy.py", prepare_fn=prepare_classifier,
+                    argv=["--config_file", write_config(ws, "warmup", pipeline_warmup_list=[4, 1], **keys),
+                          "--world", "2", "--rank", "1", "--init_method", "tcp://127.0.0.1:1"])
+    line = capsys.readouterr().err
+    assert exit_.value.code == 2 and not dist.is_initialized()
+    assert line == ("pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over "
+                    "gloo, but GALAXY_PP_ENGINE=torch picks torch's schedules; unset GALAXY_PP_ENGINE or remove "
                     "pipeline_warmup_list\n")
 
 

@@ -30,13 +30,17 @@ OVERLAPPED = dict(zip(PIPELINE_SCHEDULES, (OverlappedGPipe, Overlapped1F1B), str
 ENGINE_VARIABLE = "GALAXY_PP_ENGINE"
 
 
+def overlapped_engine(backend: str) -> bool:
+    """Whether a pp group on `backend` runs Galaxy's engine (gloo, unless GALAXY_PP_ENGINE=torch)."""
+    return backend == "gloo" and os.environ.get(ENGINE_VARIABLE, "galaxy") != "torch"
+
+
 def schedule_class(name: str, backend: str = "gloo", warmups: tuple[int, ...] | None = None):
     """The schedule class named `name` for a pp group on `backend`; ValueError naming the known
     names otherwise, or when `warmups` (plan.warmup) are set for a schedule that cannot run them."""
     if name not in TORCH:
         raise ValueError(f"pipeline_schedule {name!r} is unknown; use one of {sorted(TORCH)}")
-    overlapped = backend == "gloo" and os.environ.get(ENGINE_VARIABLE, "galaxy") != "torch"
-    cls = (OVERLAPPED if overlapped else TORCH)[name]
+    cls = (OVERLAPPED if overlapped_engine(backend) else TORCH)[name]
     if warmups is not None and cls is not Overlapped1F1B:
         raise ValueError(f"pipeline_warmup_list needs Galaxy's 1f1b engine (pipeline_schedule 1f1b, backend gloo, "
                          f"{ENGINE_VARIABLE} not torch) but this pipeline runs torch's {cls.__name__}; remove "
