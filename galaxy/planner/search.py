@@ -3,7 +3,8 @@
 Enumerated: the mesh (pp x dp x Galaxy group size dividing the world), the methods (ATT TP|SP,
 MLP TP|SP, CON SP|None; one choice for a group of 1), the micro-batches (divisors of the rows per
 replica: pipeline micro-batches, or grad_accum_steps without a pipeline), the pipeline schedule (both
-1f1b and gpipe where there are at least pp micro-batches, else gpipe: schedules) and sharded data parallelism (with replicas). For each, the integer choices are optimised by local search:
+1f1b and gpipe where there are at least pp micro-batches, else gpipe: schedules) and sharded data
+parallelism (with replicas). For each, the integer choices are optimised by local search:
 
   start    heads / columns / tokens (and, for the latency objective, an SP MLP's decode columns)
            per Galaxy rank proportional to its speed (the slowest device
@@ -17,6 +18,7 @@ replica: pipeline micro-batches, or grad_accum_steps without a pipeline), the pi
            from about a quarter of a share down to one unit); a layer from the slowest or fullest
            stage to any other, and from every stage to its neighbours; one row per micro-batch
            from the slowest (or fullest) replica to the quickest (or roomiest) two
+           (galaxy.planner.moves); 1f1b's warm-ups (galaxy.planner.warmup)
   accept   a move that lowers the total memory overflow, or keeps it and lowers the step time
   memory   after every move each stage recomputes the fewest leading layers
            (activation_checkpointing) that make its ranks fit, all of them when nothing else does
@@ -34,6 +36,7 @@ from dataclasses import dataclass, replace
 from galaxy.plan import METHODS as PLAN_METHODS
 from galaxy.plan import Plan
 from galaxy.planner.cost import CostModel, Estimate
+from galaxy.planner.moves import row_moves, share_moves, stage_moves, step_sizes, uneven
 from galaxy.planner.overlap_time import overlap_choices
 from galaxy.planner.placement import device_orders, launched, placed_model
 from galaxy.planner.warmup import warmup_moves, warmups_searched
@@ -225,33 +228,27 @@ class Searcher:
             out.append(("decode_columns", 1, ("MLP decode",)))
         return out
 
-    def _steps(self, total: int, unit: int, g: int) -> list[int]:
-        step, out = unit, []
-        while step * g * 4 <= total:
-            out.append(step)
-            step *= 2
-        return sorted(set(out + [unit]), reverse=True)
-
     def optimize(self, plan: Plan) -> tuple[tuple, Estimate]:
         """Local search from `plan`: every round tries, for each share list at its current step and
-        for the stage split, the few moves that can help (below) and takes the best by `_better`;
-        when none helps, the steps halve; it ends when no move at one unit helps."""
+        for the stages, rows and warm-ups, the few moves that can help (galaxy.planner.moves,
+        galaxy.planner.warmup) and takes the best by `_better`; when none helps, the steps halve; it
+        ends when no move at one unit helps."""
         score, est = self.evaluate(plan)
         g = plan.group
         vectors = self._vectors(plan)
-        steps = {name: self._steps(sum(getattr(plan, name)), unit, g)[0] for name, unit, _ in vectors}
+        steps = {name: step_sizes(sum(getattr(plan, name)), unit, g)[0] for name, unit, _ in vectors}
         warm = self.warmups and plan.pp > 1 and plan.schedule == "1f1b"
         fine = False            # one stage's warm-up one up or down: once nothing coarser helps
         for _ in range(self.max_moves):
             candidates = []
             for name, unit, subs in vectors:
-                candidates += self._share_moves(est, name, steps[name], unit, subs)
+                candidates += share_moves(est, self.budgets, name, steps[name], unit, subs)
             if plan.pp > 1:
-                candidates += self._stage_moves(est)
+                candidates += stage_moves(est, self.budgets, self.cost)
             if warm:
                 candidates += warmup_moves(est, fine)
             if plan.dp > 1 and self.uneven_rows:
-                candidates += self._row_moves(est)
+                candidates += row_moves(est, self.budgets, self.cost)
             best = None
             for trial in dict.fromkeys(candidates):
                 s, e = self.evaluate(trial)
@@ -286,94 +283,6 @@ class Searcher:
         if over == 0 and not (new[0] == 0 and new[1] < t):
             return False
         return best is None or gain(new) > gain(best)
-
-    def _position_load(self, est: Estimate, subs) -> tuple[list[float], list[float]]:
-        """Per Galaxy rank: its worst time at the sub-blocks `subs` over every group, and its worst
-        memory room (budget - need) over every group."""
-        plan = est.plan
-        g = plan.group
-        t, room = [0.0] * g, [float("inf")] * g
-        for r in range(self.cost.world):
-            j = r % g
-            t[j] = max(t[j], sum(est.sub_block_s[r].get(s, 0.0) for s in subs))
-            room[j] = min(room[j], self.budgets[r] - est.memory_mib[r])
-        return t, room
-
-    def _share_moves(self, est: Estimate, name: str, step: int, unit: int, subs) -> list[Plan]:
-        """Plans with `step` units of `name` moved: from the rank with the least memory room to those
-        with the most (when over budget), from the slowest at `subs` to the quickest."""
-        plan = est.plan
-        shares = list(getattr(plan, name))
-        g = len(shares)
-        t, room = self._position_load(est, subs)
-        order_t = sorted(range(g), key=lambda j: t[j])
-        order_room = sorted(range(g), key=lambda j: room[j])
-        pairs = []
-        if any(r < 0 for r in room):
-            pairs += [(order_room[0], b) for b in order_room[::-1][:2]]
-        pairs += [(order_t[-1], b) for b in order_t[:2]]
-        if g > 2:
-            pairs.append((order_t[-2], order_t[0]))
-        out = []
-        for a, b in dict.fromkeys(pairs):
-            if a == b or shares[a] - step < unit:
-                continue
-            trial = list(shares)
-            trial[a] -= step
-            trial[b] += step
-            out.append(replace(plan, **{name: tuple(trial)}))
-        return out
-
-    def _stage_moves(self, est: Estimate) -> list[Plan]:
-        """Plans with one layer moved from the slowest (or fullest) stage to any other, and from
-        every stage to its neighbours. Not only off the slowest: under the schedule a quick stage's
-        work can hide under a slow one's, so loading the busiest stage further can shorten the
-        step (a slow device holding the last stage with a single layer)."""
-        plan = est.plan
-        stages, pp = plan.stages, plan.pp
-        stage_t = [max(est.compute_s[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
-        room = [min(self.budgets[r] - est.memory_mib[r] for r in self.cost.stage_ranks(plan, p)) for p in range(pp)]
-        slow = max(range(pp), key=lambda p: stage_t[p])
-        pairs = [(slow, b) for b in range(pp)]
-        if min(room) < 0:
-            full = min(range(pp), key=lambda p: room[p])
-            pairs += [(full, b) for b in range(pp)]
-        pairs += [(a, a + d) for a in range(pp) for d in (-1, 1) if 0 <= a + d < pp]
-        out = []
-        for a, b in dict.fromkeys(pairs):
-            if a == b or stages[a] <= 1:
-                continue
-            trial = list(stages)
-            trial[a] -= 1
-            trial[b] += 1
-            out.append(replace(plan, stages=tuple(trial)))
-        return out
-
-    def _row_moves(self, est: Estimate) -> list[Plan]:
-        """Plans with one row per micro-batch moved between replicas: from the slowest (its ranks'
-        compute and communication) to the two quickest, and from the one with the least memory
-        room to the two with the most when a rank is over its budget."""
-        plan, m = est.plan, est.plan.microbatches
-        rows = self.cost.replica_rows(plan)
-        replica_ranks = [[r for p in range(plan.pp) for r in range((p * plan.dp + d) * plan.group,
-                                                                   (p * plan.dp + d + 1) * plan.group)]
-                         for d in range(plan.dp)]
-        t = [max(est.compute_s[r] + est.comm_rank_s[r] for r in ranks) for ranks in replica_ranks]
-        room = [min(self.budgets[r] - est.memory_mib[r] for r in ranks) for ranks in replica_ranks]
-        by_t = sorted(range(plan.dp), key=lambda d: t[d])
-        pairs = [(by_t[-1], b) for b in by_t[:2]]
-        if min(room) < 0:
-            by_room = sorted(range(plan.dp), key=lambda d: room[d])
-            pairs += [(by_room[0], b) for b in by_room[::-1][:2]]
-        out = []
-        for a, b in dict.fromkeys(pairs):
-            if a == b or rows[a] - m < m:
-                continue
-            trial = [int(x) for x in rows]
-            trial[a] -= m
-            trial[b] += m
-            out.append(replace(plan, replica_rows=uneven(tuple(trial))))
-        return out
 
     def with_overlap(self, score: tuple, est: Estimate) -> tuple[tuple, Estimate]:
         """The optimised plan under the batch_streams x comm_chunks the cost model finds fastest
@@ -410,11 +319,6 @@ class Searcher:
             leanest = min((e for _, e in ordered),
                           key=lambda e: (sum(e.shortfall(self.budgets)), max(e.shortfall(self.budgets))))
         return SearchResult(fitting[:top], leanest, self.budgets, self.tried, time.perf_counter() - start)
-
-
-def uneven(rows: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """Replica rows as a plan holds them: None when every replica has the same."""
-    return None if rows is None or len(set(rows)) == 1 else tuple(rows)
 
 
 def search(cost: CostModel, budgets: list[float], *, top: int = 5, dp_sharding=("none",), **kw) -> SearchResult:
