@@ -33,7 +33,8 @@ class CommForms:
                 cfg = SimpleNamespace(**{**self.hf, "num_hidden_layers": layers})
                 f[b, layers] = self.spec.plan_comm_bytes(plan, cfg, b, list(tokens))
         out = {}
-        for kind in set().union(*(d.keys() for d in f.values())):
+        # sorted: the order of the float sums downstream must not depend on the hash seed
+        for kind in sorted(set().union(*(d.keys() for d in f.values()))):
             v = {k: f[k].get(kind, {"sent": 0, "calls": 0}) for k in f}
             s = {k: v[k]["sent"] for k in v}
             a_layer = s[2, 2] - s[1, 2] - s[2, 1] + s[1, 1]
