@@ -3,7 +3,9 @@ hand (what a frozen backbone drops, LoRA's bytes, side-tuning's forward-only bac
 plan per method on a slow link, the method's compute tables, plan.py search --json, and a LoRA
 config the planner wrote training under pretrain_galaxy.py with peft's losses."""
 import copy
+import itertools
 import json
+import pathlib
 from dataclasses import replace
 
 import pytest
@@ -341,3 +343,26 @@ def test_searched_lora_config_trains_with_peft_losses(job, tmp_path):      # noq
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def test_replica_rows_on_edge4_no_single_row_move_is_quicker():
+    """edge4's four devices as profiled inside the edge testbed (tests/profiles/edge4_devices_b36.json:
+    laptop 0.8 cpu, two boards 0.45, phone 0.3) under LoRA at batch 36, data parallel: no plan one
+    row away from the searched rows (a row from any replica to any other) is predicted quicker. The
+    search used to move the slowest replica's row only to the two replicas quickest as they stood:
+    the laptop, quick per row but holding 14 rows, was not among them, and it stopped at 14 / 8 / 9
+    / 5 with 15 / 8 / 8 / 5 predicted quicker one move away (measured 1559 against 1710 ms,
+    bench/results/plan_cluster.md, stop 45)."""
+    from galaxy.planner.profiles import load_devices
+    profiles = pathlib.Path(__file__).parent / "profiles"
+    model = json.loads((profiles / "minilm_pad128_lora_model.json").read_text())
+    devices, link = load_devices(str(profiles / "edge4_devices_b36.json"))
+    cost = CostModel(model, devices, link, batch_size=36, method=LORA)
+    found = search(cost, [d["memory_mib"] for d in devices], meshes=[(1, 4)]).ranked[0]
+    rows = found.plan.replica_rows
+    assert found.plan.dp == 4 and rows is not None and sum(rows) == 36
+    for a, b in itertools.permutations(range(4), 2):
+        if rows[a] > 1:
+            moved = list(rows)
+            moved[a], moved[b] = moved[a] - 1, moved[b] + 1
+            assert cost.estimate(replace(found.plan, replica_rows=tuple(moved))).step_s >= found.step_s, moved

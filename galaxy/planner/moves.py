@@ -108,8 +108,10 @@ def stage_moves(est: Estimate, budgets: list[float], cost: CostModel) -> list[Pl
 
 def row_moves(est: Estimate, budgets: list[float], cost: CostModel) -> list[Plan]:
     """Plans with one row per micro-batch moved between replicas: from the slowest (its ranks'
-    compute and communication) to the two quickest, and from the one with the least memory
-    room to the two with the most when a rank is over its budget."""
+    compute and communication) to the two that would be quickest with it (their time scaled by
+    rows + m over rows: a replica quick only because it holds few rows is not the best place for
+    one more), and from the one with the least memory room to the two with the most when a rank
+    is over its budget."""
     plan, m = est.plan, est.plan.microbatches
     rows = cost.replica_rows(plan)
     replica_ranks = [[r for p in range(plan.pp) for r in range((p * plan.dp + d) * plan.group,
@@ -117,8 +119,9 @@ def row_moves(est: Estimate, budgets: list[float], cost: CostModel) -> list[Plan
                      for d in range(plan.dp)]
     t = [max(est.compute_s[r] + est.comm_rank_s[r] for r in ranks) for ranks in replica_ranks]
     room = [min(budgets[r] - est.memory_mib[r] for r in ranks) for ranks in replica_ranks]
-    by_t = sorted(range(plan.dp), key=lambda d: t[d])
-    pairs = [(by_t[-1], b) for b in by_t[:2]]
+    slowest = max(range(plan.dp), key=lambda d: t[d])
+    with_one_more = sorted((d for d in range(plan.dp) if d != slowest), key=lambda d: t[d] * (rows[d] + m) / rows[d])
+    pairs = [(slowest, b) for b in with_one_more[:2]]
     if min(room) < 0:
         by_room = sorted(range(plan.dp), key=lambda d: room[d])
         pairs += [(by_room[0], b) for b in by_room[::-1][:2]]
