@@ -344,26 +344,22 @@ def test_pipeline_warmups_that_rise_or_need_torchs_schedules(monkeypatch, capsys
     assert ("pipeline_warmup_list rises from stage 0 (1) to stage 1 (2); a stage may not wait for more forwards "
             "than the one before it sends ahead: make the list non-increasing") in line
     monkeypatch.setattr(launch, "init_distributed", real)
-    with pytest.raises(SystemExit) as exit_:
-        launch.main(preset="galaxy", train_fn=train, script="pretrain_galaxy.py", prepare_fn=prepare_classifier,
-                    argv=["--config_file", write_config(ws, "warmup", pipeline_warmup_list=[4, 1],
-                                                        distributed_backend="nccl", **keys),
-                          "--world", "2", "--rank", "1", "--init_method", "tcp://127.0.0.1:1"])
-    line = capsys.readouterr().err
-    assert exit_.value.code == 2 and not dist.is_initialized()
-    assert line == ("pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over "
-                    "gloo, but the backend is 'nccl'; set distributed_backend to 'gloo' or remove "
-                    "pipeline_warmup_list\n")
+
+    def refusal(**extra) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            launch.main(preset="galaxy", train_fn=train, script="pretrain_galaxy.py", prepare_fn=prepare_classifier,
+                        argv=["--config_file", write_config(ws, "warmup", pipeline_warmup_list=[4, 1], **extra, **keys),
+                              "--world", "2", "--rank", "1", "--init_method", "tcp://127.0.0.1:1"])
+        assert exit_.value.code == 2 and not dist.is_initialized()
+        return capsys.readouterr().err
+
+    assert refusal(distributed_backend="nccl") == (
+        "pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over gloo, but the "
+        "backend is 'nccl'; set distributed_backend to 'gloo' or remove pipeline_warmup_list\n")
     monkeypatch.setenv("GALAXY_PP_ENGINE", "torch")     # the benches' switch to torch's schedules
-    with pytest.raises(SystemExit) as exit_:
-        launch.main(preset="galaxy", train_fn=train, script="pretrain_galaxy.py", prepare_fn=prepare_classifier,
-                    argv=["--config_file", write_config(ws, "warmup", pipeline_warmup_list=[4, 1], **keys),
-                          "--world", "2", "--rank", "1", "--init_method", "tcp://127.0.0.1:1"])
-    line = capsys.readouterr().err
-    assert exit_.value.code == 2 and not dist.is_initialized()
-    assert line == ("pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over "
-                    "gloo, but GALAXY_PP_ENGINE=torch picks torch's schedules; unset GALAXY_PP_ENGINE or remove "
-                    "pipeline_warmup_list\n")
+    assert refusal() == (
+        "pretrain_galaxy.py: error: pipeline_warmup_list runs only on Galaxy's pipeline engine over gloo, but "
+        "GALAXY_PP_ENGINE=torch picks torch's schedules; unset GALAXY_PP_ENGINE or remove pipeline_warmup_list\n")
 
 
 def test_a_mesh_rank_order_that_is_no_permutation(monkeypatch, capsys, ws):
