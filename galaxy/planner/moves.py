@@ -15,7 +15,7 @@ costs a handful of estimates, not one per neighbouring plan:
   stages   one layer from the slowest (or fullest) stage to any other, and from every stage to its
            neighbours
   rows     one row per micro-batch from the slowest (or fullest) data-parallel replica to the two
-           quickest (or roomiest)
+           that would be quickest holding it (or the two roomiest)
 
 1f1b's warm-ups move in galaxy.planner.warmup.
 """
